@@ -1,0 +1,45 @@
+"""spot_callbacks: train on interruptible spot instances without losing work.
+
+Add one callback (``spot_callbacks.lightning.SpotCheckpoint`` or
+``spot_callbacks.hf.SpotCheckpointCallback``) and resume with ``ckpt_path="latest"``.
+The names below are the shared core the adapters stand on.
+"""
+
+from spot_callbacks.checksums import FileDigest
+from spot_callbacks.config import ConfigError, SpotConfig, parse_duration
+from spot_callbacks.persist import PersistError, Persister, PersistJob, PersistRecord
+from spot_callbacks.retry import RetryPolicy
+from spot_callbacks.snapshot import StagedState, StagingArea, UnsafeCheckpointError, load_state, write_state
+from spot_callbacks.store import (
+    CheckpointError,
+    CheckpointInfo,
+    CheckpointNotFoundError,
+    CheckpointStore,
+    CorruptCheckpointError,
+    ManifestError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointNotFoundError",
+    "CheckpointStore",
+    "ConfigError",
+    "CorruptCheckpointError",
+    "FileDigest",
+    "ManifestError",
+    "PersistError",
+    "PersistJob",
+    "PersistRecord",
+    "Persister",
+    "RetryPolicy",
+    "SpotConfig",
+    "StagedState",
+    "StagingArea",
+    "UnsafeCheckpointError",
+    "load_state",
+    "parse_duration",
+    "write_state",
+]

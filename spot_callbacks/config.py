@@ -1,0 +1,307 @@
+"""`SpotConfig`: the arguments both adapters take, their parsing and validation."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+PREEMPTION_SOURCES = ("SIGTERM", "SIGUSR1", "aws", "gcp", "azure")
+ON_PREEMPTION_CHOICES = ("stop", "continue")
+
+_DURATION_UNITS_S = {
+    "d": 86400.0, "day": 86400.0, "days": 86400.0,
+    "h": 3600.0, "hr": 3600.0, "hrs": 3600.0, "hour": 3600.0, "hours": 3600.0,
+    "m": 60.0, "min": 60.0, "mins": 60.0, "minute": 60.0, "minutes": 60.0,
+    "s": 1.0, "sec": 1.0, "secs": 1.0, "second": 1.0, "seconds": 1.0,
+}  # fmt: skip
+_DURATION_PART = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]+)\s*")
+_DURATION_HELP = "use e.g. '90s', '15min', '1h', '1h30min', a number of seconds, 'auto' or None (off)"
+
+
+class ConfigError(ValueError):
+    """A configuration key has a value spot_callbacks cannot use; the message names the key and the fix."""
+
+
+def parse_duration(value: str | float | int | None, key: str = "interval") -> float | None:
+    """Seconds in a duration such as ``"90s"``, ``"15min"``, ``"1h30min"`` or ``120``; ``None`` stays ``None``.
+
+    ``"auto"`` is not a duration: callers check for it first.
+
+    Example:
+        >>> parse_duration("1h30min")
+        5400.0
+        >>> parse_duration(90)
+        90.0
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}={value!r} is not a duration; {_DURATION_HELP}")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, str):
+        text = value.strip().lower()
+        try:
+            seconds = float(text)
+        except ValueError:
+            seconds = _parse_unit_string(text, value, key)
+    else:
+        raise ConfigError(f"{key}={value!r} is not a duration; {_DURATION_HELP}")
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ConfigError(f"{key}={value!r} must be a positive duration; {_DURATION_HELP}")
+    return seconds
+
+
+def _parse_unit_string(text: str, original: str, key: str) -> float:
+    position, total = 0, 0.0
+    while position < len(text):
+        match = _DURATION_PART.match(text, position)
+        if match is None or match.group(2) not in _DURATION_UNITS_S:
+            raise ConfigError(f"{key}={original!r} is not a duration; {_DURATION_HELP}")
+        total += float(match.group(1)) * _DURATION_UNITS_S[match.group(2)]
+        position = match.end()
+    if position == 0:
+        raise ConfigError(f"{key}={original!r} is not a duration; {_DURATION_HELP}")
+    return total
+
+
+@dataclass
+class SpotConfig:
+    """Everything the spot checkpoint callbacks are configured with.
+
+    The same fields are the keyword arguments of ``spot_callbacks.lightning.SpotCheckpoint`` and
+    ``spot_callbacks.hf.SpotCheckpointCallback``, the keys of their YAML files, and a dataclass
+    that ``transformers.HfArgumentParser`` and jsonargparse read.
+
+    Args:
+        dirpath: fsspec URL or local path where committed checkpoints live.
+        interval: wall-clock time between checkpoints: ``"90s"``, ``"15min"``, ``"1h"``, seconds
+            as a number, ``"auto"`` (from measured checkpoint cost and the interruption rate) or
+            ``None`` (off).
+        every_n_steps: also checkpoint every N optimizer steps.
+        keep_last: committed checkpoints kept in ``dirpath`` (0 keeps all); the newest valid one
+            is never deleted.
+        scratch_dir: fast local disk for staging; default ``$SPOT_SCRATCH``, else a temp dir.
+        storage_options: passed to fsspec (endpoint, credentials, ...).
+        preemption: notice sources: ``"SIGTERM"``, ``"SIGUSR1"``, ``"aws"``, ``"gcp"``,
+            ``"azure"``; ``"auto"`` is SIGTERM plus the cloud detected; ``[]`` is none.
+        on_preemption: after the emergency checkpoint commits, ``"stop"`` training gracefully
+            or ``"continue"``.
+        interruptions_per_hour: expected interruption rate, for ``interval="auto"`` and the
+            cost report.
+
+    Raises:
+        ConfigError: a value is out of range or of the wrong kind; the message names the key,
+            the value and what is accepted.
+
+    Example:
+        >>> cfg = SpotConfig(dirpath="s3://bucket/run", interval="1h30min", keep_last=2)
+        >>> cfg.interval_seconds
+        5400.0
+        >>> SpotConfig(dirpath="runs/a", interval="30 mins").interval_seconds
+        1800.0
+    """
+
+    dirpath: str = field(metadata={"help": "fsspec URL or local path where committed checkpoints live"})
+    # Union member order matters to HfArgumentParser: it keeps the member after the first for
+    # command-line parsing, so str must come second to accept "30min".
+    interval: Union[float, str, None] = field(  # noqa: UP007 - HfArgumentParser reads typing.Union
+        default="30min",
+        metadata={"help": "time between checkpoints: '90s', '15min', '1h', seconds, 'auto', or None"},
+    )
+    every_n_steps: Union[int, None] = field(  # noqa: UP007
+        default=None, metadata={"help": "also checkpoint every N optimizer steps"}
+    )
+    keep_last: int = field(default=3, metadata={"help": "committed checkpoints kept (0 keeps all)"})
+    scratch_dir: Union[str, None] = field(  # noqa: UP007
+        default=None, metadata={"help": "fast local staging disk; default $SPOT_SCRATCH, else a temp dir"}
+    )
+    storage_options: Union[dict, str, None] = field(  # noqa: UP007
+        default=None, metadata={"help": "fsspec storage options, a dict or a JSON string"}
+    )
+    preemption: Union[str, list[str]] = field(  # noqa: UP007
+        default="auto", metadata={"help": "notice sources: SIGTERM SIGUSR1 aws gcp azure, 'auto' or none"}
+    )
+    on_preemption: Literal["stop", "continue"] = field(
+        default="stop", metadata={"help": "after the emergency checkpoint: stop or continue"}
+    )
+    interruptions_per_hour: Union[float, None] = field(  # noqa: UP007
+        default=None, metadata={"help": "expected interruption rate, for interval='auto' and cost reports"}
+    )
+
+    def __post_init__(self) -> None:
+        self.dirpath = _check_dirpath(self.dirpath)
+        self.interval = _normalize_interval(self.interval)
+        self.every_n_steps = _check_optional_positive_int("every_n_steps", self.every_n_steps)
+        self.keep_last = _check_non_negative_int("keep_last", self.keep_last)
+        if self.scratch_dir is not None and not isinstance(self.scratch_dir, (str, os.PathLike)):
+            raise ConfigError(f"scratch_dir={self.scratch_dir!r} must be a local folder path or None")
+        if self.scratch_dir is not None:
+            self.scratch_dir = os.fspath(self.scratch_dir)
+        self.storage_options = _check_storage_options(self.storage_options)
+        self.preemption = _normalize_preemption(self.preemption)
+        if self.on_preemption not in ON_PREEMPTION_CHOICES:
+            raise ConfigError(
+                f"on_preemption={self.on_preemption!r} is not accepted; use one of {list(ON_PREEMPTION_CHOICES)}"
+            )
+        self.interruptions_per_hour = _check_rate(self.interruptions_per_hour)
+
+    @property
+    def interval_seconds(self) -> float | None:
+        """The fixed interval in seconds; ``None`` when off or ``"auto"`` (see :attr:`interval_is_auto`)."""
+        if self.interval == "auto":
+            return None
+        return parse_duration(self.interval)
+
+    @property
+    def interval_is_auto(self) -> bool:
+        return self.interval == "auto"
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], source: str = "config") -> SpotConfig:
+        """Build from a mapping, rejecting unknown keys with the closest accepted name.
+
+        Example:
+            >>> SpotConfig.from_dict({"dirpath": "runs/a", "keep_last": 5}).keep_last
+            5
+        """
+        if not isinstance(values, dict):
+            raise ConfigError(f"{source} must be a mapping of SpotConfig keys, got {type(values).__name__}")
+        accepted = cls.field_names()
+        for key in values:
+            if key not in accepted:
+                close = difflib.get_close_matches(str(key), accepted, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ConfigError(f"unknown key {key!r} in {source}{hint}; accepted keys: {', '.join(accepted)}")
+        if "dirpath" not in values:
+            raise ConfigError(f"{source} has no 'dirpath'; set it to an fsspec URL or a local folder")
+        return cls(**values)
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> SpotConfig:
+        """Read a YAML file whose top-level keys are the SpotConfig fields.
+
+        Example:
+            >>> import tempfile, pathlib
+            >>> p = pathlib.Path(tempfile.mkdtemp()) / "spot.yaml"
+            >>> _ = p.write_text("dirpath: runs/exp1\\ninterval: 15min\\n")
+            >>> SpotConfig.from_yaml(p).interval_seconds
+            900.0
+        """
+        text = Path(path).read_text()
+        try:
+            values = yaml.safe_load(text) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{os.fspath(path)} is not valid YAML: {err}") from err
+        return cls.from_dict(values, source=os.fspath(path))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def redacted(self) -> dict[str, Any]:
+        """The config as a dict with storage option values hidden, safe for logs and files."""
+        values = self.to_dict()
+        if values["storage_options"]:
+            values["storage_options"] = {key: "***" for key in values["storage_options"]}
+        return values
+
+    def __repr__(self) -> str:
+        # storage_options carry credentials; a repr ends up in logs and tracebacks.
+        fields = ", ".join(f"{key}={value!r}" for key, value in self.redacted().items())
+        return f"SpotConfig({fields})"
+
+
+def _check_dirpath(dirpath: Any) -> str:
+    if isinstance(dirpath, os.PathLike):
+        dirpath = os.fspath(dirpath)
+    if not isinstance(dirpath, str) or not dirpath.strip():
+        raise ConfigError(
+            f"dirpath={dirpath!r} must be a non-empty fsspec URL or local path, e.g. 's3://bucket/run' or 'runs/exp1'"
+        )
+    return dirpath
+
+
+def _normalize_interval(interval: Any) -> float | str | None:
+    if interval is None or (isinstance(interval, str) and interval.strip().lower() in ("none", "null", "off")):
+        return None
+    if isinstance(interval, str) and interval.strip().lower() == "auto":
+        return "auto"
+    seconds = parse_duration(interval, key="interval")
+    return interval if isinstance(interval, str) else seconds
+
+
+def _check_optional_positive_int(key: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{key}={value!r} must be a positive integer or None (off)")
+    return value
+
+
+def _check_non_negative_int(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{key}={value!r} must be an integer >= 0 (0 keeps all checkpoints)")
+    return value
+
+
+def _check_storage_options(value: Any) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise ConfigError(
+                "storage_options is a string that is not JSON; pass a dict or a JSON object "
+                'such as \'{"endpoint_url": "http://127.0.0.1:9000"}\''
+            ) from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"storage_options must be a dict (or a JSON object string), got {type(value).__name__}")
+    return dict(value)
+
+
+def _normalize_preemption(value: Any) -> str | list[str]:
+    if isinstance(value, str):
+        value = value.strip()
+        if value.lower() == "auto":
+            return "auto"
+        value = [part for part in re.split(r"[,\s]+", value) if part]
+    if isinstance(value, (list, tuple)):
+        if [str(v).lower() for v in value] == ["auto"]:
+            return "auto"
+        normalized = []
+        canonical = {name.lower(): name for name in PREEMPTION_SOURCES}
+        for source in value:
+            name = canonical.get(str(source).lower())
+            if name is None:
+                raise ConfigError(
+                    f"preemption source {source!r} is not known; use 'auto', [] (none) or a list of "
+                    f"{list(PREEMPTION_SOURCES)}"
+                )
+            if name not in normalized:
+                normalized.append(name)
+        return normalized
+    raise ConfigError(
+        f"preemption={value!r} is not accepted; use 'auto', [] (none) or a list of {list(PREEMPTION_SOURCES)}"
+    )
+
+
+def _check_rate(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ConfigError(f"interruptions_per_hour={value!r} must be a number >= 0 (e.g. 0.05) or None")
+    return float(value)

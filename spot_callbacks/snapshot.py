@@ -1,0 +1,258 @@
+"""Stage a training state into reusable host buffers, then serialize it off the training loop.
+
+The training loop pays for :meth:`StagingArea.stage` only: one copy of every tensor into a host
+buffer that is kept for the next checkpoint (pinned, with non-blocking copies on a side stream,
+when the tensor lives on a CUDA device). :func:`write_state` serializes the staged copy to
+scratch in a background thread, computing the checksum as the bytes are written.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import pickle
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from spot_callbacks.checksums import ChecksumWriter, FileDigest
+
+log = logging.getLogger("spot_callbacks")
+
+_TensorKey = tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype, str]
+
+
+class StagedState:
+    """A staged copy of a state; hold it until written, then :meth:`release` the buffers.
+
+    Example:
+        >>> area = StagingArea()
+        >>> staged = area.stage({"w": torch.ones(2), "step": 3})
+        >>> staged.state["w"].tolist(), staged.nbytes
+        ([1.0, 1.0], 8)
+        >>> staged.release()
+    """
+
+    def __init__(self, area: StagingArea, state: Any, nbytes: int, events: list[Any]) -> None:
+        self._area = area
+        self.state = state
+        self.nbytes = nbytes
+        self._events = events
+        self._released = False
+
+    def wait_copied(self) -> None:
+        """Block until device-to-host copies have landed (a no-op for CPU state)."""
+        for event in self._events:
+            event.synchronize()
+        self._events = []
+
+    def release(self) -> None:
+        """Give the buffers back to the area for the next snapshot; the staged state is then stale."""
+        if not self._released:
+            self._released = True
+            self.state = None
+            self._area._release()
+
+
+class StagingArea:
+    """Host buffers reused across checkpoints, one per tensor position in the state.
+
+    A single set of buffers is kept (peak extra host memory is one copy of the state); a new
+    :meth:`stage` waits until the previous staged state was released by its writer.
+
+    Args:
+        pin_memory: pin the buffers of CUDA tensors (default: when CUDA is available).
+
+    Example:
+        >>> area = StagingArea()
+        >>> model = torch.nn.Linear(4, 2)
+        >>> first = area.stage(model.state_dict()); buffer = first.state["weight"]; first.release()
+        >>> second = area.stage(model.state_dict())
+        >>> second.state["weight"] is buffer  # the same buffer, refilled
+        True
+        >>> second.release()
+    """
+
+    def __init__(self, pin_memory: bool | None = None) -> None:
+        self._pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._in_use = threading.Semaphore(1)
+        self._streams: dict[torch.device, Any] = {}
+        self.last_wait_s = 0.0
+
+    @property
+    def buffer_bytes(self) -> int:
+        return sum(buf.numel() * buf.element_size() for buf in self._buffers.values())
+
+    def stage(self, state: Any, timeout: float | None = None) -> StagedState:
+        """Copy every tensor of ``state`` into host buffers; copy other leaves deeply.
+
+        Raises:
+            TimeoutError: the previous staged state was not released within ``timeout`` seconds.
+        """
+        started = time.perf_counter()
+        if not self._in_use.acquire(timeout=timeout):
+            raise TimeoutError("the previous checkpoint is still being written to scratch; staging buffers are busy")
+        self.last_wait_s = time.perf_counter() - started
+        if self.last_wait_s > 0.05:
+            log.info("spot_callbacks: waited %.2fs for the previous checkpoint to leave the staging buffers", self.last_wait_s)
+        try:
+            context = _StageContext(self)
+            staged = context.copy(state, ())
+            events = context.finish()
+        except BaseException:
+            self._in_use.release()
+            raise
+        return StagedState(self, staged, context.nbytes, events)
+
+    def _release(self) -> None:
+        self._in_use.release()
+
+    def _buffer_for(self, path: tuple[Any, ...], tensor: torch.Tensor) -> torch.Tensor:
+        buffer = self._buffers.get(path)
+        pin = self._pin_memory and tensor.device.type == "cuda"
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype or buffer.is_pinned() != pin:
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
+            self._buffers[path] = buffer
+        return buffer
+
+    def _stream_for(self, device: torch.device) -> Any:
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device=device)
+        return self._streams[device]
+
+
+class _StageContext:
+    def __init__(self, area: StagingArea) -> None:
+        self.area = area
+        self.nbytes = 0
+        self.aliases: dict[_TensorKey, torch.Tensor] = {}
+        self.used_paths: set[tuple[Any, ...]] = set()
+        self.cuda_devices: set[torch.device] = set()
+
+    def copy(self, value: Any, path: tuple[Any, ...]) -> Any:
+        if isinstance(value, torch.Tensor):
+            return self.copy_tensor(value, path)
+        if isinstance(value, (str, bytes, int, float, bool, type(None))):
+            return value
+        if type(value) in (dict, OrderedDict):
+            return type(value)((key, self.copy(item, (*path, key))) for key, item in value.items())
+        if isinstance(value, Mapping):
+            duplicate = copy.copy(value)
+            for key, item in value.items():
+                duplicate[key] = self.copy(item, (*path, key))
+            return duplicate
+        if type(value) is list:
+            return [self.copy(item, (*path, index)) for index, item in enumerate(value)]
+        if type(value) is tuple:
+            return tuple(self.copy(item, (*path, index)) for index, item in enumerate(value))
+        if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
+            return type(value)(*(self.copy(item, (*path, index)) for index, item in enumerate(value)))
+        # Anything else (numpy arrays, small objects) may be mutated by training after we return.
+        return copy.deepcopy(value)
+
+    def copy_tensor(self, tensor: torch.Tensor, path: tuple[Any, ...]) -> torch.Tensor:
+        tensor = tensor.detach()
+        if tensor.layout != torch.strided or type(tensor) is not torch.Tensor or tensor.is_quantized:
+            # Sparse, quantized and subclassed tensors have no plain buffer shape: copy them whole.
+            copied = tensor.to("cpu", copy=True)
+            self.nbytes += _tensor_nbytes(copied)
+            return copied
+        key = (
+            tensor.untyped_storage().data_ptr(),
+            tensor.storage_offset(),
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+            tensor.dtype,
+            str(tensor.device),
+        )
+        if tensor.numel() and key in self.aliases:
+            return self.aliases[key]  # tied weights stay one tensor, as torch.save would store them
+        buffer = self.area._buffer_for(path, tensor)
+        if tensor.device.type == "cuda":
+            stream = self.area._stream_for(tensor.device)
+            if tensor.device not in self.cuda_devices:
+                stream.wait_stream(torch.cuda.current_stream(tensor.device))
+                self.cuda_devices.add(tensor.device)
+            with torch.cuda.stream(stream):
+                buffer.copy_(tensor, non_blocking=True)
+            tensor.record_stream(stream)
+        else:
+            buffer.copy_(tensor)
+        self.aliases[key] = buffer
+        self.nbytes += _tensor_nbytes(buffer)
+        return buffer
+
+    def finish(self) -> list[Any]:
+        events = []
+        for device in self.cuda_devices:
+            stream = self.area._stream_for(device)
+            event = torch.cuda.Event()
+            event.record(stream)
+            # Later kernels on the training stream (the optimizer step) must not overwrite a
+            # parameter before its copy has left: the GPU waits, the Python thread does not.
+            torch.cuda.current_stream(device).wait_stream(stream)
+            events.append(event)
+        return events
+
+
+def _tensor_nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def write_state(staged: StagedState, path: str | os.PathLike[str]) -> FileDigest:
+    """Serialize a staged state with ``torch.save`` to ``path``, checksumming as it writes.
+
+    The file appears under its name only once complete (written beside it, then renamed).
+    """
+    staged.wait_copied()
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp")
+    with open(tmp, "wb") as raw:
+        writer = ChecksumWriter(raw)
+        torch.save(staged.state, writer)
+    os.replace(tmp, target)
+    return writer.digest()
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A state file holds objects that safe (``weights_only``) loading refuses to construct."""
+
+
+def load_state(
+    path: str | os.PathLike[str],
+    map_location: Any = "cpu",
+    safe_globals: Sequence[Any] = (),
+    weights_only: bool = True,
+) -> Any:
+    """Load a state file written by :func:`write_state` without running arbitrary pickled code.
+
+    ``safe_globals`` lists extra classes or functions the file may construct (see
+    ``torch.serialization.add_safe_globals``). ``weights_only=False`` executes whatever the
+    file's pickle says: use it only for files you wrote yourself.
+
+    Example:
+        >>> import tempfile
+        >>> area = StagingArea(); staged = area.stage({"w": torch.zeros(3)})
+        >>> path = tempfile.mkdtemp() + "/state.pt"; _ = write_state(staged, path); staged.release()
+        >>> load_state(path)["w"].shape
+        torch.Size([3])
+    """
+    if not weights_only:
+        return torch.load(path, map_location=map_location, weights_only=False)
+    try:
+        with torch.serialization.safe_globals(list(safe_globals)):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise UnsafeCheckpointError(
+            f"{os.fspath(path)} holds objects that safe loading refuses to construct; nothing from it was "
+            f"executed. If you trust this file and the objects it names, allow them with "
+            f"safe_globals=[...] (torch.serialization.add_safe_globals). Details: {err}"
+        ) from None

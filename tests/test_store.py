@@ -1,0 +1,315 @@
+"""The commit protocol of CheckpointStore, run against file://, memory://, s3://, az:// and gs://."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import posixpath
+import subprocess
+import sys
+import textwrap
+from datetime import timezone
+from pathlib import Path
+
+import pytest
+
+from spot_callbacks import (
+    CheckpointNotFoundError,
+    CheckpointStore,
+    CorruptCheckpointError,
+    ManifestError,
+    RetryPolicy,
+)
+from spot_callbacks.store import MANIFEST_NAME, step_dirname
+
+FAST_RETRY = RetryPolicy(attempts=2, initial_backoff_s=0.01, max_backoff_s=0.05)
+
+
+def make_payload(folder: Path, step: int, sizes: dict[str, int] | None = None) -> dict[str, bytes]:
+    """Files whose bytes depend on the step, so a mix-up between checkpoints is visible."""
+    sizes = sizes or {"state.pt": 3000, "extra/rng.bin": 17}
+    contents = {}
+    for name, size in sizes.items():
+        data = (f"{step}:{name}:".encode() * (size // 8 + 1))[:size]
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(data)
+        contents[name] = data
+    return contents
+
+
+@pytest.fixture
+def store(store_url):
+    return CheckpointStore(store_url.url, storage_options=store_url.storage_options, retry=FAST_RETRY)
+
+
+def commit_step(store: CheckpointStore, tmp_path: Path, step: int, reason: str = "interval", **kw):
+    folder = tmp_path / f"src-{step}"
+    folder.mkdir()
+    contents = make_payload(folder, step, **kw)
+    info = store.write_checkpoint(step, folder, reason=reason, framework="test", epoch=step // 10)
+    return info, contents
+
+
+def remote_file(store: CheckpointStore, step: int, name: str) -> str:
+    return posixpath.join(store.step_path(step), name)
+
+
+def test_round_trip_commit_list_verify_pull(store, store_url, tmp_path):
+    assert store.committed() == [] and store.latest() is None
+    info, contents = commit_step(store, tmp_path, 1200)
+
+    assert store.url.split("://")[0] == store_url.url.split("://")[0]
+    assert info.url == store.step_url(1200) and info.url.endswith(step_dirname(1200))
+    if store_url.backend in ("s3", "az", "gs", "memory"):
+        assert info.url.startswith(f"{store_url.backend}://"), info.url  # never loses the protocol
+    assert info.size_bytes == sum(len(b) for b in contents.values())
+    assert (info.reason, info.framework, info.epoch) == ("interval", "test", 120)
+    assert info.created.tzinfo == timezone.utc
+
+    [listed] = store.committed()
+    assert listed.step == 1200 and listed.files == info.files
+    assert store.latest().step == 1200
+    assert store.verify(1200) is True
+
+    dest = store.pull(1200, tmp_path / "pulled")
+    for name, data in contents.items():
+        assert (dest / name).read_bytes() == data
+    assert json.loads((dest / MANIFEST_NAME).read_text())["step"] == 1200
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".pulled")]  # no staging left
+
+
+def test_checkpoint_without_manifest_is_invisible(store, tmp_path):
+    commit_step(store, tmp_path, 10)
+    folder = tmp_path / "partial"
+    folder.mkdir()
+    make_payload(folder, 20)
+    store.begin(20)
+    store.upload_file(folder / "state.pt", 20, "state.pt")  # payload durable, never committed
+
+    assert [info.step for info in store.committed()] == [10]
+    assert store.latest().step == 10
+    with pytest.raises(CheckpointNotFoundError, match="step 20"):
+        store.verify(20)
+    assert 20 in store.step_folders()
+
+
+def test_truncated_payload_is_skipped_by_latest_and_fails_verify(store, tmp_path, caplog):
+    commit_step(store, tmp_path, 1)
+    info, contents = commit_step(store, tmp_path, 2)
+    store.fs.pipe_file(remote_file(store, 2, "state.pt"), contents["state.pt"][:100])
+
+    with caplog.at_level(logging.WARNING, logger="spot_callbacks"):
+        assert store.latest().step == 1
+    assert any("skipping damaged checkpoint" in r.message and step_dirname(2) in r.message for r in caplog.records)
+    with pytest.raises(CorruptCheckpointError, match=r"state\.pt is 100 bytes but the manifest says 3000"):
+        store.verify(2)
+    assert [i.step for i in store.committed()] == [1, 2]  # skipped, never silently deleted
+
+
+def test_altered_payload_fails_verify_and_pull_with_checksums(store, tmp_path):
+    _, contents = commit_step(store, tmp_path, 7)
+    flipped = bytearray(contents["state.pt"])
+    flipped[1234] ^= 0x01
+    store.fs.pipe_file(remote_file(store, 7, "state.pt"), bytes(flipped))
+
+    assert store.verify(7, deep=False) is True  # sizes alone cannot see a flipped bit
+    with pytest.raises(CorruptCheckpointError, match=r"state\.pt does not match its manifest: checksum"):
+        store.verify(7)
+    with pytest.raises(CorruptCheckpointError, match="downloaded as"):
+        store.pull(7, tmp_path / "dest")
+    assert not (tmp_path / "dest").exists()
+
+
+def test_missing_payload_file_is_named(store, tmp_path):
+    commit_step(store, tmp_path, 3)
+    store.fs.rm(remote_file(store, 3, "extra/rng.bin"))
+    with pytest.raises(CorruptCheckpointError, match=r"extra/rng\.bin is missing"):
+        store.verify(3)
+    assert store.latest() is None
+
+
+@pytest.mark.parametrize(
+    ("manifest_bytes", "message"),
+    [
+        (b"{not json", "not valid JSON"),
+        (b'{"format": "spot_callbacks.checkpoint", "format_version": 99, "step": 5, "files": {}}', "upgrade"),
+        (b'{"format": "something-else"}', "not a spot_callbacks manifest"),
+    ],
+)
+def test_unreadable_manifests_are_ignored_with_a_warning(store, tmp_path, caplog, manifest_bytes, message):
+    commit_step(store, tmp_path, 4)
+    _, _ = commit_step(store, tmp_path, 5)
+    store.fs.pipe_file(remote_file(store, 5, MANIFEST_NAME), manifest_bytes)
+    with caplog.at_level(logging.WARNING, logger="spot_callbacks"):
+        assert store.latest().step == 4
+    assert any(message in r.message for r in caplog.records)
+    with pytest.raises(ManifestError, match=message):
+        store.verify(5)
+
+
+@pytest.mark.parametrize("name", ["../escape.bin", "/etc/passwd", "s3://other/x", "a/../../b", "C:/x"])
+def test_manifest_naming_a_file_outside_its_folder_is_refused(store, tmp_path, name):
+    info, _ = commit_step(store, tmp_path, 6)
+    path = remote_file(store, 6, MANIFEST_NAME)
+    doc = json.loads(store.fs.cat_file(path))
+    doc["files"][name] = {"size": 1, "checksum": "xxh3_64:00"}
+    store.fs.pipe_file(path, json.dumps(doc).encode())
+    assert store.committed() == []
+    with pytest.raises(ManifestError, match="not a plain relative path"):
+        store.pull(6, tmp_path / "out")
+    assert not (tmp_path / "escape.bin").exists()
+
+
+def test_prune_keeps_the_newest_and_deletes_manifest_first(store, tmp_path):
+    for step in (1, 2, 3, 4):
+        commit_step(store, tmp_path, step)
+    deleted_order = []
+    real_rm = store.fs.rm
+
+    def recording_rm(path, *args, **kwargs):
+        deleted_order.append(posixpath.relpath(path, store.root))
+        return real_rm(path, *args, **kwargs)
+
+    store.fs.rm = recording_rm
+    try:
+        assert store.prune(keep_last=2) == [1, 2]
+    finally:
+        del store.fs.rm
+    manifest_1 = f"{step_dirname(1)}/{MANIFEST_NAME}"
+    assert deleted_order[0] == manifest_1 and step_dirname(1) in deleted_order[1:]
+    assert [i.step for i in store.committed()] == [3, 4]
+    assert set(store.step_folders()) == {3, 4}
+    assert store.prune(keep_last=0) == []
+
+
+def test_prune_never_deletes_the_newest_valid_checkpoint(store, tmp_path):
+    commit_step(store, tmp_path, 1)
+    for step in (2, 3):
+        _, contents = commit_step(store, tmp_path, step)
+        store.fs.pipe_file(remote_file(store, step, "state.pt"), b"short")  # damaged
+    store.prune(keep_last=1)
+    assert store.latest().step == 1
+    assert store.verify(1)
+    assert [i.step for i in store.committed()] == [1, 3]
+
+
+def test_prune_racing_a_commit_never_touches_the_new_checkpoint(store, tmp_path):
+    for step in (1, 2):
+        commit_step(store, tmp_path, step)
+    real_committed = store.committed
+
+    def listing_then_concurrent_commit():
+        seen = real_committed()
+        commit_step(store, tmp_path, 3)  # another writer commits right after prune listed
+        return seen
+
+    store.committed = listing_then_concurrent_commit
+    try:
+        assert store.prune(keep_last=1) == [1]
+    finally:
+        del store.committed
+    assert [i.step for i in store.committed()] == [2, 3]
+    assert store.latest().step == 3 and store.verify(3)
+
+
+def test_rewriting_an_existing_step_drops_its_manifest_before_any_payload(store, tmp_path):
+    commit_step(store, tmp_path, 50)
+    store.begin(50)
+    assert store.committed() == []
+    folder = tmp_path / "again"
+    folder.mkdir()
+    make_payload(folder, 5050, sizes={"state.pt": 10})
+    store.upload_file(folder / "state.pt", 50, "state.pt")
+    assert store.committed() == []  # the stale manifest is gone while the new payload lands
+    assert not store.fs.exists(remote_file(store, 50, "extra/rng.bin"))
+
+
+def test_pull_reuses_a_matching_local_copy_and_replaces_a_stale_one(store, tmp_path):
+    _, contents = commit_step(store, tmp_path, 9)
+    dest = store.pull(9, tmp_path / "cache")
+    calls = []
+    real_get_file = store.fs.get_file
+    store.fs.get_file = lambda *a, **k: calls.append(a) or real_get_file(*a, **k)
+    try:
+        store.pull(9, dest)
+        assert calls == []  # verified local copy: nothing downloaded
+        (dest / "state.pt").write_bytes(b"x" * len(contents["state.pt"]))  # same size, other bytes
+        store.pull(9, dest)
+        assert len(calls) == 2
+    finally:
+        del store.fs.get_file
+    assert (dest / "state.pt").read_bytes() == contents["state.pt"]
+
+
+def test_pull_latest_and_nothing_committed(store, tmp_path):
+    with pytest.raises(CheckpointNotFoundError, match="no committed checkpoint"):
+        store.pull(None, tmp_path / "x")
+    commit_step(store, tmp_path, 1)
+    commit_step(store, tmp_path, 2)
+    assert json.loads((store.pull(None, tmp_path / "y") / MANIFEST_NAME).read_text())["step"] == 2
+
+
+def test_listing_thousands_of_checkpoints_reads_manifests_only(tmp_path):
+    store = CheckpointStore(f"memory://many-{os.getpid()}-{tmp_path.name}/run")
+    folder = tmp_path / "one"
+    folder.mkdir()
+    make_payload(folder, 0, sizes={"state.pt": 64})
+    for step in range(1500):
+        store.write_checkpoint(step, folder, reason="steps", framework="test")
+    opened = []
+    real_open, real_cat_file = store.fs.open, store.fs.cat_file
+    store.fs.open = lambda path, *a, **k: opened.append(path) or real_open(path, *a, **k)
+    store.fs.cat_file = lambda path, *a, **k: opened.append(path) or real_cat_file(path, *a, **k)
+    try:
+        infos = store.committed()
+        latest = store.latest()
+    finally:
+        del store.fs.open, store.fs.cat_file
+    assert len(infos) == 1500 and [i.step for i in infos] == sorted(i.step for i in infos)
+    assert latest.step == 1499
+    assert all(p.endswith(MANIFEST_NAME) for p in opened)
+
+
+KILL_CHILD = textwrap.dedent(
+    """
+    import json, sys
+    from pathlib import Path
+    from spot_callbacks import CheckpointStore, Persister, PersistJob
+
+    url, options, src = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3])
+    store = CheckpointStore(url, storage_options=options)
+    real_upload = store.upload_file
+    def upload_then_hang(local, step, name):
+        if name == "b.bin":
+            with store.fs.open(store.step_path(step) + "/b.bin", "wb") as out:
+                out.write(Path(local).read_bytes()[:1000])
+                out.flush()
+                print("MID-UPLOAD", flush=True)
+                sys.stdin.read()  # the parent kills us here, mid-transfer
+        return real_upload(local, step, name)
+    store.upload_file = upload_then_hang
+    persister = Persister(store, keep_last=1)
+    persister.submit(PersistJob(step=2, reason="interval", framework="test", local_dir=src, owns_local_dir=False))
+    persister.wait()
+    """
+)
+
+
+@pytest.mark.parametrize("store_url", ["file", "s3", "az", "gs"], indirect=True)  # memory:// is per-process
+def test_persister_killed_mid_upload_leaves_previous_latest_intact(store, store_url, tmp_path):
+    commit_step(store, tmp_path, 1)
+    src = tmp_path / "next"
+    src.mkdir()
+    make_payload(src, 2, sizes={"a.bin": 5000, "b.bin": 200_000})
+    child = subprocess.Popen(
+        [sys.executable, "-c", KILL_CHILD, store_url.url, json.dumps(store_url.storage_options), str(src)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert child.stdout.readline().strip() == "MID-UPLOAD"
+    finally:
+        child.kill()
+        child.wait()
+    assert store.latest().step == 1 and store.verify(1)
+    assert [i.step for i in store.committed()] == [1]
