@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
 
 from spot_callbacks.checksums import (
     CHECKSUM_ALGORITHM,
@@ -252,7 +251,7 @@ class CheckpointStore:
 
     @property
     def is_local(self) -> bool:
-        return isinstance(self.fs, LocalFileSystem)
+        return bool({"file", "local"} & set(_protocols(self.fs)))
 
     def step_path(self, step: int) -> str:
         return posixpath.join(self.root, step_dirname(step))

@@ -282,6 +282,7 @@ KILL_CHILD = textwrap.dedent(
     real_upload = store.upload_file
     def upload_then_hang(local, step, name):
         if name == "b.bin":
+            store.fs.makedirs(store.step_path(step), exist_ok=True)
             with store.fs.open(store.step_path(step) + "/b.bin", "wb") as out:
                 out.write(Path(local).read_bytes()[:1000])
                 out.flush()

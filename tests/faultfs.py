@@ -1,0 +1,47 @@
+"""A fault-injecting wrapper around a real fsspec filesystem (it never replaces one)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+
+class FaultyFileSystem:
+    """Delegates every call to ``inner``; ``put_file`` / ``pipe_file`` can fail or block on demand.
+
+    - ``transient_failures``: the next N writes raise ConnectionError (retryable).
+    - ``permanent``: every write raises PermissionError (not retryable).
+    - ``gate``: a threading.Event every write waits on before running (to hold an upload).
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.transient_failures = 0
+        self.permanent = False
+        self.gate: threading.Event | None = None
+        self.writes_started = threading.Event()
+        self.calls: list[tuple[str, str]] = []
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def _before_write(self, op: str, path: str) -> None:
+        with self._lock:
+            self.calls.append((op, path))
+            self.writes_started.set()
+            if self.permanent:
+                raise PermissionError(f"injected: access denied writing {path}")
+            if self.transient_failures > 0:
+                self.transient_failures -= 1
+                raise ConnectionError(f"injected: connection reset writing {path}")
+        if self.gate is not None:
+            self.gate.wait()
+
+    def put_file(self, lpath: str, rpath: str, *args: Any, **kwargs: Any) -> Any:
+        self._before_write("put_file", rpath)
+        return self.inner.put_file(lpath, rpath, *args, **kwargs)
+
+    def pipe_file(self, path: str, value: bytes, *args: Any, **kwargs: Any) -> Any:
+        self._before_write("pipe_file", path)
+        return self.inner.pipe_file(path, value, *args, **kwargs)

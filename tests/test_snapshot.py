@@ -1,0 +1,168 @@
+"""Staging a state into reused host buffers, serializing it, and loading it safely."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+import torch
+
+from spot_callbacks import StagingArea, UnsafeCheckpointError, load_state, write_state
+from spot_callbacks.checksums import digest_local_file
+
+
+def training_state(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(5, 8)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def assert_same(a, b):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b) and a.dtype == b.dtype
+    elif isinstance(a, dict):
+        assert type(a) is type(b) and list(a) == list(b)
+        for key in a:
+            assert_same(a[key], b[key])
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    else:
+        assert a == b
+
+
+def test_staged_state_is_a_frozen_copy_and_round_trips(tmp_path):
+    model, optimizer = training_state()
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": 7,
+             "name": "run", "loops": OrderedDict(epoch=1, batches=[1, 2, 3])}  # fmt: skip
+    expected = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "step": 7}
+    area = StagingArea()
+    staged = area.stage(state)
+    optim_tensors = [t for s in optimizer.state_dict()["state"].values() for t in s.values()]
+    assert staged.nbytes == sum(t.numel() * t.element_size() for t in [*model.state_dict().values(), *optim_tensors])
+
+    with torch.no_grad():  # training goes on after the snapshot returned
+        for p in model.parameters():
+            p.add_(1.0)
+    state["loops"]["batches"].append(4)
+    assert_same(staged.state["model"], expected["model"])
+    assert staged.state["loops"]["batches"] == [1, 2, 3]
+
+    digest = write_state(staged, tmp_path / "state.pt")
+    staged.release()
+    assert digest == digest_local_file(tmp_path / "state.pt")
+    loaded = load_state(tmp_path / "state.pt")
+    assert_same(loaded["model"], expected["model"])
+    assert loaded["step"] == 7 and loaded["loops"] == OrderedDict(epoch=1, batches=[1, 2, 3])
+    fresh = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    fresh.load_state_dict(loaded["optimizer"])  # a real optimizer accepts it
+
+
+def test_buffers_are_reused_across_checkpoints():
+    model, optimizer = training_state()
+    area = StagingArea()
+    first = area.stage({"model": model.state_dict(), "optim": optimizer.state_dict()})
+    buffers = {k: v for k, v in first.state["model"].items()}
+    first.release()
+    with torch.no_grad():
+        model[0].weight.mul_(2)
+    second = area.stage({"model": model.state_dict(), "optim": optimizer.state_dict()})
+    assert all(second.state["model"][k] is buffers[k] for k in buffers)
+    assert torch.equal(second.state["model"]["0.weight"], model[0].weight)
+    total = area.buffer_bytes
+    second.release()
+    third = area.stage({"model": model.state_dict(), "optim": optimizer.state_dict()})
+    assert area.buffer_bytes == total  # no growth: one set of buffers
+    third.release()
+
+
+def test_tied_weights_stay_tied_and_are_staged_once(tmp_path):
+    embedding = torch.nn.Embedding(10, 4)
+    head = torch.nn.Linear(4, 10, bias=False)
+    head.weight = embedding.weight
+    state = {"emb.weight": embedding.weight.detach(), "head.weight": head.weight.detach()}
+    area = StagingArea()
+    staged = area.stage(state)
+    assert staged.state["emb.weight"] is staged.state["head.weight"]
+    assert staged.nbytes == 10 * 4 * 4
+    write_state(staged, tmp_path / "tied.pt")
+    staged.release()
+    loaded = load_state(tmp_path / "tied.pt")
+    assert loaded["emb.weight"].untyped_storage().data_ptr() == loaded["head.weight"].untyped_storage().data_ptr()
+
+
+def test_a_new_snapshot_waits_until_the_previous_one_is_released():
+    area = StagingArea()
+    first = area.stage({"w": torch.ones(3)})
+    with pytest.raises(TimeoutError, match="staging buffers are busy"):
+        area.stage({"w": torch.ones(3)}, timeout=0.05)
+    got_it = threading.Event()
+
+    def stage_again():
+        area.stage({"w": torch.zeros(3)}).release()
+        got_it.set()
+
+    worker = threading.Thread(target=stage_again)
+    worker.start()
+    assert not got_it.wait(timeout=0.1)
+    first.release()
+    worker.join(timeout=10)
+    assert got_it.is_set()
+
+
+def test_non_tensor_leaves_are_deep_copied():
+    rng = np.random.RandomState(0)
+    state = {"np": rng.get_state(), "arr": np.arange(3)}
+    staged = StagingArea().stage(state)
+    state["arr"][0] = 99
+    assert staged.state["arr"].tolist() == [0, 1, 2]
+    assert staged.state["np"][0] == "MT19937"
+
+
+class _Exploit:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_pickle_that_would_run_code_is_refused_and_nothing_runs(tmp_path):
+    marker = tmp_path / "pwned"
+    path = tmp_path / "hostile.pt"
+    torch.save({"weights": torch.ones(2), "payload": _Exploit(str(marker))}, path)
+    assert not marker.exists()
+    with pytest.raises(UnsafeCheckpointError, match="safe loading refuses") as info:
+        load_state(path)
+    assert isinstance(info.value, pickle.UnpicklingError)
+    assert str(path) in str(info.value)
+    assert not marker.exists()
+
+
+def test_truncated_state_file_gives_a_clear_error(tmp_path):
+    staged = StagingArea().stage({"w": torch.ones(1000)})
+    write_state(staged, tmp_path / "s.pt")
+    data = (tmp_path / "s.pt").read_bytes()
+    (tmp_path / "s.pt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(RuntimeError):
+        load_state(tmp_path / "s.pt")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (pinned staging path)")
+def test_cuda_state_is_staged_into_pinned_buffers_without_blocking():
+    model = torch.nn.Linear(256, 256).cuda()
+    area = StagingArea()
+    staged = area.stage(model.state_dict())
+    assert staged.state["weight"].is_pinned() and staged.state["weight"].device.type == "cpu"
+    with torch.no_grad():
+        model.weight.add_(1.0)  # queued after the copy on the training stream
+    staged.wait_copied()
+    assert torch.equal(staged.state["weight"], (model.weight - 1.0).cpu())
+    staged.release()
