@@ -142,7 +142,10 @@ class _StageContext:
         if isinstance(value, (str, bytes, int, float, bool, type(None))):
             return value
         if type(value) in (dict, OrderedDict):
-            return type(value)((key, self.copy(item, (*path, key))) for key, item in value.items())
+            duplicate = type(value)((key, self.copy(item, (*path, key))) for key, item in value.items())
+            if hasattr(value, "_metadata"):  # module state_dict versions, read by load_state_dict
+                duplicate._metadata = copy.deepcopy(value._metadata)
+            return duplicate
         if isinstance(value, Mapping):
             duplicate = copy.copy(value)
             for key, item in value.items():

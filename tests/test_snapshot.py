@@ -42,7 +42,7 @@ def test_staged_state_is_a_frozen_copy_and_round_trips(tmp_path):
     model, optimizer = training_state()
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": 7,
              "name": "run", "loops": OrderedDict(epoch=1, batches=[1, 2, 3])}  # fmt: skip
-    expected = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "step": 7}
+    expected = {"model": OrderedDict((k, v.clone()) for k, v in model.state_dict().items()), "step": 7}
     area = StagingArea()
     staged = area.stage(state)
     optim_tensors = [t for s in optimizer.state_dict()["state"].values() for t in s.values()]
@@ -61,6 +61,7 @@ def test_staged_state_is_a_frozen_copy_and_round_trips(tmp_path):
     loaded = load_state(tmp_path / "state.pt")
     assert_same(loaded["model"], expected["model"])
     assert loaded["step"] == 7 and loaded["loops"] == OrderedDict(epoch=1, batches=[1, 2, 3])
+    assert loaded["model"]._metadata == model.state_dict()._metadata
     fresh = torch.optim.AdamW(model.parameters(), lr=1e-2)
     fresh.load_state_dict(loaded["optimizer"])  # a real optimizer accepts it
 
