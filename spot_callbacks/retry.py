@@ -27,6 +27,14 @@ _PERMANENT_TYPES: tuple[type[BaseException], ...] = (
     NotImplementedError,
 )
 _PERMANENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+# Missing or refused credentials, by class name so no cloud SDK has to be imported here.
+_PERMANENT_NAMES = {
+    "NoCredentialsError",  # botocore
+    "PartialCredentialsError",  # botocore
+    "ClientAuthenticationError",  # azure-core
+    "DefaultCredentialsError",  # google-auth
+    "RefreshError",  # google-auth
+}
 
 
 def is_transient(error: BaseException) -> bool:
@@ -34,6 +42,8 @@ def is_transient(error: BaseException) -> bool:
     if not isinstance(error, Exception):
         return False
     if isinstance(error, _PERMANENT_TYPES):
+        return False
+    if any(cls.__name__ in _PERMANENT_NAMES for cls in type(error).__mro__):
         return False
     return not (isinstance(error, OSError) and error.errno in _PERMANENT_ERRNOS)
 

@@ -1,0 +1,102 @@
+"""Every private Lightning API spot_callbacks touches, in one place (checked on Lightning 2.2-2.6).
+
+- ``_CheckpointConnector._parse_ckpt_path``: "last" is resolved by Lightning before any callback
+  hook runs; with a SpotCheckpoint attached it becomes "latest" instead of a local search that
+  loses remote protocols (Lightning issue 18261).
+- ``_CheckpointConnector.resume_start``: the first place after ``setup`` (process group ready)
+  where the path is used; "latest" becomes the pulled local file, or ``None`` (fresh start).
+- ``_CheckpointConnector.dump_checkpoint``: the checkpoint dict ``Trainer.save_checkpoint`` would
+  write, without writing it (the engine snapshots and persists it in the background).
+- ``_SignalConnector.received_sigterm``: set on every rank to stop them all the same way.
+- ``fit_loop.epoch_progress``: normalised after a resume from an epoch's last batch.
+- ``fit_loop._data_fetcher`` / ``CombinedLoader._iterator``: to put a plain (non-stateful)
+  train loader back at its mid-epoch position.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger("spot_callbacks")
+
+LATEST = "latest"
+
+
+def install_last_alias(connector_cls: type, is_spot_callback: Callable[[Any], bool], fitting: Any) -> None:
+    """Make ``fit(ckpt_path="last")`` mean "latest" when a SpotCheckpoint is attached (idempotent)."""
+    if getattr(connector_cls, "_spot_last_alias", False):
+        return
+    original = connector_cls._parse_ckpt_path
+
+    def _parse_ckpt_path(self: Any, state_fn: Any, ckpt_path: Any, *args: Any, **kwargs: Any) -> Any:
+        if ckpt_path == "last" and state_fn == fitting and any(map(is_spot_callback, self.trainer.callbacks)):
+            return LATEST
+        return original(self, state_fn, ckpt_path, *args, **kwargs)
+
+    connector_cls._parse_ckpt_path = _parse_ckpt_path
+    connector_cls._spot_last_alias = True
+
+
+def install_latest_resolution(trainer: Any, resolve: Callable[[], str | None]) -> None:
+    """Resolve ``ckpt_path="latest"`` on this trainer through ``resolve`` (a local file or None)."""
+    connector = trainer._checkpoint_connector
+    if getattr(connector, "_spot_resolves_latest", False):
+        return
+    original = connector.resume_start
+
+    def resume_start(checkpoint_path: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if checkpoint_path == LATEST:
+            checkpoint_path = resolve()
+        return original(checkpoint_path, *args, **kwargs)
+
+    connector.resume_start = resume_start
+    connector._spot_resolves_latest = True
+
+
+def set_received_sigterm(trainer: Any, value: bool) -> None:
+    """``Trainer.received_sigterm`` is read-only; the loop raises SIGTERMException when it is set."""
+    trainer._signal_connector.received_sigterm = value
+
+
+def dump_checkpoint(trainer: Any) -> dict[str, Any]:
+    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+
+
+def restore_epoch_position(trainer: Any, batches_done: int) -> bool:
+    """Recreate the train iterator (the caller has set the epoch-start RNG) and skip ``batches_done``.
+
+    Returns False when the loaders cannot be positioned this way (the caller warns).
+    """
+    fetch_loop = trainer.fit_loop
+    fetcher = getattr(fetch_loop, "_data_fetcher", None)
+    combined = getattr(fetch_loop, "_combined_loader", None)
+    if fetcher is None or combined is None or getattr(fetcher, "length", None) is None:
+        return False
+    iter(fetcher)  # a new iterator, drawing the same seeds as the interrupted run's did
+    mode_iterator = getattr(combined, "_iterator", None)
+    iterators = getattr(mode_iterator, "iterators", None)
+    if not iterators:
+        return False
+    for iterator in iterators:
+        for _ in range(batches_done):
+            next(iterator)
+    return True
+
+
+def mark_epoch_started(trainer: Any) -> None:
+    """Resumed from a checkpoint taken after an epoch's last batch, Lightning runs the next epoch
+    without counting it as started (no ``on_train_epoch_start``); a checkpoint taken in that epoch
+    would then resume one batch off. Count it as an uninterrupted run does."""
+    progress = trainer.fit_loop.epoch_progress.current
+    if progress.started == progress.completed:
+        trainer.fit_loop.epoch_progress.increment_ready()
+        trainer.fit_loop.epoch_progress.increment_started()
+
+
+def loaders_are_stateful(trainer: Any) -> bool:
+    combined = getattr(trainer.fit_loop, "_combined_loader", None)
+    if combined is None:
+        return False
+    return all(hasattr(dl, "state_dict") and hasattr(dl, "load_state_dict") for dl in combined.flattened)

@@ -1,0 +1,557 @@
+"""`spot-callbacks`: list, verify, pull and delete the committed checkpoints of a run.
+
+    spot-callbacks ls s3://bucket/runs/exp1
+    spot-callbacks verify s3://bucket/runs/exp1 --step 12000
+    spot-callbacks pull s3://bucket/runs/exp1 ./resume
+    spot-callbacks rm s3://bucket/runs/exp1 --step 11000 --yes
+
+Credentials come from the environment, as fsspec reads them (``AWS_*``,
+``GOOGLE_APPLICATION_CREDENTIALS``, ``AZURE_STORAGE_*``), or from ``--storage-options JSON``.
+Nothing this command prints contains a storage option's value: any of them may be a credential.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import re
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timezone
+from pathlib import Path
+from typing import Any, TextIO
+from urllib.parse import urlsplit
+
+from spot_callbacks import __version__
+from spot_callbacks.store import (
+    CheckpointError,
+    CheckpointInfo,
+    CheckpointNotFoundError,
+    CheckpointStore,
+    CorruptCheckpointError,
+    ManifestError,
+)
+
+log = logging.getLogger("spot_callbacks")
+
+PROG = "spot-callbacks"
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+_SIZE_CHECK_THREADS = 8
+
+# Option names whose values are credentials; other long values are hidden too unless known public.
+_SECRET_NAME = re.compile(r"key|secret|token|pass|cred|sas|sig|auth|conn|session|private|cert", re.IGNORECASE)
+_PUBLIC_NAMES = frozenset({"endpoint_url", "endpoint", "region", "region_name", "project", "account_name"})
+_NOT_SECRET_VALUES = frozenset({"anon", "google_default", "cache", "browser", "cloud", "true", "false"})
+_MIN_SECRET_LEN = 6
+_MIN_UNKNOWN_LEN = 8
+_HIDDEN = "***"
+
+
+class CliError(Exception):
+    """A problem to report as one line and exit status 1 (the message says what to do)."""
+
+
+# ------------------------------------------------------------------------------------ entry point
+def main(argv: list[str] | None = None) -> int:
+    """Run ``spot-callbacks`` with ``argv`` (default: the process arguments); return the exit status.
+
+    0 on success, 1 on an error (one line on stderr: ``spot-callbacks: error: ...``; ``-v`` adds
+    the traceback), 2 on a usage error.
+
+    Example:
+        >>> main(["ls", "memory://doc-cli/empty-run"])
+        no committed checkpoints in memory:///doc-cli/empty-run
+        0
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as stop:  # --help, --version and usage errors: argparse has printed them
+        return stop.code if isinstance(stop.code, int) else (EXIT_OK if stop.code is None else EXIT_USAGE)
+
+    verbosity: int = args.verbose or 0
+    redact = Redactor()
+    restore_logging = _install_log_handler(verbosity, redact)
+    try:
+        redact.add_url(args.url)
+        storage_options = parse_storage_options(args.storage_options)
+        redact.add_options(storage_options)
+        if storage_options:
+            log.info(
+                "%s: storage options given: %s (values not shown)", PROG, ", ".join(sorted(storage_options))
+            )
+        return args.run(args, storage_options)
+    except KeyboardInterrupt:
+        _print_error("interrupted", redact)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # `spot-callbacks ls URL | head`: the reader left; nothing to report
+        return EXIT_ERROR
+    except Exception as err:
+        if verbosity:
+            sys.stderr.write(redact("".join(traceback.format_exception(err))))
+        _print_error(describe_error(err, verbose=bool(verbosity)), redact)
+        return EXIT_ERROR
+    finally:
+        restore_logging()
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:
+        # A misplaced --storage-options value would be echoed as an unrecognized argument.
+        if "{" in message:
+            message = message[: message.index("{")] + "<a JSON value, not shown>"
+        super().error(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``spot-callbacks`` (global options work before or after the command).
+
+    Example:
+        >>> build_parser().parse_args(["verify", "s3://bucket/run", "--step", "12"]).step
+        12
+    """
+    parser = _ArgumentParser(
+        prog=PROG,
+        description="Inspect and manage the committed checkpoints of a spot_callbacks run (any fsspec URL).",
+        epilog="Credentials come from the environment as fsspec reads them, or from --storage-options.",
+    )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    _add_global_options(parser, suppress_defaults=False)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def command(name: str, help_text: str, run: Callable[[argparse.Namespace, dict[str, Any]], int]) -> Any:
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        sub.add_argument(
+            "url", metavar="URL", help="the run folder: s3://, gs://, az://, file://, memory:// or a path"
+        )
+        _add_global_options(sub, suppress_defaults=True)
+        sub.set_defaults(run=run)
+        return sub
+
+    command("ls", "list the committed checkpoints, their sizes and whether their files are intact", _cmd_ls)
+
+    verify = command(
+        "verify", "check a checkpoint's files against its manifest (default: the newest)", _cmd_verify
+    )
+    verify.add_argument("--step", type=_step, help="the step to verify (default: the newest committed)")
+    verify.add_argument("--shallow", action="store_true", help="check file sizes only, do not read checksums")
+
+    pull = command("pull", "download a checkpoint into a local folder and print its path", _cmd_pull)
+    pull.add_argument("dest", metavar="DEST", help="local folder to create or replace")
+    pull.add_argument("--step", type=_step, help="the step to pull (default: the newest valid)")
+
+    rm = command("rm", "delete one checkpoint (its manifest first, then its files)", _cmd_rm)
+    rm.add_argument("--step", type=_step, required=True, help="the step to delete")
+    rm.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
+    rm.add_argument("--force", action="store_true", help="allow deleting the newest valid checkpoint")
+    return parser
+
+
+def _add_global_options(parser: argparse.ArgumentParser, *, suppress_defaults: bool) -> None:
+    # On a subcommand the defaults are suppressed, so a value given before the command survives.
+    parser.add_argument(
+        "--storage-options",
+        metavar="JSON",
+        default=argparse.SUPPRESS if suppress_defaults else None,
+        help="fsspec storage options as a JSON object, or @FILE to read it from a file "
+        '(e.g. \'{"endpoint_url": "http://localhost:9000"}\'); values are never printed',
+    )
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=argparse.SUPPRESS if suppress_defaults else 0,
+        help="log what happens (-vv: also fsspec) and show tracebacks",
+    )
+
+
+def _step(text: str) -> int:
+    try:
+        step = int(text)
+    except ValueError:
+        step = -1
+    if step < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a step; use an integer >= 0")
+    return step
+
+
+# ------------------------------------------------------------------------------------ commands
+def _cmd_ls(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
+    store = _open_store(args.url, storage_options)
+    committed_checkpoints = store.committed()
+    if not committed_checkpoints:
+        print(f"no committed checkpoints in {store.url}")
+        return EXIT_OK
+    problems = size_problems(store, committed_checkpoints)
+    valid_steps = [info.step for info in committed_checkpoints if problems[info.step] is None]
+    newest_valid = max(valid_steps, default=None)
+    rows = [
+        (
+            "*" if info.step == newest_valid else "",
+            str(info.step),
+            info.created.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            info.reason,
+            human_size(info.size_bytes),
+            info.framework,
+            problems[info.step] or "ok",
+        )
+        for info in committed_checkpoints
+    ]
+    if newest_valid is None:
+        footer = f"no valid checkpoint: all {len(rows)} committed checkpoints are damaged"
+    else:
+        footer = f"* newest valid checkpoint (what a resume uses): step {newest_valid}"
+    console = _rich_console(sys.stdout)
+    if console is None:
+        for line in _plain_table(rows):
+            print(line)
+        print(footer)
+    else:
+        _print_rich_table(console, rows, footer)
+    return EXIT_OK
+
+
+def _cmd_verify(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
+    store = _open_store(args.url, storage_options)
+    if args.step is None:
+        committed_checkpoints = store.committed()
+        if not committed_checkpoints:
+            raise CheckpointNotFoundError(f"no committed checkpoints in {store.url}")
+        info = committed_checkpoints[-1]
+    else:
+        info = store.read_manifest(args.step)
+    what = "sizes checked" if args.shallow else "verified"
+    with _busy(f"verifying {info.url} ({human_size(info.size_bytes)})"):
+        store.verify(info.step, deep=not args.shallow)
+    file_count = len(info.files)
+    print(
+        f"OK step {info.step}: {file_count} file{'' if file_count == 1 else 's'}, "
+        f"{human_size(info.size_bytes)} {what}" + (" (--shallow: checksums not read)" if args.shallow else "")
+    )
+    return EXIT_OK
+
+
+def _cmd_pull(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
+    store = _open_store(args.url, storage_options)
+    step = args.step
+    if step is None:
+        newest_valid = store.latest()
+        if newest_valid is None:
+            raise CheckpointNotFoundError(
+                f"no valid committed checkpoint in {store.url}; `{PROG} ls` shows what is there"
+            )
+        step = newest_valid.step
+    dest = Path(args.dest).expanduser()
+    with _busy(f"pulling {store.step_url(step)} into {dest}"):
+        pulled = store.pull(step, dest)
+    log.info("%s: pulled step %d from %s", PROG, step, store.url)
+    print(pulled.resolve())
+    return EXIT_OK
+
+
+def _cmd_rm(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
+    store = _open_store(args.url, storage_options)
+    step: int = args.step
+    if step not in store.step_folders():
+        raise CheckpointNotFoundError(f"no checkpoint at step {step} in {store.url}; `{PROG} ls` lists them")
+    try:
+        info: CheckpointInfo | None = store.read_manifest(step)
+    except (CheckpointNotFoundError, ManifestError):
+        info = None  # an upload that never committed, or an unreadable manifest: safe to delete
+    newest_valid = store.latest()
+    if newest_valid is not None and newest_valid.step == step and not args.force:
+        raise CliError(
+            f"step {step} is the newest valid checkpoint in {store.url} (the one a resume uses); "
+            "pass --force to delete it anyway"
+        )
+    if info is None:
+        what = f"uncommitted folder {store.step_url(step)}"
+    else:
+        created = info.created.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        what = f"checkpoint {info.url} ({human_size(info.size_bytes)}, {info.reason}, created {created})"
+    if not args.yes and not _confirm(f"delete {what}?"):
+        print(f"{PROG}: not deleted", file=sys.stderr)
+        return EXIT_ERROR
+    store.delete(step)
+    print(f"deleted {what}")
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------------------------ helpers
+def parse_storage_options(text: str | None) -> dict[str, Any]:
+    """The ``--storage-options`` value as a dict: a JSON object, or ``@FILE`` holding one.
+
+    Error messages never quote the value (it may hold credentials).
+
+    Example:
+        >>> parse_storage_options('{"endpoint_url": "http://localhost:9000"}')
+        {'endpoint_url': 'http://localhost:9000'}
+        >>> parse_storage_options("{endpoint_url: x}")
+        Traceback (most recent call last):
+        ...
+        spot_callbacks.cli.CliError: --storage-options is not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2); pass a JSON object such as '{"endpoint_url": "http://localhost:9000"}'
+    """
+    if text is None:
+        return {}
+    source = "--storage-options"
+    if text.startswith("@"):
+        source = f"--storage-options file {text[1:]}"
+        try:
+            text = Path(text[1:]).expanduser().read_text()
+        except OSError as err:
+            raise CliError(f"cannot read {source}: {err.strerror or err}") from None
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as err:
+        # err.msg and the position only: str(err) is fine too, but never quote the document.
+        raise CliError(
+            f"{source} is not valid JSON ({err.msg}: line {err.lineno} column {err.colno}); "
+            'pass a JSON object such as \'{"endpoint_url": "http://localhost:9000"}\''
+        ) from None
+    if not isinstance(options, dict):
+        raise CliError(
+            f"{source} must be a JSON object ({{...}}), not a JSON {type(options).__name__}; "
+            'e.g. \'{"endpoint_url": "http://localhost:9000"}\''
+        )
+    return options
+
+
+class Redactor:
+    """Replaces secret strings (storage option values, a URL's password) in text with ``***``.
+
+    Example:
+        >>> redact = Redactor()
+        >>> redact.add_options({"secret": "hunter2-hunter2", "endpoint_url": "http://minio:9000"})
+        >>> redact("denied: secret=hunter2-hunter2 at http://minio:9000")
+        'denied: secret=*** at http://minio:9000'
+    """
+
+    def __init__(self) -> None:
+        self._secrets: set[str] = set()
+
+    def add_options(self, options: Any, name: str = "") -> None:
+        """Remember the values of ``options`` (nested dicts and lists too) that may be secret."""
+        if isinstance(options, dict):
+            for key, value in options.items():
+                self.add_options(value, str(key))
+        elif isinstance(options, (list, tuple)):
+            for value in options:
+                self.add_options(value, name)
+        elif isinstance(options, str):
+            if _SECRET_NAME.search(name):
+                if len(options) >= _MIN_SECRET_LEN and options.lower() not in _NOT_SECRET_VALUES:
+                    self._secrets.add(options)
+                # Connection strings: also each credential part, should a library print it alone.
+                for part in options.split(";"):
+                    part_name, _, part_value = part.partition("=")
+                    if _SECRET_NAME.search(part_name) and len(part_value) >= _MIN_SECRET_LEN:
+                        self._secrets.add(part_value)
+            elif name not in _PUBLIC_NAMES and len(options) >= _MIN_UNKNOWN_LEN:
+                self._secrets.add(options)
+
+    def add_url(self, url: str) -> None:
+        """Remember the password of a URL such as ``ftp://user:password@host/path``."""
+        try:
+            password = urlsplit(url).password
+        except ValueError:
+            return
+        if password:
+            self._secrets.add(password)
+
+    def __call__(self, text: str) -> str:
+        for secret in sorted(self._secrets, key=len, reverse=True):  # a connection string before its parts
+            text = text.replace(secret, _HIDDEN)
+        return text
+
+
+def describe_error(err: BaseException, verbose: bool = False) -> str:
+    """One line saying what went wrong: checkpoint errors as they are, others with their type.
+
+    Example:
+        >>> describe_error(PermissionError("Access Denied"))
+        'PermissionError: Access Denied (-v shows the traceback)'
+    """
+    if isinstance(err, (CliError, CheckpointError)):
+        message = str(err)
+    else:
+        message = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+        if not verbose:
+            message += " (-v shows the traceback)"
+    return " ".join(message.split())
+
+
+def human_size(size_bytes: int) -> str:
+    """A byte count in decimal units, as storage consoles show it.
+
+    Example:
+        >>> human_size(512), human_size(12_345_678), human_size(3 * 10**12)
+        ('512 B', '12.3 MB', '3.0 TB')
+    """
+    if size_bytes < 1000:
+        return f"{size_bytes} B"
+    value = float(size_bytes)
+    for unit in ("kB", "MB", "GB", "TB", "PB"):
+        value /= 1000
+        if value < 999.95 or unit == "PB":
+            return f"{value:.1f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def size_problems(store: CheckpointStore, infos: list[CheckpointInfo]) -> dict[int, str | None]:
+    """For each checkpoint, ``None`` when its files have the manifest's sizes, else the short reason.
+
+    One listing per checkpoint, several at a time. Errors other than damage (network, permission)
+    propagate.
+
+    Example:
+        >>> size_problems(CheckpointStore("memory://doc-cli/no-run"), [])
+        {}
+    """
+
+    def check(info: CheckpointInfo) -> str | None:
+        try:
+            store.check_sizes(info)
+        except CorruptCheckpointError as err:
+            message = str(err)
+            # The message names the file by its full URL; inside a table the file name says it.
+            return message.removeprefix(f"{info.url}/")
+        return None
+
+    if not infos:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(_SIZE_CHECK_THREADS, len(infos))) as pool:
+        return dict(zip((info.step for info in infos), pool.map(check, infos), strict=True))
+
+
+def _open_store(url: str, storage_options: dict[str, Any]) -> CheckpointStore:
+    try:
+        return CheckpointStore(url, storage_options=storage_options)
+    except Exception as err:  # unknown protocol, missing backend package, bad option name
+        raise CliError(f"cannot open {url}: {describe_error(err, verbose=True)}") from err
+
+
+def _confirm(question: str) -> bool:
+    if not _is_terminal(sys.stdin):
+        raise CliError("refusing to delete without confirmation: stdin is not a terminal; pass --yes")
+    sys.stderr.write(f"{question} [y/N] ")
+    sys.stderr.flush()
+    return sys.stdin.readline().strip().lower() in ("y", "yes")
+
+
+def _print_error(message: str, redact: Redactor) -> None:
+    print(f"{PROG}: error: {redact(message)}", file=sys.stderr)
+
+
+def _is_terminal(stream: TextIO | None) -> bool:
+    try:
+        return stream is not None and stream.isatty()
+    except (AttributeError, ValueError):  # closed or replaced streams
+        return False
+
+
+def _rich_console(stream: TextIO, *, stderr: bool = False) -> Any:
+    """A rich Console on ``stream`` when rich is installed and it is a terminal, else None.
+
+    Piped output stays plain text, so scripts can read it.
+    """
+    if not _is_terminal(stream):
+        return None
+    try:
+        from rich.console import Console
+    except ImportError:
+        return None
+    return Console(file=stream, stderr=stderr, highlight=False)
+
+
+@contextlib.contextmanager
+def _busy(message: str) -> Iterator[None]:
+    """A spinner on a terminal's stderr while a long transfer runs; nothing otherwise."""
+    console = _rich_console(sys.stderr, stderr=True)
+    if console is None:
+        yield
+        return
+    from rich.markup import escape
+
+    with console.status(escape(message)):
+        yield
+
+
+_HEADERS = ("", "STEP", "CREATED (UTC)", "REASON", "SIZE", "FRAMEWORK", "VALID")
+_RIGHT_ALIGNED = {1, 4}
+
+
+def _plain_table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(row[col]) for row in [_HEADERS, *rows]) for col in range(len(_HEADERS))]
+    lines = []
+    for row in [_HEADERS, *rows]:
+        cells = [
+            cell.rjust(widths[col]) if col in _RIGHT_ALIGNED else cell.ljust(widths[col])
+            for col, cell in enumerate(row)
+        ]
+        lines.append("  ".join(cells).rstrip())
+    return lines
+
+
+def _print_rich_table(console: Any, rows: list[tuple[str, ...]], footer: str) -> None:
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(caption=footer, caption_justify="left", header_style="bold", box=box.SIMPLE_HEAD)
+    for col, header in enumerate(_HEADERS):
+        # Only the reason may wrap: a cut-off date or size would mislead.
+        is_reason = col == len(_HEADERS) - 1
+        table.add_column(
+            header.lower(),
+            justify="right" if col in _RIGHT_ALIGNED else "left",
+            no_wrap=not is_reason,
+            overflow="fold",
+        )
+    for row in rows:
+        valid = row[-1]
+        cells = [Text(cell) for cell in row[:-1]] + [Text(valid, style="green" if valid == "ok" else "red")]
+        table.add_row(*cells, style="bold" if row[0] == "*" else None)
+    console.print(table)
+
+
+class _RedactingFormatter(logging.Formatter):
+    def __init__(self, redact: Redactor) -> None:
+        super().__init__("%(message)s")
+        self._redact = redact
+
+    def format(self, record: logging.LogRecord) -> str:
+        return self._redact(super().format(record))
+
+
+def _install_log_handler(verbosity: int, redact: Redactor) -> Callable[[], None]:
+    """Send log records to stderr, redacted; return the function that undoes it (main runs in tests)."""
+    # The store warns (skipped damaged checkpoints, retries) through logging: show those always.
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_RedactingFormatter(redact))
+    levels = {
+        "spot_callbacks": logging.DEBUG if verbosity >= 2 else logging.INFO if verbosity else logging.WARNING
+    }
+    if verbosity >= 2:
+        levels["fsspec"] = logging.DEBUG
+    previous_levels = {}
+    for name, level in levels.items():
+        logger = logging.getLogger(name)
+        previous_levels[name] = logger.level
+        logger.addHandler(handler)
+        logger.setLevel(level)
+
+    def restore() -> None:
+        for name, level in previous_levels.items():
+            logger = logging.getLogger(name)
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+
+    return restore
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""When to checkpoint: the interval clock, every N steps, "auto", preemption; agreed by every rank."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from spot_callbacks.costs import daly_interval_s
+
+log = logging.getLogger("spot_callbacks")
+
+AUTO_INITIAL_INTERVAL_S = 1800.0
+AUTO_MIN_INTERVAL_S = 60.0
+AUTO_MAX_INTERVAL_S = 6 * 3600.0
+DEFAULT_INTERRUPTIONS_PER_HOUR = 0.1  # when "auto" is not told the rate: a pessimistic spot market
+
+
+class CheckpointTrigger:
+    """Decides, at a step boundary, whether a checkpoint is due on this process.
+
+    The interval clock counts wall-clock seconds of training since the last checkpoint; it is
+    part of :meth:`state_dict`, so a resumed run continues the count instead of restarting it.
+
+    Example:
+        >>> now = [0.0]
+        >>> trigger = CheckpointTrigger(interval_s=60, every_n_steps=None, clock=lambda: now[0])
+        >>> trigger.due(step=1) is None
+        True
+        >>> now[0] = 61.0; trigger.due(step=2)
+        'interval'
+    """
+
+    def __init__(
+        self,
+        interval_s: float | None,
+        every_n_steps: int | None,
+        auto: bool = False,
+        interruptions_per_hour: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.auto = auto
+        self.interval_s = AUTO_INITIAL_INTERVAL_S if auto else interval_s
+        self.every_n_steps = every_n_steps
+        self.interruptions_per_hour = interruptions_per_hour
+        self._clock = clock
+        self._last_checkpoint_at = clock()
+        self._checkpoint_costs_s: list[float] = []
+
+    @property
+    def elapsed_s(self) -> float:
+        return self._clock() - self._last_checkpoint_at
+
+    def due(self, step: int) -> str | None:
+        if self.interval_s is not None and self.elapsed_s >= self.interval_s:
+            return "interval"
+        if self.every_n_steps and step > 0 and step % self.every_n_steps == 0:
+            return "steps"
+        return None
+
+    def mark_checkpoint(self, cost_s: float | None = None) -> None:
+        """Restart the clock; with ``interval="auto"``, feed the measured cost into the interval."""
+        self._last_checkpoint_at = self._clock()
+        if cost_s is not None and self.auto:
+            self._checkpoint_costs_s = [*self._checkpoint_costs_s[-9:], cost_s]
+            self._retune()
+
+    def _retune(self) -> None:
+        rate = self.interruptions_per_hour or DEFAULT_INTERRUPTIONS_PER_HOUR
+        if rate <= 0:
+            new = AUTO_MAX_INTERVAL_S
+        else:
+            cost = statistics.median(self._checkpoint_costs_s)
+            new = daly_interval_s(max(cost, 1e-3), 3600.0 / rate)
+        new = min(max(new, AUTO_MIN_INTERVAL_S), AUTO_MAX_INTERVAL_S)
+        if self.interval_s is None or abs(new - self.interval_s) / self.interval_s > 0.1:
+            log.info("spot_callbacks: interval='auto' now checkpoints every %.0fs", new)
+            self.interval_s = new
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"elapsed_s": self.elapsed_s, "interval_s": self.interval_s, "costs_s": list(self._checkpoint_costs_s)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._last_checkpoint_at = self._clock() - float(state.get("elapsed_s", 0.0))
+        if self.auto:
+            self.interval_s = state.get("interval_s") or self.interval_s
+            self._checkpoint_costs_s = list(state.get("costs_s", []))
+
+
+def distributed_ready() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _collective_device() -> torch.device:
+    backend = str(dist.get_backend())
+    if "nccl" in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def agree(rank0_interval_due: bool, steps_due: bool, notice_seen: bool) -> tuple[bool, bool, bool]:
+    """Make one decision for all ranks: rank 0's clock, and a notice seen by *any* rank.
+
+    One all-reduce (MAX) of three flags; without torch.distributed the local flags stand.
+    """
+    if not distributed_ready():
+        return rank0_interval_due, steps_due, notice_seen
+    interval_flag = rank0_interval_due if dist.get_rank() == 0 else False
+    flags = torch.tensor([interval_flag, steps_due, notice_seen], dtype=torch.int32, device=_collective_device())
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    interval, steps, notice = (bool(v) for v in flags.tolist())
+    return interval, steps, notice

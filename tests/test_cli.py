@@ -1,0 +1,322 @@
+"""`spot-callbacks` ls / verify / pull / rm, run in-process against file://, memory://, s3://, az:// and gs://."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import posixpath
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spot_callbacks import CheckpointStore, RetryPolicy, cli
+from spot_callbacks.cli import main
+from spot_callbacks.store import MANIFEST_NAME, step_dirname
+
+FAST_RETRY = RetryPolicy(attempts=2, initial_backoff_s=0.01, max_backoff_s=0.05)
+FAKE_SECRET = "FAKE-SECRET-d3adb33f-spot-cli"
+
+
+class FakeTerminal(io.StringIO):
+    """A stdin that says it is a terminal, with the user's answer already typed."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.fixture
+def store(store_url):
+    return CheckpointStore(store_url.url, storage_options=store_url.storage_options, retry=FAST_RETRY)
+
+
+@pytest.fixture
+def run(capsys, store_url):
+    """Run the command in-process with the backend's storage options; return (exit code, stdout, stderr)."""
+
+    def run_cli(*argv: str) -> tuple[int, str, str]:
+        code = main(["--storage-options", json.dumps(store_url.storage_options), *argv])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run_cli
+
+
+def commit(store: CheckpointStore, tmp_path: Path, step: int) -> dict[str, bytes]:
+    folder = tmp_path / f"src-{step}"
+    contents = {"state.pt": f"{step}:state:".encode() * 300, "extra/rng.bin": f"{step}:rng".encode()}
+    for name, data in contents.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(data)
+    store.write_checkpoint(step, folder, reason="interval", framework="test")
+    return contents
+
+
+def remote_file(store: CheckpointStore, step: int, name: str) -> str:
+    return posixpath.join(store.step_path(step), name)
+
+
+def table_rows(out: str) -> dict[int, tuple[bool, str]]:
+    """step -> (marked newest valid, the row's text) from the plain `ls` table."""
+    rows = {}
+    for line in out.splitlines():
+        tokens = line.lstrip("* ").split()
+        if tokens and tokens[0].isdigit():
+            rows[int(tokens[0])] = (line.startswith("*"), line)
+    return rows
+
+
+def assert_one_error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("spot-callbacks: error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def test_ls_lists_steps_and_marks_a_truncated_one_invalid(store, store_url, run, tmp_path):
+    code, out, _ = run("ls", store_url.url)
+    assert (code, out) == (0, f"no committed checkpoints in {store.url}\n")
+
+    for step in (100, 200, 300):
+        contents = commit(store, tmp_path, step)
+    store.fs.pipe_file(remote_file(store, 300, "state.pt"), contents["state.pt"][:10])
+
+    code, out, err = run("ls", store_url.url)
+    assert code == 0, err
+    rows = table_rows(out)
+    assert sorted(rows) == [100, 200, 300]
+    assert [step for step, (marked, _) in rows.items() if marked] == [200]  # newest *valid*
+    size = cli.human_size(sum(len(data) for data in contents.values()))
+    assert all(f" {size} " in line and "interval" in line and "test" in line for _, line in rows.values())
+    assert rows[100][1].rstrip().endswith("ok") and rows[200][1].rstrip().endswith("ok")
+    assert "state.pt is 10 bytes but the manifest says 3" in rows[300][1]
+    assert store.url not in rows[300][1]  # the short reason, not the full URL
+    assert "newest valid checkpoint" in out and "step 200" in out
+
+
+def test_verify_checks_checksums_and_names_the_altered_file(store, store_url, run, tmp_path):
+    commit(store, tmp_path, 1)
+    contents = commit(store, tmp_path, 2)
+    code, out, _ = run("verify", store_url.url)
+    total = cli.human_size(sum(len(data) for data in contents.values()))
+    assert (code, out) == (0, f"OK step 2: 2 files, {total} verified\n")
+
+    flipped = bytearray(contents["state.pt"])
+    flipped[100] ^= 0x01
+    store.fs.pipe_file(remote_file(store, 2, "state.pt"), bytes(flipped))
+
+    code, out, err = run("verify", store_url.url)  # default: the newest committed, damaged or not
+    line = assert_one_error_line(err)
+    assert code == 1 and out == ""
+    assert f"{step_dirname(2)}/state.pt does not match its manifest" in line
+    assert run("verify", store_url.url, "--shallow")[0] == 0  # same size: only checksums see it
+    assert run("verify", store_url.url, "--step", "1")[:2] == (0, f"OK step 1: 2 files, {total} verified\n")
+
+    code, _, err = run("verify", store_url.url, "--step", "7")
+    assert code == 1 and "no committed checkpoint at step 7" in assert_one_error_line(err)
+
+
+def test_verify_with_nothing_committed_fails(store_url, run):
+    code, _, err = run("verify", store_url.url)
+    assert code == 1 and "no committed checkpoints in" in assert_one_error_line(err)
+
+
+def test_pull_writes_the_newest_valid_checkpoint(store, store_url, run, tmp_path):
+    code, _, err = run("pull", store_url.url, str(tmp_path / "nothing"))
+    assert code == 1 and "no valid committed checkpoint" in assert_one_error_line(err)
+
+    first = commit(store, tmp_path, 1)
+    second = commit(store, tmp_path, 2)
+    code, out, err = run("pull", store_url.url, str(tmp_path / "newest"))
+    assert code == 0, err
+    assert out == f"{(tmp_path / 'newest').resolve()}\n"
+    for name, data in second.items():
+        assert (tmp_path / "newest" / name).read_bytes() == data
+    assert json.loads((tmp_path / "newest" / MANIFEST_NAME).read_text())["step"] == 2
+
+    assert run("pull", store_url.url, str(tmp_path / "older"), "--step", "1")[0] == 0
+    assert (tmp_path / "older" / "state.pt").read_bytes() == first["state.pt"]
+
+    store.fs.pipe_file(remote_file(store, 2, "state.pt"), b"short")
+    code, _, err = run("pull", store_url.url, str(tmp_path / "fallback"))
+    assert code == 0 and "skipping damaged checkpoint" in err  # the store's warning is shown
+    assert (tmp_path / "fallback" / "state.pt").read_bytes() == first["state.pt"]
+
+
+def test_rm_deletes_the_manifest_first_and_protects_the_newest_valid(
+    store, store_url, run, tmp_path, monkeypatch
+):
+    for step in (1, 2):
+        commit(store, tmp_path, step)
+
+    code, _, err = run("rm", store_url.url, "--step", "2", "--yes")
+    line = assert_one_error_line(err)
+    assert code == 1 and "newest valid checkpoint" in line and "--force" in line
+    assert [info.step for info in store.committed()] == [1, 2]
+
+    # The command builds its own store; fsspec hands it the same (cached) filesystem instance.
+    assert CheckpointStore(store_url.url, storage_options=store_url.storage_options).fs is store.fs
+    deleted = []
+    real_rm = store.fs.rm
+    monkeypatch.setattr(store.fs, "rm", lambda path, *a, **k: deleted.append(path) or real_rm(path, *a, **k))
+    code, out, err = run("rm", store_url.url, "--step", "1", "--yes")
+    monkeypatch.undo()
+    assert code == 0, err
+    assert out.startswith("deleted checkpoint") and step_dirname(1) in out
+    assert deleted[0] == remote_file(store, 1, MANIFEST_NAME)
+    assert store.step_path(1) in deleted[1:]
+    assert [info.step for info in store.committed()] == [2]
+    assert set(store.step_folders()) == {2}
+
+    code, _, err = run("rm", store_url.url, "--step", "2", "--yes", "--force")
+    assert code == 0, err
+    assert store.committed() == []
+
+    code, _, err = run("rm", store_url.url, "--step", "2", "--yes")
+    assert code == 1 and "no checkpoint at step 2" in assert_one_error_line(err)
+
+
+def test_rm_asks_on_a_terminal_and_requires_yes_otherwise(store, store_url, run, tmp_path, monkeypatch):
+    for step in (1, 2):
+        commit(store, tmp_path, step)
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("y\n"))  # piped: no one to ask
+    code, _, err = run("rm", store_url.url, "--step", "1")
+    assert code == 1 and "pass --yes" in assert_one_error_line(err)
+
+    monkeypatch.setattr(sys, "stdin", FakeTerminal("n\n"))
+    code, _, err = run("rm", store_url.url, "--step", "1")
+    assert code == 1 and "[y/N]" in err and "not deleted" in err
+    assert [info.step for info in store.committed()] == [1, 2]
+
+    monkeypatch.setattr(sys, "stdin", FakeTerminal("y\n"))
+    assert run("rm", store_url.url, "--step", "1")[0] == 0
+    assert [info.step for info in store.committed()] == [2]
+
+
+def test_rm_removes_an_uncommitted_folder(store, store_url, run, tmp_path):
+    commit(store, tmp_path, 1)
+    (tmp_path / "partial.bin").write_bytes(b"x" * 100)
+    store.begin(5)
+    store.upload_file(tmp_path / "partial.bin", 5, "state.pt")  # never committed
+    code, out, err = run("rm", store_url.url, "--step", "5", "--yes")
+    assert code == 0, err
+    assert out.startswith("deleted uncommitted folder")
+    assert set(store.step_folders()) == {1}
+
+
+def test_secret_storage_option_never_printed(store, store_url, capsys, tmp_path):
+    # s3fs hands unknown options to its session, so there the fake secret is a session token
+    # (moto does not check it); the other backends accept and ignore an unknown option.
+    secret_name = "token" if store_url.backend == "s3" else "client_secret_for_tests"
+    options = {**store_url.storage_options, secret_name: FAKE_SECRET}
+    credentials = [
+        value for key, value in store_url.storage_options.items() if key in ("secret", "connection_string")
+    ]
+    commit(store, tmp_path, 3)
+    outputs = []
+    for argv in (["ls", store_url.url], ["verify", store_url.url, "--step", "9"], ["verify", store_url.url]):
+        code = main(["-vv", "--storage-options", json.dumps(options), *argv])
+        out, err = capsys.readouterr()
+        outputs.append((code, out + err))
+    assert [code for code, _ in outputs] == [0, 1, 0], outputs
+    assert secret_name in outputs[0][1]  # the names may be shown, for debugging
+    for _, text in outputs:
+        assert FAKE_SECRET not in text
+        for credential in credentials:
+            assert credential not in text
+
+
+def test_secret_echoed_by_a_backend_is_redacted_from_errors_and_logs(capsys, monkeypatch):
+    def leaky_committed(self):
+        logging.getLogger("spot_callbacks").warning("retrying with secret=%s", FAKE_SECRET)
+        raise PermissionError(f"denied for credential {FAKE_SECRET}\nsecond line")
+
+    monkeypatch.setattr(CheckpointStore, "committed", leaky_committed)
+    options = json.dumps({"password": FAKE_SECRET})
+
+    assert main(["--storage-options", options, "ls", "memory://cli-leak"]) == 1
+    out, err = capsys.readouterr()
+    assert FAKE_SECRET not in out + err
+    assert "retrying with secret=***" in err
+    error_lines = [line for line in err.splitlines() if line.startswith("spot-callbacks: error:")]
+    assert error_lines == [
+        "spot-callbacks: error: PermissionError: denied for credential *** second line (-v shows the traceback)"
+    ]
+
+    assert main(["-v", "ls", "memory://cli-leak", "--storage-options", options]) == 1  # with the traceback
+    out, err = capsys.readouterr()
+    assert "Traceback" in err and FAKE_SECRET not in out + err
+
+    assert main(["ls", "ftp://user:" + FAKE_SECRET + "@127.0.0.1:1/run"]) == 1  # a password in the URL
+    out, err = capsys.readouterr()
+    assert FAKE_SECRET not in out + err
+
+
+@pytest.mark.parametrize(
+    ("storage_options", "message"),
+    [
+        ('{"secret": "' + FAKE_SECRET + '",', "--storage-options is not valid JSON"),
+        (f'["{FAKE_SECRET}"]', "--storage-options must be a JSON object"),
+        ("@/nonexistent/options.json", "cannot read --storage-options file"),
+    ],
+)
+def test_bad_storage_options_is_one_line_error(capsys, storage_options, message):
+    assert main(["--storage-options", storage_options, "ls", "memory://cli-bad-options"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and message in assert_one_error_line(err)
+    assert FAKE_SECRET not in err
+
+
+def test_storage_options_from_a_file_and_after_the_command(capsys, tmp_path):
+    options_file = tmp_path / "options.json"
+    options_file.write_text(json.dumps({"auto_mkdir": False}))
+    url = (tmp_path / "run").as_uri()
+    assert main(["ls", url, "--storage-options", f"@{options_file}"]) == 0
+    assert capsys.readouterr().out.startswith("no committed checkpoints in file://")
+
+
+def test_usage_errors_exit_2_and_misplaced_json_is_not_echoed(capsys):
+    assert main([]) == 2
+    assert main(["verify"]) == 2
+    assert main(["rm", "memory://x"]) == 2  # --step is required
+    assert main(["verify", "memory://x", "--step", "-3"]) == 2
+    assert main(["ls", "memory://x", json.dumps({"secret": FAKE_SECRET})]) == 2
+    _, err = capsys.readouterr()
+    assert "unrecognized arguments" in err and FAKE_SECRET not in err
+    assert main(["--help"]) == 0
+    assert "pull" in capsys.readouterr().out
+
+
+def test_ls_rich_table_on_a_terminal(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("rich")
+    store = CheckpointStore(f"memory://cli-rich-{tmp_path.name}/run")
+    for step in (10, 20):
+        commit(store, tmp_path, step)
+    store.fs.pipe_file(remote_file(store, 20, "state.pt"), b"[bold]x")  # markup-like text stays text
+    monkeypatch.setattr(cli, "_is_terminal", lambda stream: True)
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["ls", store.url]) == 0
+    out = capsys.readouterr().out
+    assert "10" in out and "20" in out and "state.pt is 7 bytes" in out and "step 10" in out
+
+
+def test_console_script_help_runs():
+    script = shutil.which("spot-callbacks", path=str(Path(sys.executable).parent)) or shutil.which(
+        "spot-callbacks"
+    )
+    argv = [script] if script else [sys.executable, "-m", "spot_callbacks.cli"]
+    result = subprocess.run([*argv, "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    for command in ("ls", "verify", "pull", "rm", "--storage-options"):
+        assert command in result.stdout
+    result = subprocess.run(
+        [sys.executable, "-m", "spot_callbacks.cli", "ls", "memory://cli-subprocess"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (result.returncode, result.stdout) == (0, "no committed checkpoints in memory:///cli-subprocess\n")
