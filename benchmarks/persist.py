@@ -24,20 +24,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import importlib.metadata
 import os
-import platform
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -49,44 +43,34 @@ from spot_callbacks.checksums import digest_local_file
 from spot_callbacks.persist import Persister, PersistJob
 from spot_callbacks.store import CheckpointStore
 
+try:  # ``python benchmarks/persist.py`` puts this folder on sys.path
+    from _common import (
+        S3_KEY,
+        S3_SECRET,
+        append_markdown,
+        machine_line,
+        mem_info_bytes,
+        moto_server,
+        print_rich_table,
+        versions_line,
+    )
+except ImportError:  # ``python -m benchmarks.persist`` from the repository root
+    from benchmarks._common import (
+        S3_KEY,
+        S3_SECRET,
+        append_markdown,
+        machine_line,
+        mem_info_bytes,
+        moto_server,
+        print_rich_table,
+        versions_line,
+    )
+
 BENCH_NAME = "persist: background persister vs raw fsspec put/get"
 TARGET = "Target: ≥ 0.9× the raw throughput both ways"
-REPO_ROOT = Path(__file__).resolve().parent.parent
 BUCKET = "spot-bench"
-S3_KEY = S3_SECRET = "testing"
-SERVER_START_TIMEOUT_S = 60.0
 WRITE_BLOCK = 64 * 2**20
 BACKENDS = ("s3", "file")
-
-
-# ------------------------------------------------------------------------------------ machine
-def mem_info_bytes(field_name: str) -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            name, _, rest = line.partition(":")
-            if name == field_name:
-                return int(rest.split()[0]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def version_of(dist: str) -> str:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def machine_line() -> str:
-    ram = mem_info_bytes("MemTotal")
-    ram_s = f"{ram / 2**30:.1f} GiB RAM" if ram else "RAM unknown"
-    return f"{platform.platform()}, {os.cpu_count()} CPUs, {ram_s}, Python {platform.python_version()}"
-
-
-def versions_line() -> str:
-    names = ("torch", "fsspec", "s3fs", "moto", "xxhash")
-    return ", ".join(f"{name} {version_of(name)}" for name in names)
 
 
 # ---------------------------------------------------------------------------------- checkpoint
@@ -128,69 +112,6 @@ def check_disk(scratch: Path, size_bytes: int, backends: list[str]) -> None:
             f"warning: only {avail / 1e9:.1f} GB of RAM available; page-cache misses will make the numbers noisier",
             file=sys.stderr,
         )
-
-
-# ---------------------------------------------------------------------------------------- moto
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _http_status(url: str) -> int | None:
-    try:
-        with urllib.request.urlopen(url, timeout=2.0) as resp:
-            return resp.status
-    except urllib.error.HTTPError as err:
-        return err.code
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-        return None
-
-
-@contextlib.contextmanager
-def moto_server(workdir: Path) -> Iterator[str]:
-    """Run ``python -m moto.server`` on a free loopback port; yield its endpoint URL; stop it by PID."""
-    spill = workdir / "moto-tmp"
-    spill.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "TMPDIR": str(spill)}
-    for attempt in range(3):
-        port = free_port()
-        log_path = workdir / f"moto-{port}.log"
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-            )
-        endpoint = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-        try:
-            while _http_status(f"{endpoint}/moto-api/") is None:
-                if time.monotonic() > deadline:
-                    raise SystemExit(
-                        f"moto did not answer on {endpoint} within {SERVER_START_TIMEOUT_S:.0f}s"
-                    )
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=0.1)  # bounded poll interval that notices an early exit at once
-                if proc.returncode is not None:
-                    break
-            if proc.returncode is not None:
-                text = log_path.read_text(errors="replace")
-                if "in use" in text and attempt < 2:
-                    continue  # lost the free-port race
-                raise SystemExit(f"moto exited at startup (code {proc.returncode}):\n{text[-2000:]}")
-            yield endpoint
-            return
-        finally:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=15)
 
 
 # ------------------------------------------------------------------------------------- measure
@@ -431,24 +352,7 @@ def row_cells(row: Row) -> list[str]:
 
 
 def print_table(rows: list[Row], title: str) -> None:
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        print(title)
-        print(" | ".join(HEADERS))
-        for row in rows:
-            print(" | ".join(row_cells(row)))
-        return
-    table = Table(title=title)
-    for header in HEADERS:
-        table.add_column(header, justify="left" if header in ("backend", "direction") else "right")
-    for row in rows:
-        table.add_row(*row_cells(row))
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=140)  # a pipe or a log: do not squeeze the columns to 80
-    console.print(table)
+    print_rich_table(HEADERS, [row_cells(row) for row in rows], title, left=("backend", "direction"))
 
 
 def markdown_section(
@@ -474,18 +378,6 @@ def markdown_section(
     lines += ["| " + " | ".join(row_cells(row)) + " |" for row in rows]
     lines += ["", details, "", TARGET, ""]
     return "\n".join(lines) + "\n"
-
-
-def append_markdown(section: str) -> Path:
-    path = REPO_ROOT / "BENCHMARKS.md"
-    if not path.exists():
-        path.write_text(
-            "# Benchmarks\n\nMeasured numbers from the scripts in `benchmarks/`, newest last. "
-            "Loopback servers and small machines are noisy: compare ratios, not absolute speeds.\n\n"
-        )
-    with open(path, "a") as handle:
-        handle.write(section)
-    return path
 
 
 # ---------------------------------------------------------------------------------------- main

@@ -7,7 +7,7 @@ The names below are the shared core the adapters stand on.
 
 from spot_callbacks.checksums import FileDigest
 from spot_callbacks.config import ConfigError, SpotConfig, parse_duration
-from spot_callbacks.persist import PersistError, Persister, PersistJob, PersistRecord
+from spot_callbacks.persist import Persister, PersistError, PersistJob, PersistRecord
 from spot_callbacks.retry import RetryPolicy
 from spot_callbacks.snapshot import StagedState, StagingArea, UnsafeCheckpointError, load_state, write_state
 from spot_callbacks.store import (

@@ -8,6 +8,7 @@
 - ``_CheckpointConnector.dump_checkpoint``: the checkpoint dict ``Trainer.save_checkpoint`` would
   write, without writing it (the engine snapshots and persists it in the background).
 - ``_SignalConnector.received_sigterm``: set on every rank to stop them all the same way.
+- ``PL_GLOBAL_SEED``: the seed of the DistributedSampler Lightning injects.
 - ``fit_loop.epoch_progress``: normalised after a resume from an epoch's last batch.
 - ``fit_loop._data_fetcher`` / ``CombinedLoader._iterator``: to put a plain (non-stateful)
   train loader back at its mid-epoch position.
@@ -16,6 +17,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -74,6 +76,14 @@ def restore_epoch_position(trainer: Any, batches_done: int) -> bool:
     combined = getattr(fetch_loop, "_combined_loader", None)
     if fetcher is None or combined is None or getattr(fetcher, "length", None) is None:
         return False
+    if batches_done:
+        # Lightning sets the sampler epoch at the epoch's start (on_advance_start), which a
+        # mid-epoch restart skips; the skipped batches must come from this epoch's shuffle.
+        epoch = trainer.fit_loop.epoch_progress.current.processed
+        for loader in combined.flattened:
+            for sampler in (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)):
+                if hasattr(sampler, "set_epoch"):
+                    sampler.set_epoch(epoch)
     iter(fetcher)  # a new iterator, drawing the same seeds as the interrupted run's did
     mode_iterator = getattr(combined, "_iterator", None)
     iterators = getattr(mode_iterator, "iterators", None)
@@ -93,6 +103,27 @@ def mark_epoch_started(trainer: Any) -> None:
     if progress.started == progress.completed:
         trainer.fit_loop.epoch_progress.increment_ready()
         trainer.fit_loop.epoch_progress.increment_started()
+
+
+# seed_everything() leaves the seed in the environment, and Lightning seeds the DistributedSampler
+# it injects from there: a resumed run with another seed would shuffle differently.
+SEED_ENV_VARS = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")
+
+
+def seed_environment() -> dict[str, str]:
+    return {name: os.environ[name] for name in SEED_ENV_VARS if name in os.environ}
+
+
+def restore_seed_environment(saved: dict[str, str]) -> None:
+    for name, value in saved.items():
+        if os.environ.get(name) != value:
+            log.info(
+                "spot_callbacks: %s=%s restored from the checkpoint (was %s)",
+                name,
+                value,
+                os.environ.get(name),
+            )
+            os.environ[name] = value
 
 
 def loaders_are_stateful(trainer: Any) -> bool:

@@ -185,7 +185,9 @@ class SpotConfig:
             if key not in accepted:
                 close = difflib.get_close_matches(str(key), accepted, n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise ConfigError(f"unknown key {key!r} in {source}{hint}; accepted keys: {', '.join(accepted)}")
+                raise ConfigError(
+                    f"unknown key {key!r} in {source}{hint}; accepted keys: {', '.join(accepted)}"
+                )
         if "dirpath" not in values:
             raise ConfigError(f"{source} has no 'dirpath'; set it to an fsspec URL or a local folder")
         return cls(**values)
@@ -235,7 +237,9 @@ def _check_dirpath(dirpath: Any) -> str:
 
 
 def _normalize_interval(interval: Any) -> float | str | None:
-    if interval is None or (isinstance(interval, str) and interval.strip().lower() in ("none", "null", "off")):
+    if interval is None or (
+        isinstance(interval, str) and interval.strip().lower() in ("none", "null", "off")
+    ):
         return None
     if isinstance(interval, str) and interval.strip().lower() == "auto":
         return "auto"
@@ -269,7 +273,9 @@ def _check_storage_options(value: Any) -> dict[str, Any] | None:
                 'such as \'{"endpoint_url": "http://127.0.0.1:9000"}\''
             ) from None
     if not isinstance(value, dict):
-        raise ConfigError(f"storage_options must be a dict (or a JSON object string), got {type(value).__name__}")
+        raise ConfigError(
+            f"storage_options must be a dict (or a JSON object string), got {type(value).__name__}"
+        )
     return dict(value)
 
 
@@ -302,6 +308,11 @@ def _normalize_preemption(value: Any) -> str | list[str]:
 def _check_rate(value: Any) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
         raise ConfigError(f"interruptions_per_hour={value!r} must be a number >= 0 (e.g. 0.05) or None")
     return float(value)

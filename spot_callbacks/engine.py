@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,10 +23,16 @@ from typing import Any
 import torch.distributed as dist
 
 from spot_callbacks.config import SpotConfig
-from spot_callbacks.persist import PersistError, Persister, PersistJob, PersistRecord, default_scratch_root
-from spot_callbacks.preemption import Notice, PreemptionWatcher, resolve_sources
+from spot_callbacks.persist import Persister, PersistError, PersistJob, PersistRecord, default_scratch_root
+from spot_callbacks.preemption import Notice, PreemptionWatcher, resolve_sources, signal_grace_s
 from spot_callbacks.snapshot import StagingArea, write_state
-from spot_callbacks.store import CheckpointInfo, CheckpointStore, step_dirname
+from spot_callbacks.store import (
+    CheckpointInfo,
+    CheckpointStore,
+    CorruptCheckpointError,
+    ManifestError,
+    step_dirname,
+)
 from spot_callbacks.trigger import CheckpointTrigger, agree, distributed_ready
 
 log = logging.getLogger("spot_callbacks")
@@ -119,7 +126,9 @@ class SpotEngine:
 
     # ------------------------------------------------------- lifecycle
     def start(self) -> None:
-        """Install notice sources; call once training is about to run."""
+        """Install notice sources and start the interval clock; call once training is about to run."""
+        # The interval counts training time, not the set-up before it (model build, a long pull).
+        self.trigger.mark_checkpoint()
         self.watcher.start()
 
     def stop(self) -> None:
@@ -134,7 +143,11 @@ class SpotEngine:
         notice = self.watcher.notice
         interval, steps, noticed = agree(local == "interval", local == "steps", notice is not None)
         if noticed:
-            return Decision("preemption", notice or Notice("another rank", None, "notice seen by another rank"))
+            # A notice seen only by another rank carries no deadline here: assume a signal's grace.
+            return Decision(
+                "preemption",
+                notice or Notice("another rank", time.time() + signal_grace_s(), "seen by another rank"),
+            )
         if step == self.last_saved_step:
             return Decision(None)
         if interval:
@@ -169,7 +182,9 @@ class SpotEngine:
                     framework=self.framework,
                     local_dir=local_dir,
                     epoch=epoch,
-                    write=lambda folder, staged=staged: {STATE_FILE: write_state(staged, folder / STATE_FILE)},
+                    write=lambda folder, staged=staged: {
+                        STATE_FILE: write_state(staged, folder / STATE_FILE)
+                    },
                     on_written=staged.release,
                     metrics={"stall_s": round(stall_s, 6), "staged_bytes": staged.nbytes},
                     extra=extra or {},
@@ -189,7 +204,12 @@ class SpotEngine:
         owns_folder: bool = False,
         extra: dict[str, Any] | None = None,
     ) -> None:
-        """Persist a checkpoint folder the framework has already written (for example HF's ``checkpoint-N``)."""
+        """Persist a checkpoint folder the framework has already written (for example HF's ``checkpoint-N``).
+
+        Call it on every rank: each rank may have written files into the folder (HF's
+        ``rng_state_{rank}.pth``), so the writer submits only after every rank got here.
+        """
+        self.barrier()
         if self.is_writer:
             self.persister.submit(
                 PersistJob(
@@ -252,27 +272,35 @@ class SpotEngine:
     def finish(self, timeout: float | None = None) -> None:
         """Wait for every upload, stop the workers; raise the first persist failure, if any."""
         self.stop()
+        failures: list[PersistError] = []
         if self._persister is not None:
             self._persister.close(timeout=timeout)
             failures = self._persister.failures
-            if failures:
-                raise failures[-1]
+            self._persister = None  # a later fit() gets a fresh one
         self.barrier()
+        if failures:
+            raise failures[-1]
 
     # --------------------------------------------------------- resuming
-    def pull_latest(self) -> Path | None:
+    def pull_latest(self, dest: Callable[[int], Path] | None = None) -> Path | None:
         """Resolve the newest committed checkpoint, pull it once per node, return its local folder.
 
         Every rank gets the same answer (rank 0 decides); ``None`` when nothing is committed.
+        ``dest(step)`` names the local folder (default: ``step-N`` in scratch); a folder that
+        already holds exactly this checkpoint is not downloaded again.
         """
         started = time.perf_counter()
-        info = self.store.latest() if self.rank == 0 else None
+
+        def folder_for(step: int) -> Path:
+            return Path(dest(step)) if dest is not None else self.scratch_root / step_dirname(step)
+
+        info = self._pull_newest_valid(folder_for) if self.rank == 0 else None
         info = _broadcast_object(info)
         if info is None:
             log.info("spot_callbacks: no committed checkpoint in %s; starting from scratch", self.store.url)
             return None
-        local_dir = self.scratch_root / step_dirname(info.step)
-        if self.local_rank == 0:
+        local_dir = folder_for(info.step)
+        if self.local_rank == 0 and self.rank != 0:  # the other nodes pull what rank 0 chose
             self.store.pull(info.step, local_dir)
         self.barrier()
         self.resumed = ResumeInfo(info, local_dir, time.perf_counter() - started)
@@ -282,9 +310,37 @@ class SpotEngine:
         )  # fmt: skip
         return local_dir
 
+    def _pull_newest_valid(self, folder_for: Callable[[int], Path]) -> CheckpointInfo | None:
+        """Pull the newest checkpoint that downloads intact; a damaged one is skipped for the previous."""
+        candidate = self.store.latest()
+        while candidate is not None:
+            try:
+                self.store.pull(candidate.step, folder_for(candidate.step))
+                return candidate
+            except (CorruptCheckpointError, ManifestError) as err:
+                log.warning(
+                    "spot_callbacks: skipping %s: %s; trying the previous checkpoint", candidate.url, err
+                )
+                older = [info for info in self.store.committed() if info.step < candidate.step]
+                candidate = None
+                for info in reversed(older):
+                    try:
+                        self.store.check_sizes(info)
+                    except CorruptCheckpointError as size_error:
+                        log.warning("spot_callbacks: skipping %s: %s", info.url, size_error)
+                        continue
+                    candidate = info
+                    break
+        return None
+
     # ------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
-        return {"trigger": self.trigger.state_dict()}
+    def state_dict(self, at_checkpoint: bool = False) -> dict[str, Any]:
+        """The state to resume with. ``at_checkpoint``: it is stored in the checkpoint being taken
+        now, so a run resumed from it starts its interval clock at zero (not one interval late)."""
+        trigger = self.trigger.state_dict()
+        if at_checkpoint:
+            trigger["elapsed_s"] = 0.0
+        return {"trigger": trigger}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "trigger" in state:

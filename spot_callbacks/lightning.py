@@ -45,7 +45,9 @@ def _mine(per_rank: list[Any]) -> Any:
 
 def build_spot_checkpoint(pl: types.ModuleType) -> type:
     """The SpotCheckpoint class for a Lightning package (``lightning.pytorch`` or ``pytorch_lightning``)."""
-    from_pkg = __import__(f"{pl.__name__}.trainer.connectors.checkpoint_connector", fromlist=["_CheckpointConnector"])
+    from_pkg = __import__(
+        f"{pl.__name__}.trainer.connectors.checkpoint_connector", fromlist=["_CheckpointConnector"]
+    )
     exceptions = __import__(f"{pl.__name__}.utilities.exceptions", fromlist=["SIGTERMException"])
     states = __import__(f"{pl.__name__}.trainer.states", fromlist=["TrainerFn"])
     SIGTERMException = exceptions.SIGTERMException  # noqa: N806
@@ -104,6 +106,7 @@ def build_spot_checkpoint(pl: types.ModuleType) -> type:
             self._epoch_iterator_exists = False
             self._batches_done_in_epoch = 0
             self._resume_state: dict[str, Any] | None = None
+            self._saving = False
 
         @classmethod
         def from_yaml(cls, path: str | os.PathLike[str]) -> SpotCheckpoint:
@@ -131,7 +134,9 @@ def build_spot_checkpoint(pl: types.ModuleType) -> type:
             if local_dir is None:
                 return None
             # We put plain loaders back at their mid-epoch position ourselves (on_train_start).
-            warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
+            warnings.filterwarnings(
+                "ignore", message="You're resuming from a checkpoint that ended before the epoch"
+            )
             return os.fspath(local_dir / STATE_FILE)
 
         def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
@@ -139,6 +144,10 @@ def build_spot_checkpoint(pl: types.ModuleType) -> type:
             self._epoch_start_rng = capture_rng_state()
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            # Lightning's SIGTERM handler (installed just before this hook) runs a broadcast inside
+            # the handler, which deadlocks DDP when the signal reaches a rank other than 0. Ours
+            # only records the notice; all ranks then agree at the next step boundary.
+            self.engine.watcher.reassert()
             self._epoch_iterator_exists = True
             if self._resume_state is not None:
                 self._restore_position(trainer, self._resume_state)
@@ -155,7 +164,9 @@ def build_spot_checkpoint(pl: types.ModuleType) -> type:
             self._epoch_iterator_exists = False
 
         # ------------------------------------------------------ stepping
-        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        def on_train_batch_end(
+            self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+        ) -> None:
             self._batches_done_in_epoch = batch_idx + 1
             at_step_boundary = (batch_idx + 1) % trainer.accumulate_grad_batches == 0 or (
                 batch_idx + 1 == trainer.num_training_batches
@@ -163,15 +174,17 @@ def build_spot_checkpoint(pl: types.ModuleType) -> type:
             if not at_step_boundary:
                 return
             for failure in self.engine.new_failures():
-                log.error("spot_callbacks: %s; training continues, the last committed checkpoint stands", failure)
+                log.error(
+                    "spot_callbacks: %s; training continues, the last committed checkpoint stands", failure
+                )
             self._step_boundary(trainer)
 
         def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
             # A notice that arrives during validation inside an epoch is handled before Lightning
             # raises SIGTERMException at the end of the batch.
-            if trainer.state.fn == states.TrainerFn.FITTING and not trainer.sanity_checking:
-                if trainer.received_sigterm or self.engine.watcher.notice is not None:
-                    self._step_boundary(trainer)
+            fitting = trainer.state.fn == states.TrainerFn.FITTING and not trainer.sanity_checking
+            if fitting and (trainer.received_sigterm or self.engine.watcher.notice is not None):
+                self._step_boundary(trainer)
 
         def _step_boundary(self, trainer: Any) -> None:
             step = trainer.global_step
@@ -185,7 +198,11 @@ def build_spot_checkpoint(pl: types.ModuleType) -> type:
                 self._save(trainer, decision.reason)
 
         def _save(self, trainer: Any, reason: str) -> None:
-            checkpoint = compat.dump_checkpoint(trainer)
+            self._saving = True
+            try:
+                checkpoint = compat.dump_checkpoint(trainer)
+            finally:
+                self._saving = False
             self.engine.save_state(trainer.global_step, trainer.current_epoch, checkpoint, reason)
             self._log(trainer, {"spot/stall_s": self.engine.last_stall_s})
 
@@ -240,14 +257,17 @@ def build_spot_checkpoint(pl: types.ModuleType) -> type:
         def state_dict(self) -> dict[str, Any]:
             return {
                 "format": STATE_FORMAT,
-                "engine": self.engine.state_dict(),
+                # Inside our own save the clock restarts with this checkpoint; in anyone else's it runs on.
+                "engine": self.engine.state_dict(at_checkpoint=self._saving),
                 "rng": _gather(capture_rng_state()),
                 "epoch_start_rng": _gather(self._epoch_start_rng),
                 "batches_done_in_epoch": self._batches_done_in_epoch,
+                "seed_environment": compat.seed_environment(),
             }
 
         def load_state_dict(self, state_dict: dict[str, Any]) -> None:
             self.engine.load_state_dict(state_dict.get("engine", {}))
+            compat.restore_seed_environment(state_dict.get("seed_environment", {}))
             self._resume_state = state_dict
 
         def _restore_position(self, trainer: Any, state: dict[str, Any]) -> None:
@@ -294,9 +314,12 @@ def build_spot_checkpoint(pl: types.ModuleType) -> type:
                     logger.log_metrics(values, step=trainer.global_step)
 
     compat.install_last_alias(
-        from_pkg._CheckpointConnector, lambda cb: getattr(cb, "_spot_checkpoint", False), states.TrainerFn.FITTING
+        from_pkg._CheckpointConnector,
+        lambda cb: getattr(cb, "_spot_checkpoint", False),
+        states.TrainerFn.FITTING,
     )
     SpotCheckpoint.__module__ = __name__
+    SpotCheckpoint.__qualname__ = "SpotCheckpoint"
     return SpotCheckpoint
 
 

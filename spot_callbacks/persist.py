@@ -88,7 +88,9 @@ def default_scratch_root(store_url: str, scratch_dir: str | None = None) -> Path
 
     Runs are kept apart by a short hash of the store URL, so two runs can share a scratch disk.
     """
-    base = scratch_dir or os.environ.get("SPOT_SCRATCH") or os.path.join(tempfile.gettempdir(), "spot_callbacks")
+    base = (
+        scratch_dir or os.environ.get("SPOT_SCRATCH") or os.path.join(tempfile.gettempdir(), "spot_callbacks")
+    )
     run_key = hashlib.sha256(store_url.encode()).hexdigest()[:12]
     return Path(base).expanduser() / run_key
 
@@ -223,7 +225,9 @@ class Persister:
     def _upload_loop(self) -> None:
         while True:
             with self._cond:
-                while self._to_upload is None and not (self._closed and not self._to_write and not self._busy_writing):
+                while self._to_upload is None and not (
+                    self._closed and not self._to_write and not self._busy_writing
+                ):
                     self._cond.wait()
                 if self._to_upload is None:
                     return
@@ -252,7 +256,9 @@ class Persister:
             extra=job.extra,
         )
         upload_s = time.perf_counter() - started
-        record = PersistRecord(info, self._write_times.pop(job.step, 0.0), upload_s, info.size_bytes, queued_s)
+        record = PersistRecord(
+            info, self._write_times.pop(job.step, 0.0), upload_s, info.size_bytes, queued_s
+        )
         with self._cond:
             self.records.append(record)
             self.last_committed = info
@@ -264,7 +270,11 @@ class Persister:
         try:
             self.store.prune(self.keep_last)
         except Exception as err:  # noqa: BLE001 - retention failing must not fail the commit
-            log.warning("spot_callbacks: retention in %s failed, will retry after the next commit: %s", self.store.url, err)
+            log.warning(
+                "spot_callbacks: retention in %s failed, will retry after the next commit: %s",
+                self.store.url,
+                err,
+            )
 
     def _keep_local(self, job: PersistJob) -> None:
         if not job.owns_local_dir:

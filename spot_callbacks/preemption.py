@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -39,7 +40,9 @@ def signal_grace_s() -> float:
     try:
         return float(raw) if raw else DEFAULT_SIGNAL_GRACE_S
     except ValueError:
-        log.warning("spot_callbacks: SPOT_SIGNAL_GRACE_S=%r is not a number; using %.0fs", raw, DEFAULT_SIGNAL_GRACE_S)
+        log.warning(
+            "spot_callbacks: SPOT_SIGNAL_GRACE_S=%r is not a number; using %.0fs", raw, DEFAULT_SIGNAL_GRACE_S
+        )
         return DEFAULT_SIGNAL_GRACE_S
 
 
@@ -69,6 +72,7 @@ class PreemptionWatcher:
         self._notice: Notice | None = None
         self._lock = threading.Lock()
         self._previous: dict[int, Any] = {}
+        self._handlers: dict[int, Any] = {}
 
     @property
     def notice(self) -> Notice | None:
@@ -93,13 +97,22 @@ class PreemptionWatcher:
             if name in SIGNAL_SOURCES:
                 self._install_signal(getattr(signal, name))
 
+    def reassert(self) -> None:
+        """Put our handlers back in front after a framework replaced them with its own.
+
+        They still chain to whatever was installed before :meth:`start`.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum, handler in self._handlers.items():
+            signal.signal(signum, handler)
+
     def stop(self) -> None:
         for signum, previous in self._previous.items():
-            try:
+            with contextlib.suppress(ValueError, OSError):  # not the main thread any more
                 signal.signal(signum, previous)
-            except (ValueError, OSError):  # not the main thread any more
-                pass
         self._previous.clear()
+        self._handlers.clear()
 
     def _install_signal(self, signum: int) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -113,4 +126,5 @@ class PreemptionWatcher:
             if callable(previous):
                 previous(received, frame)
 
+        self._handlers[signum] = handler
         signal.signal(signum, handler)

@@ -98,10 +98,15 @@ class StagingArea:
         """
         started = time.perf_counter()
         if not self._in_use.acquire(timeout=timeout):
-            raise TimeoutError("the previous checkpoint is still being written to scratch; staging buffers are busy")
+            raise TimeoutError(
+                "the previous checkpoint is still being written to scratch; staging buffers are busy"
+            )
         self.last_wait_s = time.perf_counter() - started
         if self.last_wait_s > 0.05:
-            log.info("spot_callbacks: waited %.2fs for the previous checkpoint to leave the staging buffers", self.last_wait_s)
+            log.info(
+                "spot_callbacks: waited %.2fs for the previous checkpoint to leave the staging buffers",
+                self.last_wait_s,
+            )
         try:
             context = _StageContext(self)
             staged = context.copy(state, ())
@@ -117,7 +122,12 @@ class StagingArea:
     def _buffer_for(self, path: tuple[Any, ...], tensor: torch.Tensor) -> torch.Tensor:
         buffer = self._buffers.get(path)
         pin = self._pin_memory and tensor.device.type == "cuda"
-        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype or buffer.is_pinned() != pin:
+        if (
+            buffer is None
+            or buffer.shape != tensor.shape
+            or buffer.dtype != tensor.dtype
+            or buffer.is_pinned() != pin
+        ):
             buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
             self._buffers[path] = buffer
         return buffer

@@ -8,6 +8,7 @@ checksum. Retention deletes a manifest before the payload it describes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -142,7 +143,9 @@ def _check_relative_name(name: Any) -> str:
         or any(part in ("", ".", "..") for part in name.split("/"))
         or name == MANIFEST_NAME
     ):
-        raise ManifestError(f"payload name {name!r} is not a plain relative path inside the checkpoint folder")
+        raise ManifestError(
+            f"payload name {name!r} is not a plain relative path inside the checkpoint folder"
+        )
     return name
 
 
@@ -163,7 +166,9 @@ def parse_manifest(raw: bytes, step: int, url: str) -> CheckpointInfo:
             f"reads ({FORMAT_VERSION}); upgrade spot_callbacks to use it"
         )
     if doc.get("step") != step:
-        raise ManifestError(f"{url}/{MANIFEST_NAME} says step {doc.get('step')!r} but lies in the folder of step {step}")
+        raise ManifestError(
+            f"{url}/{MANIFEST_NAME} says step {doc.get('step')!r} but lies in the folder of step {step}"
+        )
     files_doc = doc.get("files")
     if not isinstance(files_doc, dict):
         raise ManifestError(f"{url}/{MANIFEST_NAME} has no 'files' table")
@@ -266,7 +271,9 @@ class CheckpointStore:
     def step_folders(self) -> dict[int, str]:
         """Every ``step-N`` folder under the run, committed or not (one listing)."""
         try:
-            entries = self.retry.call(lambda: self.fs.ls(self.root, detail=False, refresh=True), f"list {self.url}")
+            entries = self.retry.call(
+                lambda: self.fs.ls(self.root, detail=False, refresh=True), f"list {self.url}"
+            )
         except FileNotFoundError:
             return {}
         except TypeError:  # filesystems whose ls() takes no refresh argument
@@ -308,7 +315,11 @@ class CheckpointStore:
             result = self.fs.cat(paths, on_error="return")
             if len(paths) == 1 and not isinstance(result, dict):
                 result = {paths[0]: result}
-            retryable = [e for e in result.values() if isinstance(e, Exception) and not isinstance(e, FileNotFoundError)]
+            retryable = [
+                e
+                for e in result.values()
+                if isinstance(e, Exception) and not isinstance(e, FileNotFoundError)
+            ]
             if retryable:
                 raise retryable[0]
             return result
@@ -337,7 +348,8 @@ class CheckpointStore:
                 self.check_sizes(info)
             except CorruptCheckpointError as err:
                 self._warn_once(
-                    info.step, f"spot_callbacks: skipping damaged checkpoint {info.url}: {err}; trying the previous one"
+                    info.step,
+                    f"spot_callbacks: skipping damaged checkpoint {info.url}: {err}; trying the previous one",
                 )
                 continue
             return info
@@ -482,7 +494,9 @@ class CheckpointStore:
         remote = posixpath.join(self.step_path(step), name)
         if self.is_local:
             self.fs.makedirs(posixpath.dirname(remote), exist_ok=True)
-        self.retry.call(lambda: self.fs.put_file(os.fspath(local_path), remote), f"upload {self.step_url(step)}/{name}")
+        self.retry.call(
+            lambda: self.fs.put_file(os.fspath(local_path), remote), f"upload {self.step_url(step)}/{name}"
+        )
         if self.is_local:
             _fsync_file(remote)
 
@@ -495,7 +509,9 @@ class CheckpointStore:
         if self.is_local:
             self._commit_local(path, raw)
         else:
-            self.retry.call(lambda: self.fs.pipe_file(path, raw), f"write {self.step_url(step)}/{MANIFEST_NAME}")
+            self.retry.call(
+                lambda: self.fs.pipe_file(path, raw), f"write {self.step_url(step)}/{MANIFEST_NAME}"
+            )
         return info
 
     def _commit_local(self, path: str, raw: bytes) -> None:
@@ -544,7 +560,9 @@ class CheckpointStore:
             return name, digest
 
         files = dict(_run_parallel(upload, names))
-        manifest = new_manifest(step, files, reason=reason, framework=framework, epoch=epoch, metrics=metrics, extra=extra)
+        manifest = new_manifest(
+            step, files, reason=reason, framework=framework, epoch=epoch, metrics=metrics, extra=extra
+        )
         return self.commit(manifest)
 
     # ---------------------------------------------------------------- deleting
@@ -595,10 +613,8 @@ class CheckpointStore:
 
     def _remove_tree(self, folder: str) -> None:
         def remove() -> None:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 self.fs.rm(folder, recursive=True)
-            except FileNotFoundError:
-                pass
 
         self.retry.call(remove, f"delete {self.url_of(folder)}")
 

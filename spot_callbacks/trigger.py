@@ -83,7 +83,11 @@ class CheckpointTrigger:
             self.interval_s = new
 
     def state_dict(self) -> dict[str, Any]:
-        return {"elapsed_s": self.elapsed_s, "interval_s": self.interval_s, "costs_s": list(self._checkpoint_costs_s)}
+        return {
+            "elapsed_s": self.elapsed_s,
+            "interval_s": self.interval_s,
+            "costs_s": list(self._checkpoint_costs_s),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._last_checkpoint_at = self._clock() - float(state.get("elapsed_s", 0.0))
@@ -111,7 +115,9 @@ def agree(rank0_interval_due: bool, steps_due: bool, notice_seen: bool) -> tuple
     if not distributed_ready():
         return rank0_interval_due, steps_due, notice_seen
     interval_flag = rank0_interval_due if dist.get_rank() == 0 else False
-    flags = torch.tensor([interval_flag, steps_due, notice_seen], dtype=torch.int32, device=_collective_device())
+    flags = torch.tensor(
+        [interval_flag, steps_due, notice_seen], dtype=torch.int32, device=_collective_device()
+    )
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     interval, steps, notice = (bool(v) for v in flags.tolist())
     return interval, steps, notice

@@ -68,6 +68,9 @@ SERVER_START_TIMEOUT_S = 60.0  # deadline for one server to answer HTTP after sp
 PORT_ATTEMPTS = 3  # re-pick the port if a server dies early (lost the free-port race)
 _PORT_IN_USE = re.compile(r"address already in use|EADDRINUSE|Errno 98", re.IGNORECASE)
 
+# Subprocess entry points, not test modules (they parse arguments at import).
+collect_ignore_glob = ["scripts/*"]
+
 BACKENDS = ("file", "memory", "s3", "az", "gs")
 REMOTE_BACKENDS = ("s3", "az", "gs")
 

@@ -96,7 +96,9 @@ def test_yaml_round_trip_and_unknown_key_suggests_the_right_one(tmp_path):
 
 
 def test_credentials_never_appear_in_repr():
-    cfg = SpotConfig(dirpath="s3://b/r", storage_options={"key": "AKIA-SECRET-1234", "secret": "s3cr3t-VALUE"})
+    cfg = SpotConfig(
+        dirpath="s3://b/r", storage_options={"key": "AKIA-SECRET-1234", "secret": "s3cr3t-VALUE"}
+    )
     text = repr(cfg) + str(cfg.redacted())
     assert "AKIA-SECRET-1234" not in text and "s3cr3t-VALUE" not in text
     assert cfg.storage_options["secret"] == "s3cr3t-VALUE"
@@ -109,9 +111,12 @@ def test_storage_options_accept_a_json_string():
 
 def test_hf_argument_parser_reads_spot_config_from_yaml_and_command_line(tmp_path):
     import transformers
+
     parser = transformers.HfArgumentParser(SpotConfig)
     path = tmp_path / "hf.yaml"
-    path.write_text("dirpath: gs://bucket/run\ninterval: 15min\nevery_n_steps: 100\non_preemption: continue\n")
+    path.write_text(
+        "dirpath: gs://bucket/run\ninterval: 15min\nevery_n_steps: 100\non_preemption: continue\n"
+    )
     (cfg,) = parser.parse_yaml_file(str(path))
     assert (cfg.interval_seconds, cfg.every_n_steps, cfg.on_preemption) == (900, 100, "continue")
 
@@ -125,6 +130,7 @@ def test_hf_argument_parser_reads_spot_config_from_yaml_and_command_line(tmp_pat
 
 def test_jsonargparse_reads_spot_config(tmp_path):
     import jsonargparse
+
     parser = jsonargparse.ArgumentParser(exit_on_error=False)
     parser.add_class_arguments(SpotConfig, "spot")
     path = tmp_path / "cfg.yaml"

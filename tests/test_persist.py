@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from faultfs import FaultyFileSystem
 
-from spot_callbacks import CheckpointStore, PersistError, Persister, PersistJob, RetryPolicy
+from spot_callbacks import CheckpointStore, Persister, PersistError, PersistJob, RetryPolicy
 from spot_callbacks.persist import default_scratch_root
 from spot_callbacks.store import MANIFEST_NAME
 
@@ -25,7 +25,9 @@ def folder_for(tmp_path: Path, step: int, size: int = 4096) -> Path:
 
 
 def job(tmp_path: Path, step: int, **kw) -> PersistJob:
-    return PersistJob(step=step, reason="interval", framework="test", local_dir=folder_for(tmp_path, step), **kw)
+    return PersistJob(
+        step=step, reason="interval", framework="test", local_dir=folder_for(tmp_path, step), **kw
+    )
 
 
 @pytest.fixture

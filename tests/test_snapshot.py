@@ -32,7 +32,7 @@ def assert_same(a, b):
             assert_same(a[key], b[key])
     elif isinstance(a, (list, tuple)):
         assert type(a) is type(b) and len(a) == len(b)
-        for x, y in zip(a, b):
+        for x, y in zip(a, b, strict=True):
             assert_same(x, y)
     else:
         assert a == b
@@ -46,7 +46,9 @@ def test_staged_state_is_a_frozen_copy_and_round_trips(tmp_path):
     area = StagingArea()
     staged = area.stage(state)
     optim_tensors = [t for s in optimizer.state_dict()["state"].values() for t in s.values()]
-    assert staged.nbytes == sum(t.numel() * t.element_size() for t in [*model.state_dict().values(), *optim_tensors])
+    assert staged.nbytes == sum(
+        t.numel() * t.element_size() for t in [*model.state_dict().values(), *optim_tensors]
+    )
 
     with torch.no_grad():  # training goes on after the snapshot returned
         for p in model.parameters():
@@ -96,7 +98,10 @@ def test_tied_weights_stay_tied_and_are_staged_once(tmp_path):
     write_state(staged, tmp_path / "tied.pt")
     staged.release()
     loaded = load_state(tmp_path / "tied.pt")
-    assert loaded["emb.weight"].untyped_storage().data_ptr() == loaded["head.weight"].untyped_storage().data_ptr()
+    assert (
+        loaded["emb.weight"].untyped_storage().data_ptr()
+        == loaded["head.weight"].untyped_storage().data_ptr()
+    )
 
 
 def test_a_new_snapshot_waits_until_the_previous_one_is_released():

@@ -101,7 +101,9 @@ def test_truncated_payload_is_skipped_by_latest_and_fails_verify(store, tmp_path
 
     with caplog.at_level(logging.WARNING, logger="spot_callbacks"):
         assert store.latest().step == 1
-    assert any("skipping damaged checkpoint" in r.message and step_dirname(2) in r.message for r in caplog.records)
+    assert any(
+        "skipping damaged checkpoint" in r.message and step_dirname(2) in r.message for r in caplog.records
+    )
     with pytest.raises(CorruptCheckpointError, match=r"state\.pt is 100 bytes but the manifest says 3000"):
         store.verify(2)
     assert [i.step for i in store.committed()] == [1, 2]  # skipped, never silently deleted

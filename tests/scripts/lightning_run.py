@@ -7,14 +7,35 @@ resume. Sends itself SIGTERM at ``--sigterm-at-step`` (a real signal, mid-epoch 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import signal
 import sys
 
-import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--dirpath")
+parser.add_argument("--out", required=True)
+parser.add_argument("--seed", type=int, default=1)
+parser.add_argument("--sigterm-at-step", type=int, default=-1)
+parser.add_argument("--sigterm-rank", type=int, default=0)
+parser.add_argument("--num-workers", type=int, default=0)
+parser.add_argument("--max-epochs", type=int, default=3)
+parser.add_argument("--every-n-steps", type=int, default=None)
+parser.add_argument("--ckpt-path", default="latest")
+parser.add_argument("--storage-options", default="{}")
+parser.add_argument("--devices", type=int, default=1)
+parser.add_argument("--stateful-loader", action="store_true")
+parser.add_argument(
+    "--package", default="lightning.pytorch", choices=["lightning.pytorch", "pytorch_lightning"]
+)
+parser.add_argument("--logger-dir")
+args = parser.parse_args()
+
+pl = importlib.import_module(args.package)
 
 
 class Net(pl.LightningModule):
@@ -34,47 +55,72 @@ class Net(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+class ResumableLoader:
+    """A loader with state_dict()/load_state_dict(), as torchdata's StatefulDataLoader offers."""
+
+    def __init__(self, dataset, batch_size: int) -> None:
+        self.dataset, self.batch_size = dataset, batch_size
+        self.epoch, self.position, self._resume_at = 0, 0, 0
+
+    def __len__(self) -> int:
+        return len(self.dataset) // self.batch_size
+
+    def __iter__(self):
+        order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(100 + self.epoch))
+        start, self._resume_at = self._resume_at, 0
+        for position in range(start, len(self)):
+            self.position = position
+            index = order[position * self.batch_size : (position + 1) * self.batch_size]
+            yield self.dataset[index]
+            self.position = position + 1
+        self.epoch += 1
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state):
+        self.epoch, self._resume_at = state["epoch"], state["position"]
+
+
 class SelfSigterm(pl.Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, rank: int) -> None:
+        self.step, self.rank, self.sent = step, rank, False
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_step == self.step and not getattr(self, "sent", False):
+        if trainer.global_step == self.step and trainer.global_rank == self.rank and not self.sent:
             self.sent = True
             os.kill(os.getpid(), signal.SIGTERM)  # arrives inside the step, like a real notice
 
 
 class PrintBatches(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        print(f"BATCH e={trainer.current_epoch} i={batch_idx} g={trainer.global_step} x={batch[0][0, 0].item():.4f}",
-              flush=True)
+        print(
+            f"BATCH r={trainer.global_rank} e={trainer.current_epoch} i={batch_idx} g={trainer.global_step} "
+            f"x={batch[0][0, 0].item():.4f} rng={torch.get_rng_state().float().sum().item():.0f}",
+            flush=True,
+        )
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--dirpath")
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--sigterm-at-step", type=int, default=-1)
-    parser.add_argument("--num-workers", type=int, default=0)
-    parser.add_argument("--max-epochs", type=int, default=3)
-    parser.add_argument("--every-n-steps", type=int, default=None)
-    parser.add_argument("--ckpt-path", default="latest")
-    parser.add_argument("--storage-options", default="{}")
-    args = parser.parse_args()
-
     pl.seed_everything(args.seed, workers=True)
-    torch.manual_seed(args.seed)
     data_gen = torch.Generator().manual_seed(1234)  # the data set itself is fixed
     x = torch.randn(320, 16, generator=data_gen)
     y = x.sum(dim=1, keepdim=True) + 0.1 * torch.randn(320, 1, generator=data_gen)
-    loader = DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True, num_workers=args.num_workers)
+    dataset = TensorDataset(x, y)
+    if args.stateful_loader:
+        loader = ResumableLoader(dataset, batch_size=32)
+    else:
+        loader = DataLoader(dataset, batch_size=32, shuffle=True, num_workers=args.num_workers)
 
     callbacks: list = []
     spot = None
     if args.dirpath:
-        from spot_callbacks.lightning import SpotCheckpoint
-
+        module = (
+            "spot_callbacks.lightning"
+            if args.package == "lightning.pytorch"
+            else "spot_callbacks.pytorch_lightning"
+        )
+        SpotCheckpoint = importlib.import_module(module).SpotCheckpoint  # noqa: N806
         spot = SpotCheckpoint(
             dirpath=args.dirpath, interval=None, every_n_steps=args.every_n_steps, keep_last=2,
             storage_options=json.loads(args.storage_options),
@@ -83,17 +129,21 @@ def main() -> int:
     if os.environ.get("PRINT_BATCHES"):
         callbacks.append(PrintBatches())
     if args.sigterm_at_step >= 0:
-        callbacks.append(SelfSigterm(args.sigterm_at_step))
+        callbacks.append(SelfSigterm(args.sigterm_at_step, args.sigterm_rank))
     torch.manual_seed(0)  # the model's initial weights do not depend on --seed
     model = Net()
     torch.manual_seed(args.seed)
+    logger = pl.loggers.CSVLogger(args.logger_dir, name="run") if args.logger_dir else False
     trainer = pl.Trainer(
-        max_epochs=args.max_epochs, callbacks=callbacks, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=bool(spot), accelerator="cpu", devices=1,
+        max_epochs=args.max_epochs, callbacks=callbacks, logger=logger, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=bool(spot), accelerator="cpu", devices=args.devices,
+        strategy="ddp" if args.devices > 1 else "auto", log_every_n_steps=1, use_distributed_sampler=True,
     )  # fmt: skip
     trainer.fit(model, loader, ckpt_path=args.ckpt_path if spot else None)
-    torch.save({k: v.clone() for k, v in model.state_dict().items()}, args.out)
-    print(json.dumps({"global_step": trainer.global_step, "preempted": bool(spot and spot.preempted)}), flush=True)
+    if trainer.is_global_zero:
+        torch.save({k: v.clone() for k, v in model.state_dict().items()}, args.out)
+    print(json.dumps({"global_step": trainer.global_step, "rank": trainer.global_rank,
+                      "preempted": bool(spot and spot.preempted)}), flush=True)  # fmt: skip
     return 143 if spot and spot.preempted else 0
 
 

@@ -1,0 +1,141 @@
+"""A small Hugging Face Trainer run for the resume tests (run as a subprocess, or under torchrun).
+
+A tiny GPT-2 (dropout on) built from a config, a shuffled synthetic token data set and a linear
+LR schedule: everything that breaks a naive resume. Sends itself SIGTERM at ``--sigterm-at-step``
+(a real signal, arriving inside a step, like a real notice). ``--out`` may contain ``{rank}``.
+Prints one JSON line; exits 143 when the callback stopped training for a preemption.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+
+import torch
+import transformers
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dirpath")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--output-dir", required=True, help="the Trainer's local output_dir")
+    parser.add_argument(
+        "--seed", type=int, default=1, help="TrainingArguments.seed: the process RNG, not the data order"
+    )
+    parser.add_argument("--sigterm-at-step", type=int, default=-1)
+    parser.add_argument("--sigterm-rank", type=int, default=0)
+    parser.add_argument("--max-steps", type=int, default=40)
+    parser.add_argument("--every-n-steps", type=int, default=None)
+    parser.add_argument("--interval", default=None)
+    parser.add_argument("--resume", choices=["latest", "true", "none"], default="latest")
+    parser.add_argument("--save-strategy", default="no")
+    parser.add_argument("--jit", action="store_true", help="TrainingArguments(enable_jit_checkpoint=True)")
+    parser.add_argument("--storage-options", default="{}")
+    return parser.parse_args(argv)
+
+
+class TokenData(torch.utils.data.Dataset):
+    """Fixed random token sequences (the data set never depends on --seed)."""
+
+    def __init__(self, samples: int = 256, length: int = 16, vocab: int = 128) -> None:
+        self.tokens = torch.randint(
+            0, vocab, (samples, length), generator=torch.Generator().manual_seed(1234)
+        )
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.tokens[index], "labels": self.tokens[index]}
+
+
+class SelfSigterm(transformers.TrainerCallback):
+    def __init__(self, step: int, rank: int) -> None:
+        self.step, self.rank, self.sent = step, rank, False
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.step and args.process_index == self.rank and not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+class RecordSaves(transformers.TrainerCallback):
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def on_save(self, args, state, control, **kwargs):
+        self.steps.append(state.global_step)
+
+
+def build_model() -> transformers.GPT2LMHeadModel:
+    torch.manual_seed(0)  # the initial weights do not depend on --seed
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32, bos_token_id=0, eos_token_id=0
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+def main() -> int:
+    args = parse_args()
+    model = build_model()
+    training_args = transformers.TrainingArguments(
+        output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=8,
+        learning_rate=5e-3, lr_scheduler_type="linear", warmup_steps=3, seed=args.seed, data_seed=7,
+        save_strategy=args.save_strategy, save_steps=10, logging_steps=5, report_to=[], use_cpu=True,
+        dataloader_num_workers=0, disable_tqdm=True, enable_jit_checkpoint=args.jit,
+    )  # fmt: skip
+    spot = None
+    callbacks: list = [RecordSaves()]
+    if args.dirpath:
+        from spot_callbacks.hf import PREEMPTED_EXIT_CODE, SpotCheckpointCallback
+
+        spot = SpotCheckpointCallback(
+            dirpath=args.dirpath, interval=args.interval, every_n_steps=args.every_n_steps, keep_last=3,
+            storage_options=json.loads(args.storage_options), preemption=["SIGTERM"],
+        )  # fmt: skip
+        callbacks.append(spot)
+    if args.sigterm_at_step >= 0:
+        callbacks.append(SelfSigterm(args.sigterm_at_step, args.sigterm_rank))
+    trainer = transformers.Trainer(
+        model=model, args=training_args, train_dataset=TokenData(), callbacks=callbacks
+    )
+    resume = None
+    if spot is not None and args.resume == "latest":
+        resume = spot.latest()
+    elif args.resume == "true":
+        resume = True
+    trainer.train(resume_from_checkpoint=resume)
+
+    rank = training_args.process_index
+    jit_fired = any(isinstance(t, threading.Timer) for t in threading.enumerate())
+    if args.jit:
+        jit = next(
+            cb for cb in trainer.callback_handler.callbacks if type(cb).__name__ == "JITCheckpointCallback"
+        )
+        jit_fired = jit_fired or jit.jit_manager.is_checkpoint_requested
+    out = args.out.format(rank=rank)
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out)
+    result = {
+        "rank": rank,
+        "global_step": trainer.state.global_step,
+        "preempted": bool(spot and spot.preempted),
+        "resumed_from": resume if isinstance(resume, (str, bool)) else None,
+        "saves": callbacks[0].steps,
+        "jit_fired": jit_fired,
+        "log_keys": sorted({key for entry in trainer.state.log_history for key in entry}),
+    }
+    print(json.dumps(result), flush=True)
+    with open(f"{out}.json", "w") as handle:
+        json.dump(result, handle)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # every rank has written its result before any exits
+    return PREEMPTED_EXIT_CODE if spot and spot.preempted else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
