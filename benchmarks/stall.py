@@ -275,12 +275,18 @@ class Probe(pl.Callback):
     """
 
     def __init__(
-        self, every_n: int, recorder: Recorder, settle: Callable[[pl.Trainer], None], quiet_cores: float
+        self,
+        every_n: int,
+        recorder: Recorder,
+        settle: Callable[[pl.Trainer], None],
+        quiet_cores: float,
+        quiet_timeout_s: float,
     ) -> None:
         self.every_n = every_n
         self.recorder = recorder
         self.settle = settle
         self.quiet_cores = quiet_cores
+        self.quiet_timeout_s = quiet_timeout_s
         self.period_started: float | None = None
         self.quiet_steps: set[int] = set()
 
@@ -307,7 +313,7 @@ class Probe(pl.Callback):
             started = time.perf_counter()
             os.sync()
             self.recorder.record("settle: sync", time.perf_counter() - started, ckpt_step)
-            waited, load = wait_quiet(self.quiet_cores)
+            waited, load = wait_quiet(self.quiet_cores, timeout_s=self.quiet_timeout_s)
             self.recorder.record("settle: quiet wait", waited, ckpt_step)
             self.recorder.record("others' load before (cores)", load, ckpt_step)
         if step % self.every_n in (self.every_n - 2, self.every_n - 1):
@@ -375,7 +381,7 @@ def run_lightning(ctx: Context, make_setup: Callable[[Context, Recorder], Lightn
     loader = torch.utils.data.DataLoader(data, batch_size=args.batch, shuffle=False, num_workers=0)
     recorder = Recorder()
     setup = make_setup(ctx, recorder)
-    probe = Probe(args.every_n, recorder, setup.settle, args.quiet_cores)
+    probe = Probe(args.every_n, recorder, setup.settle, args.quiet_cores, args.quiet_timeout)
     probe.time_hook(setup.timed)
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -674,6 +680,7 @@ HEADERS = (
     "blocked s (median)",
     "× floor",
     "min–max s",
+    "min × floor",
     "first ckpt s",
     "later ckpts s",
     "engine.last_stall_s",
@@ -687,6 +694,7 @@ HEADERS = (
 def rows_for(summaries: list[Summary], ckpts: int) -> list[list[str]]:
     floor = next((s for s in summaries if s.variant.name == FLOOR), None)
     floor_median = med(floor.blocked) if floor else None
+    floor_min = min(floor.blocked) if floor and floor.blocked else None
     rows = []
     for s in summaries:
         blocked = med(s.blocked)
@@ -698,6 +706,7 @@ def rows_for(summaries: list[Summary], ckpts: int) -> list[list[str]]:
                 fmt(blocked),
                 "–" if ratio is None else f"{ratio:.2f}×",
                 f"{min(s.blocked):.3f}–{max(s.blocked):.3f}" if s.blocked else "–",
+                f"{min(s.blocked) / floor_min:.2f}×" if s.blocked and floor_min else "–",
                 fmt(med(s.first_blocked)),
                 fmt(med(s.later_blocked)),
                 fmt(med(s.part("engine.last_stall_s"))),
@@ -782,7 +791,9 @@ def markdown_section(
         f"- Versions: {env[1]}",
         f"- Command: `python benchmarks/stall.py --size-mb {args.size_mb:g} --width {args.width} "
         f"--batch {args.batch} --every-n {args.every_n} --ckpts {args.ckpts} --rounds {args.rounds} "
-        f"--variants {','.join(args.variants)}` ({wall_s:.0f}s)",
+        f"--quiet-cores {args.quiet_cores:g} --quiet-timeout {args.quiet_timeout:g} "
+        + (f"--threads {args.threads} " if args.threads else "")
+        + f"--variants {','.join(args.variants)}` ({wall_s:.0f}s); torch threads {torch.get_num_threads()}",
         f"- State: {depth} × Linear({args.width}, {args.width}) fp32 + AdamW moments = {nbytes / 1e6:.0f} MB; "
         f"CPU, batch {args.batch}; a checkpoint every {args.every_n} steps, {args.ckpts} per fit, "
         f"{args.rounds} rounds (order reversed on odd rounds) → {args.ckpts * args.rounds} checkpoints per variant. "
@@ -790,9 +801,11 @@ def markdown_section(
         "- Blocked = wall time inside the checkpoint callback's `on_train_batch_end` on checkpoint steps "
         "(hook wrapped on the instance). Each interval ends with two quiet steps and the checkpoint step: "
         "before them the previous checkpoint's background work is waited for, dirty pages are synced and "
-        f"other processes are waited on until they use < {args.quiet_cores:g} cores (up to 20 s; all untimed). "
+        f"other processes are waited on until they use < {args.quiet_cores:g} cores (up to {args.quiet_timeout:g} s; "
+        "all untimed). "
         "Step excess = checkpoint step period − median quiet step period. Others' CPU = CPU other "
-        "processes used during the hook (/proc/stat), in cores: > 0.3 means the sample was contended. "
+        "processes used during the hook (/proc/stat, 10 ms ticks: coarse for short hooks), in cores. "
+        "Min × floor = best sample / best floor sample (the least disturbed pair). "
         "First ckpt = first of each fit (pays one-off allocations).",
         "",
         *markdown_table(HEADERS, rows_for(summaries, args.ckpts)),
@@ -826,7 +839,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--quiet-cores",
         type=float,
         default=0.3,
-        help="before each checkpoint, wait (≤ 20 s) until other processes use fewer cores than this (default 0.3)",
+        help="before each checkpoint, wait until other processes use fewer cores than this (default 0.3)",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch intra-op threads (default: torch's choice)"
+    )
+    parser.add_argument(
+        "--quiet-timeout", type=float, default=5.0, help="longest wait for a quiet machine, s (default 5)"
     )
     parser.add_argument("--scratch", default=tempfile.gettempdir(), help="where the temp folder goes")
     parser.add_argument("--no-append", action="store_true", help="print only; do not append to BENCHMARKS.md")
@@ -873,6 +892,8 @@ def check_resources(scratch: Path, nbytes: int, args: argparse.Namespace) -> Non
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     quiet_lightning()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     env = (machine_line(), versions_line(("torch", "lightning", "fsspec", "s3fs", "moto", "xxhash")))
     depth = depth_for(int(args.size_mb * 1e6), args.width)
     nbytes = state_bytes(args.width, depth)

@@ -5,6 +5,8 @@ Add one callback (``spot_callbacks.lightning.SpotCheckpoint`` or
 The names below are the shared core the adapters stand on.
 """
 
+import logging as _logging
+
 from spot_callbacks.checksums import FileDigest
 from spot_callbacks.config import ConfigError, SpotConfig, parse_duration
 from spot_callbacks.persist import Persister, PersistError, PersistJob, PersistRecord
@@ -20,6 +22,14 @@ from spot_callbacks.store import (
 )
 
 __version__ = "0.1.0"
+
+# As Lightning does for its own logger: info lines (resumed from, committed, skipped) are shown
+# unless the application configured logging itself.
+_logger = _logging.getLogger(__name__)
+_logger.setLevel(_logging.INFO)
+if not _logging.getLogger().hasHandlers():
+    _logger.addHandler(_logging.StreamHandler())
+    _logger.propagate = False
 
 __all__ = [
     "CheckpointError",

@@ -69,10 +69,8 @@ class ResumableLoader:
         order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(100 + self.epoch))
         start, self._resume_at = self._resume_at, 0
         for position in range(start, len(self)):
-            self.position = position
-            index = order[position * self.batch_size : (position + 1) * self.batch_size]
-            yield self.dataset[index]
-            self.position = position + 1
+            self.position = position + 1  # batches handed out, as the trainer has them now
+            yield self.dataset[order[position * self.batch_size : (position + 1) * self.batch_size]]
         self.epoch += 1
 
     def state_dict(self):
