@@ -89,7 +89,9 @@ def default_scratch_root(store_url: str, scratch_dir: str | None = None) -> Path
     Runs are kept apart by a short hash of the store URL, so two runs can share a scratch disk.
     """
     base = (
-        scratch_dir or os.environ.get("SPOT_SCRATCH") or os.path.join(tempfile.gettempdir(), "spot_callbacks")
+        scratch_dir
+        or os.environ.get("SPOT_SCRATCH")
+        or os.path.join(tempfile.gettempdir(), "spot-callbacks-scratch")
     )
     run_key = hashlib.sha256(store_url.encode()).hexdigest()[:12]
     return Path(base).expanduser() / run_key

@@ -44,7 +44,9 @@ def interrupted_then_resumed(tmp_path, url, options, sigterm_steps, extra=()) ->
     common = ["--dirpath", url, "--storage-options", json.dumps(options), "--out", str(out), *extra]
     for index, step in enumerate(sigterm_steps):
         seed = "1" if index == 0 else str(100 + index)  # resumed runs get another seed_everything
-        done = run_training(tmp_path, *common, "--seed", seed, "--sigterm-at-step", str(step), scratch=f"i{index}")
+        done = run_training(
+            tmp_path, *common, "--seed", seed, "--sigterm-at-step", str(step), scratch=f"i{index}"
+        )
         assert done.returncode == 143, done.stdout[-2000:] + done.stderr[-4000:]
         assert "emergency checkpoint committed" in done.stderr
         assert '"global_step"' not in done.stdout  # fit() ended the process (SystemExit 143)
@@ -65,7 +67,9 @@ def baseline(tmp_path_factory):
         if extra not in cache:
             folder = tmp_path_factory.mktemp("baseline")
             out = folder / "final.pt"
-            done = run_training(folder, "--dirpath", str(folder / "run"), "--out", str(out), *extra, scratch="b")
+            done = run_training(
+                folder, "--dirpath", str(folder / "run"), "--out", str(out), *extra, scratch="b"
+            )
             assert done.returncode == 0, done.stderr[-4000:]
             cache[extra] = final_weights(out)
         return cache[extra]
@@ -79,7 +83,9 @@ def baseline(tmp_path_factory):
     [pytest.param([7], id="mid-epoch"), pytest.param([9], id="last-batch-of-epoch"),
      pytest.param([5, 19, 22], id="three-interruptions")],
 )  # fmt: skip
-def test_sigterm_to_s3_and_resume_on_a_fresh_machine_is_bit_identical(tmp_path, s3_server, baseline, sigterm_steps):
+def test_sigterm_to_s3_and_resume_on_a_fresh_machine_is_bit_identical(
+    tmp_path, s3_server, baseline, sigterm_steps
+):
     url = f"s3://{s3_server.bucket}/lightning-{tmp_path.name}"
     resumed = interrupted_then_resumed(tmp_path, url, s3_server.storage_options, sigterm_steps)
     assert_bit_identical(baseline(), resumed)
@@ -87,7 +93,9 @@ def test_sigterm_to_s3_and_resume_on_a_fresh_machine_is_bit_identical(tmp_path, 
 
 @pytest.mark.slow
 def test_resume_with_two_loader_workers_is_bit_identical(tmp_path, baseline):
-    resumed = interrupted_then_resumed(tmp_path, str(tmp_path / "run"), {}, [12], extra=["--num-workers", "2"])
+    resumed = interrupted_then_resumed(
+        tmp_path, str(tmp_path / "run"), {}, [12], extra=["--num-workers", "2"]
+    )
     assert_bit_identical(baseline("--num-workers", "2"), resumed)
 
 
@@ -100,7 +108,9 @@ def test_resume_with_a_stateful_loader_is_bit_identical(tmp_path, baseline):
 @pytest.mark.slow
 def test_ddp_sigterm_to_one_rank_checkpoints_every_rank_at_the_same_step(tmp_path, baseline):
     url = str(tmp_path / "run")
-    resumed = interrupted_then_resumed(tmp_path, url, {}, [7], extra=["--devices", "2", "--sigterm-rank", "1"])
+    resumed = interrupted_then_resumed(
+        tmp_path, url, {}, [7], extra=["--devices", "2", "--sigterm-rank", "1"]
+    )
     assert_bit_identical(baseline("--devices", "2"), resumed)
     [info] = CheckpointStore(url).committed()[-1:]
     assert info.reason == "end" and info.step == 15  # 160 samples per rank, batch 32, 3 epochs
@@ -108,7 +118,9 @@ def test_ddp_sigterm_to_one_rank_checkpoints_every_rank_at_the_same_step(tmp_pat
 
 @pytest.mark.slow
 def test_standalone_pytorch_lightning_package_gets_the_same_callback(tmp_path, baseline):
-    resumed = interrupted_then_resumed(tmp_path, str(tmp_path / "run"), {}, [7], extra=["--package", "pytorch_lightning"])
+    resumed = interrupted_then_resumed(
+        tmp_path, str(tmp_path / "run"), {}, [7], extra=["--package", "pytorch_lightning"]
+    )
     assert_bit_identical(baseline(), resumed)  # same math, same weights as lightning.pytorch
 
 
@@ -145,8 +157,17 @@ def test_ckpt_path_last_resolves_to_the_newest_committed_remote_checkpoint(tmp_p
 
 @pytest.mark.slow
 def test_checkpoint_metrics_reach_the_trainer_logger(tmp_path):
-    args = ["--dirpath", str(tmp_path / "run"), "--every-n-steps", "5", "--logger-dir", str(tmp_path / "logs")]
-    first = run_training(tmp_path, *args, "--out", str(tmp_path / "a.pt"), "--sigterm-at-step", "12", scratch="1")
+    args = [
+        "--dirpath",
+        str(tmp_path / "run"),
+        "--every-n-steps",
+        "5",
+        "--logger-dir",
+        str(tmp_path / "logs"),
+    ]
+    first = run_training(
+        tmp_path, *args, "--out", str(tmp_path / "a.pt"), "--sigterm-at-step", "12", scratch="1"
+    )
     assert first.returncode == 143
     second = run_training(tmp_path, *args, "--out", str(tmp_path / "b.pt"), scratch="2")
     assert second.returncode == 0

@@ -1,0 +1,85 @@
+"""SpotEngine and its trigger: decisions, the interval clock, resume fallbacks."""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+
+import torch
+
+from spot_callbacks import SpotConfig
+from spot_callbacks.engine import STATE_FILE, SpotEngine
+from spot_callbacks.preemption import Notice
+from spot_callbacks.trigger import CheckpointTrigger
+
+
+def engine_for(tmp_path, **kw) -> SpotEngine:
+    config = SpotConfig(
+        dirpath=str(tmp_path / "run"), scratch_dir=str(tmp_path / "scratch"), preemption=[], **kw
+    )
+    return SpotEngine(config, framework="test")
+
+
+def test_interval_clock_survives_a_resume_and_steps_trigger():
+    now = [100.0]
+    trigger = CheckpointTrigger(interval_s=60, every_n_steps=5, clock=lambda: now[0])
+    now[0] = 140.0
+    assert trigger.due(step=3) is None and trigger.due(step=5) == "steps"
+    state = trigger.state_dict()
+    resumed = CheckpointTrigger(interval_s=60, every_n_steps=None, clock=lambda: now[0])
+    resumed.load_state_dict(state)  # 40 s were already spent before the interruption
+    now[0] = 161.0
+    assert resumed.due(step=7) == "interval"
+
+
+def test_auto_interval_follows_the_measured_cost_and_rate():
+    trigger = CheckpointTrigger(None, None, auto=True, interruptions_per_hour=1.0, clock=lambda: 0.0)
+    trigger.mark_checkpoint(cost_s=8.0)
+    young = (2 * 8.0 * 3600) ** 0.5  # 240 s; Daly adds a small correction below it
+    assert young - 10 < trigger.interval_s < young
+    cheap = CheckpointTrigger(None, None, auto=True, interruptions_per_hour=1.0, clock=lambda: 0.0)
+    cheap.mark_checkpoint(cost_s=0.001)
+    assert cheap.interval_s == 60.0  # clamped to the minimum
+
+
+def test_decide_save_and_preemption(tmp_path):
+    engine = engine_for(tmp_path, interval=None, every_n_steps=2)
+    engine.start()
+    assert not engine.decide(1).save and engine.decide(2).reason == "steps"
+    engine.save_state(2, 0, {"w": torch.ones(3)}, reason="steps")
+    assert not engine.decide(2).save  # never twice for one step
+    decision = engine.decide(3, extra_notice=Notice("SIGTERM", None))
+    assert decision.reason == "preemption" and decision.notice.source == "SIGTERM"
+    engine.finish()
+    assert engine.store.latest().step == 2
+
+
+def test_pull_latest_skips_a_checkpoint_whose_bytes_fail_their_checksums(tmp_path, caplog):
+    engine = engine_for(tmp_path, interval=None)
+    engine.start()
+    for step in (10, 20):
+        engine.save_state(step, 0, {"w": torch.full((1000,), float(step))}, reason="steps")
+        engine.wait_for_commit()
+    engine.finish()
+    store = engine.store
+    path = posixpath.join(store.step_path(20), STATE_FILE)
+    data = bytearray(store.fs.cat_file(path))
+    data[len(data) // 2] ^= 0xFF  # same size, different bytes: only a checksum sees it
+    store.fs.pipe_file(path, bytes(data))
+
+    fresh = engine_for(tmp_path / "other-machine", interval=None)
+    fresh.store = store
+    with caplog.at_level(logging.WARNING, logger="spot_callbacks"):
+        local = fresh.pull_latest()
+    assert local is not None and local.name == "step-000000010"
+    assert torch.load(local / STATE_FILE, weights_only=True)["w"][0].item() == 10.0
+    assert any("skipping" in r.message and "step-000000020" in r.message for r in caplog.records)
+
+
+def test_a_second_fit_gets_a_fresh_persister(tmp_path):
+    engine = engine_for(tmp_path, interval=None)
+    for round_step in (1, 2):
+        engine.start()
+        engine.save_state(round_step, 0, {"w": torch.zeros(1)}, reason="end")
+        engine.finish()
+    assert [i.step for i in engine.store.committed()] == [1, 2]
