@@ -11,7 +11,6 @@ from spot_callbacks.checksums import FileDigest
 from spot_callbacks.config import ConfigError, SpotConfig, parse_duration
 from spot_callbacks.persist import Persister, PersistError, PersistJob, PersistRecord
 from spot_callbacks.retry import RetryPolicy
-from spot_callbacks.snapshot import StagedState, StagingArea, UnsafeCheckpointError, load_state, write_state
 from spot_callbacks.store import (
     CheckpointError,
     CheckpointInfo,
@@ -22,6 +21,18 @@ from spot_callbacks.store import (
 )
 
 __version__ = "0.1.0"
+
+# Imported on first use: they need torch, which the command line and the store do not.
+_SNAPSHOT_NAMES = {"StagedState", "StagingArea", "UnsafeCheckpointError", "load_state", "write_state"}
+
+
+def __getattr__(name: str):  # noqa: ANN202 - PEP 562 lazy attribute
+    if name in _SNAPSHOT_NAMES:
+        from spot_callbacks import snapshot
+
+        return getattr(snapshot, name)
+    raise AttributeError(f"module 'spot_callbacks' has no attribute {name!r}")
+
 
 # As Lightning does for its own logger: info lines (resumed from, committed, skipped) are shown
 # unless the application configured logging itself.
