@@ -15,20 +15,26 @@ moto S3 server on loopback. Variants, each a fresh model and ``Trainer`` per fit
 * ``mc-async`` -- the same with ``Trainer(plugins=[AsyncCheckpointIO()])``.
 
 **Blocked time** = wall time inside the checkpointing callback's ``on_train_batch_end`` on the
-checkpoint steps (the hook is wrapped on the instance, so it is timed where Lightning calls it).
-Cross-check: the checkpoint step's period minus the median period of the same fit's other steps
-("step excess"). Before every checkpoint step, the previous checkpoint's background work (upload,
-async write) is waited for *outside* the timed region, so each checkpoint starts from an idle
-pipeline, as with realistic (minutes-long) intervals. After each fit the bucket is listed: every
-remote variant must have left ``--ckpts`` full-size ``*.ckpt`` objects (and, for ``spot``, as many
-committed manifests); otherwise the variant is flagged. The prefix is deleted after each fit.
+checkpoint steps (the hook is wrapped on the instance, so it is timed where Lightning calls it),
+with the process CPU time, minor page faults and the CPU other processes used meanwhile. Each
+interval of N steps ends with two *quiet* steps and the checkpoint step: before them (untimed) the
+previous checkpoint's background work (upload, async write) is waited for, dirty pages are synced
+and the machine is waited on (up to ``--quiet-timeout``) until other processes are quiet, so each
+checkpoint starts from an idle pipeline, as with realistic (minutes-long) intervals. Cross-check:
+"step excess" = checkpoint step period − median quiet step period. For ``spot`` the hook is split
+into ``dump_checkpoint`` / ``StagingArea.stage`` (tensor copies vs deep copies of other leaves,
+staging-lock wait) / the rest. After each fit the bucket is listed: every remote variant must
+have left ``--ckpts`` full-size ``*.ckpt`` objects (and, for ``spot``, as many committed
+manifests); otherwise the variant is flagged. The prefix is deleted after each fit.
 
 Variants run in rounds, in reverse order on odd rounds, to spread drift and noise. The table
-reports medians over all checkpoints of all rounds, and the ratio to the ``floor-clone`` median.
+reports medians over all checkpoints of all rounds, the ratio to the ``floor-clone`` median, and
+the ratio of the best samples. On a machine other processes load, pass ``--threads 1``: torch's
+multi-threaded copies then wait on their slowest thread and vary 10-50×.
 
 Usage::
 
-    python benchmarks/stall.py [--size-mb 600] [--every-n 5] [--ckpts 3] [--rounds 2]
+    python benchmarks/stall.py [--size-mb 600] [--every-n 5] [--ckpts 3] [--rounds 2] [--threads 1]
                                [--variants floor-clone,floor-copy,spot,mc-sync,mc-async] [--no-append]
 
 Adding a variant: write a ``run(ctx) -> FitResult`` (one training run that makes ``ctx.ckpts``
@@ -248,6 +254,13 @@ def cpu_ticks() -> tuple[int, int]:
 def others_cpu_s(before: tuple[int, int], after: tuple[int, int]) -> float:
     """CPU seconds other processes (and the kernel) used between two :func:`cpu_ticks` readings."""
     return max((after[0] - before[0]) - (after[1] - before[1]), 0) / CLOCK_TICKS
+
+
+def load_average() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "unknown"
 
 
 def wait_quiet(
@@ -780,6 +793,7 @@ def markdown_section(
     nbytes: int,
     env: tuple[str, str],
     wall_s: float,
+    loadavg: tuple[str, str],
 ) -> str:
     now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     flagged = [s.variant.name for s in summaries if s.flagged]
@@ -807,6 +821,8 @@ def markdown_section(
         "processes used during the hook (/proc/stat, 10 ms ticks: coarse for short hooks), in cores. "
         "Min × floor = best sample / best floor sample (the least disturbed pair). "
         "First ckpt = first of each fit (pays one-off allocations).",
+        f"- Load average (1/5/15 min) at start: {loadavg[0]}; at end: {loadavg[1]}.",
+        *([f"- Note: {args.note}"] if args.note else []),
         "",
         *markdown_table(HEADERS, rows_for(summaries, args.ckpts)),
         "",
@@ -842,8 +858,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="before each checkpoint, wait until other processes use fewer cores than this (default 0.3)",
     )
     parser.add_argument(
-        "--threads", type=int, default=0, help="torch intra-op threads (default: torch's choice)"
+        "--threads",
+        type=int,
+        default=0,
+        help="torch intra-op threads (default: torch's choice). On a box other processes load, use 1: "
+        "multi-threaded copies then wait on their slowest thread and vary 10-50×",
     )
+    parser.add_argument("--note", default="", help="a line added to the BENCHMARKS.md section")
     parser.add_argument(
         "--quiet-timeout", type=float, default=5.0, help="longest wait for a quiet machine, s (default 5)"
     )
@@ -901,6 +922,7 @@ def main(argv: list[str] | None = None) -> int:
     check_resources(scratch_root, nbytes, args)
     scratch = Path(tempfile.mkdtemp(prefix="spot-bench-stall-", dir=scratch_root))
     began = time.perf_counter()
+    load_start = load_average()
     fits: dict[str, list[FitResult]] = {name: [] for name in args.variants}
     try:
         with moto_server(scratch) as endpoint:
@@ -951,6 +973,8 @@ def main(argv: list[str] | None = None) -> int:
                     )
         summaries = [Summary(VARIANTS[name], fits[name]) for name in args.variants]
         wall_s = time.perf_counter() - began
+        loadavg = (load_start, load_average())
+        print(f"load average at start {loadavg[0]}, at end {loadavg[1]}")
         title = (
             f"{BENCH_NAME} ({nbytes / 1e6:.0f} MB state, {args.ckpts * args.rounds} checkpoints per variant)"
         )
@@ -965,7 +989,7 @@ def main(argv: list[str] | None = None) -> int:
         print(verdict(summaries).replace("**", ""))
         print(f"total time {wall_s:.0f}s")
         if not args.no_append:
-            path = append_markdown(markdown_section(summaries, args, depth, nbytes, env, wall_s))
+            path = append_markdown(markdown_section(summaries, args, depth, nbytes, env, wall_s, loadavg))
             print(f"appended to {path}")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

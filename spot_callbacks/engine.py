@@ -17,14 +17,18 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
+from spot_callbacks.checksums import FileDigest
 from spot_callbacks.config import SpotConfig
+from spot_callbacks.costs import RunLedger, SlowdownMeter, finite_number, ledger_after_resume
 from spot_callbacks.persist import Persister, PersistError, PersistJob, PersistRecord, default_scratch_root
-from spot_callbacks.preemption import Notice, PreemptionWatcher, resolve_sources, signal_grace_s
+from spot_callbacks.preemption import Notice, PreemptionWatcher
+from spot_callbacks.report import RunHistory, format_rows, format_seconds, history_rows
 from spot_callbacks.snapshot import StagingArea, write_state
 from spot_callbacks.store import (
     CheckpointInfo,
@@ -61,6 +65,7 @@ class ResumeInfo:
     info: CheckpointInfo
     local_dir: Path
     pull_s: float
+    pulled_at: float = 0.0  # time.perf_counter() when the pull ended: the load is timed from here
 
 
 class SpotEngine:
@@ -91,7 +96,8 @@ class SpotEngine:
             auto=config.interval_is_auto,
             interruptions_per_hour=config.interruptions_per_hour,
         )
-        self.watcher = PreemptionWatcher(resolve_sources(config.preemption))
+        self.watcher = PreemptionWatcher.from_setting(config.preemption)
+        self._emergency_notice: Notice | None = None  # the notice every rank agreed on
         self.staging = StagingArea()
         self._persister: Persister | None = None
         self.last_saved_step: int | None = None
@@ -99,6 +105,15 @@ class SpotEngine:
         self.resumed: ResumeInfo | None = None
         self.preempted = False
         self._reported_records = 0
+        self._earlier_records: list[PersistRecord] = []  # of the persisters finish() closed
+        # Cost accounting (see costs.py): the lineage's ledger goes into every manifest.
+        self.ledger = RunLedger()
+        self.slowdown = SlowdownMeter()
+        self._created_at = time.time()  # a resume's downtime ends when this run's callback exists
+        self._train_base_s = 0.0
+        self._train_started_at: float | None = None
+        self._last_step_at: float | None = None
+        self._resume_recorded = False
 
     # ----------------------------------------------------------- ranks
     @property
@@ -129,6 +144,7 @@ class SpotEngine:
         """Install notice sources and start the interval clock; call once training is about to run."""
         # The interval counts training time, not the set-up before it (model build, a long pull).
         self.trigger.mark_checkpoint()
+        self._start_training_clock(self.ledger.train_s)
         self.watcher.start()
 
     def stop(self) -> None:
@@ -136,20 +152,32 @@ class SpotEngine:
 
     # -------------------------------------------------------- deciding
     def decide(self, step: int, extra_notice: Notice | None = None) -> Decision:
-        """One decision for every rank at an optimizer-step boundary (collective when distributed)."""
+        """One decision for every rank at an optimizer-step boundary (collective when distributed).
+
+        A notice seen by any rank is a preemption for all, with the earliest deadline any rank
+        knows; an early hint (AWS rebalance recommendation) is a normal checkpoint now.
+        """
         if extra_notice is not None:
             self.watcher.report(extra_notice)
+        self._time_step()
         local = self.trigger.due(step)
         notice = self.watcher.notice
-        interval, steps, noticed = agree(local == "interval", local == "steps", notice is not None)
-        if noticed:
-            # A notice seen only by another rank carries no deadline here: assume a signal's grace.
-            return Decision(
-                "preemption",
-                notice or Notice("another rank", time.time() + signal_grace_s(), "seen by another rank"),
-            )
+        hint = self.watcher.take_hint()
+        # One flag for both: the rare step that has either pays for one gather to tell them apart.
+        interval, steps, alerted = agree(
+            local == "interval", local == "steps", notice is not None or hint is not None
+        )
+        if alerted:
+            notice, hint = _agree_on_alerts(notice, hint)
+            if notice is not None:
+                self.watcher.report(notice)  # a rank that saw nothing adopts it
+                self._emergency_notice = notice
+                return Decision("preemption", notice)
         if step == self.last_saved_step:
             return Decision(None)
+        if hint is not None:
+            log.warning("spot_callbacks: checkpointing step %d now (reason 'interval'): %s", step, hint)
+            return Decision("interval")
         if interval:
             return Decision("interval")
         if steps:
@@ -175,6 +203,16 @@ class SpotEngine:
             staged = self.staging.stage(state)
             stall_s = time.perf_counter() - started
             local_dir = self.scratch_root / step_dirname(step)
+            metrics = {**self._account(reason, stall_s), "staged_bytes": staged.nbytes}
+
+            def write(
+                folder: Path, staged: Any = staged, metrics: dict[str, Any] = metrics
+            ) -> dict[str, FileDigest]:
+                write_started = time.perf_counter()
+                digests = {STATE_FILE: write_state(staged, folder / STATE_FILE)}
+                metrics["write_s"] = round(time.perf_counter() - write_started, 6)  # before the manifest
+                return digests
+
             self.persister.submit(
                 PersistJob(
                     step=step,
@@ -182,12 +220,15 @@ class SpotEngine:
                     framework=self.framework,
                     local_dir=local_dir,
                     epoch=epoch,
-                    write=lambda folder, staged=staged: {
-                        STATE_FILE: write_state(staged, folder / STATE_FILE)
-                    },
+                    write=write,
                     on_written=staged.release,
-                    metrics={"stall_s": round(stall_s, 6), "staged_bytes": staged.nbytes},
-                    extra=extra or {},
+                    metrics=metrics,
+                    extra={
+                        **(extra or {}),
+                        "ledger": self.ledger.to_json(),
+                        **self._preemption_extra(reason),
+                    },
+                    deadline=self._commit_deadline(reason),
                 )
             )
         stall_s = time.perf_counter() - started
@@ -219,41 +260,158 @@ class SpotEngine:
                     local_dir=Path(folder),
                     epoch=epoch,
                     owns_local_dir=owns_folder,
-                    metrics={"stall_s": round(stall_s, 6)},
-                    extra=extra or {},
+                    metrics=self._account(reason, stall_s),
+                    extra={
+                        **(extra or {}),
+                        "ledger": self.ledger.to_json(),
+                        **self._preemption_extra(reason),
+                    },
+                    deadline=self._commit_deadline(reason),
                 )
             )
         self._after_save(step, stall_s)
 
+    def _active_notice(self) -> Notice | None:
+        if self.watcher.notice is None:  # cleared: training went on after the emergency
+            return None
+        return self._emergency_notice or self.watcher.notice
+
+    def _commit_deadline(self, reason: str) -> float | None:
+        notice = self._active_notice() if reason == "preemption" else None
+        if notice is None or notice.deadline is None:
+            return None
+        return notice.deadline - EXIT_MARGIN_S
+
+    def _preemption_extra(self, reason: str) -> dict[str, Any]:
+        notice = self._active_notice() if reason == "preemption" else None
+        if notice is None:
+            return {}
+        return {
+            "preemption": {
+                "source": notice.source,
+                "detail": notice.detail,
+                "received": _utc(notice.received_at),
+                "deadline": _utc(notice.deadline) if notice.deadline is not None else None,
+            }
+        }
+
     def _after_save(self, step: int, stall_s: float) -> None:
         self.last_saved_step = step
         self.last_stall_s = stall_s
-        self.trigger.mark_checkpoint(cost_s=stall_s)
+        self.slowdown.checkpoint_taken()
+        self.trigger.observe_interruptions(self.ledger.interruptions, self.ledger.billed_s / 3600.0)
+        self.trigger.mark_checkpoint(cost_s=stall_s + self.slowdown.per_checkpoint_s())
+        self._last_step_at = time.perf_counter()  # the next step's time must not include this stall
+
+    # ----------------------------------------------------------- costs
+    def _account(self, reason: str, stall_s: float) -> dict[str, Any]:
+        """Add a checkpoint to the ledger; return what its manifest's ``metrics`` record (see costs.py)."""
+        slowdown_s = self.slowdown.per_checkpoint_s()
+        train_s = self.train_seconds()
+        self.ledger = self.ledger.add_checkpoint(reason, stall_s, train_s, slowdown_s)
+        return {
+            "stall_s": round(stall_s, 6),
+            "slowdown_s": round(slowdown_s, 6),
+            "train_s": round(train_s, 3),
+            "taken_at": round(time.time(), 3),
+            "interval_s": self.trigger.interval_s,
+        }
+
+    def _start_training_clock(self, train_s: float) -> None:
+        self._train_base_s = train_s
+        self._train_started_at = time.monotonic()
+        self._last_step_at = None
+
+    def train_seconds(self) -> float:
+        """Seconds of training in this run's lineage: the checkpoint resumed from's, plus this run's so far."""
+        if self._train_started_at is None:
+            return self.ledger.train_s
+        return self._train_base_s + time.monotonic() - self._train_started_at
+
+    def _time_step(self) -> None:
+        now = time.perf_counter()
+        if self._last_step_at is not None:
+            persisting = self._persister is not None and not self._persister.idle
+            self.slowdown.observe_step(now - self._last_step_at, persisting)
+        self._last_step_at = now
+
+    def _continue_ledger(self, state: dict[str, Any]) -> None:
+        """On a resume: continue the ledger of the checkpoint resumed from, with this resume in it."""
+        resumed = self.resumed
+        if resumed is not None and not self._resume_recorded:
+            self._resume_recorded = True
+            info = resumed.info
+            load_s = time.perf_counter() - resumed.pulled_at
+            self.ledger = ledger_after_resume(info, self._created_at, resumed.pull_s, load_s)
+            record = self.ledger.recent_resumes[-1]
+            self._start_training_clock(self.ledger.train_s)
+            lost = format_seconds(record.lost_work_s)
+            log.info(
+                "spot_callbacks: resumed after %s: pull %s, load %s, lost work %s, downtime %s",
+                info.reason, format_seconds(record.pull_s), format_seconds(record.load_s),
+                lost if record.lost_work_measured else f"<= {lost} (estimated: no emergency checkpoint)",
+                format_seconds(record.downtime_s),
+            )  # fmt: skip
+        else:
+            ledger = RunLedger.from_json(state.get("ledger"))
+            if ledger is None:
+                return
+            self.ledger = ledger
+            self._start_training_clock(finite_number(state.get("train_s")) or ledger.train_s)
+        self.trigger.observe_interruptions(self.ledger.interruptions, self.ledger.billed_s / 3600.0)
+
+    def cost_summary(self) -> str:
+        """The run's checkpoint costs on one screen; the adapters log it at the end of training."""
+        records = self._all_records()
+        history = RunHistory(
+            self.store.url,
+            self.ledger,
+            tuple(record.info for record in records),
+            at_hand="committed by this run",
+        )
+        rows = history_rows(history, records=records)
+        interval = format_seconds(self.trigger.interval_s) if self.trigger.interval_s else "off"
+        if self.trigger.auto:
+            rate, _ = self.trigger.interruption_rate()
+            interval += f" (auto, for {rate:.3g} interruptions/h)"
+        rows.append(("interval", interval))
+        return f"spot_callbacks: checkpoint costs of {self.store.url}\n{format_rows(rows)}"
+
+    def log_cost_summary(self) -> None:
+        """Log :meth:`cost_summary` on rank 0."""
+        if self.rank == 0:
+            log.info("%s", self.cost_summary())
 
     def wait_for_commit(self, notice: Notice | None = None, timeout: float | None = None) -> bool:
         """Block until every submitted checkpoint committed (writer) and all ranks know it.
 
-        With a ``notice`` the wait ends before its deadline (less a margin to exit). Logs how much
-        time was left at commit. Returns False if the wait ran out.
+        In an emergency (a ``notice``, or the one agreed at the last :meth:`decide`) only the newest
+        checkpoint is waited for, it goes ahead of older uploads (see
+        :func:`~spot_callbacks.persist.plan_emergency`), and the wait ends before the deadline (less
+        a margin to exit). Logs how long the emergency took and how much time was left. Once it has
+        committed and training is to stop, the cloud is told (Azure). Returns False if the wait ran out.
         """
+        notice = notice or self._active_notice()
         if notice is not None and notice.deadline is not None:
             left = notice.seconds_left() - EXIT_MARGIN_S
             timeout = left if timeout is None else min(timeout, left)
+        timeout = None if timeout is None else max(timeout, 0.0)
         finished = True
         if self.is_writer and self._persister is not None:
             started = time.perf_counter()
-            finished = self._persister.wait(timeout=None if timeout is None else max(timeout, 0.0))
-            waited = time.perf_counter() - started
-            if notice is not None:
-                left = notice.seconds_left()
-                if finished:
-                    log.warning(
-                        "spot_callbacks: emergency checkpoint committed in %.1fs%s",
-                        waited, f" with {left:.1f}s left before the deadline" if left is not None else "",
-                    )  # fmt: skip
-                else:
-                    log.error("spot_callbacks: the emergency checkpoint did not commit before the deadline")
+            step = self.last_saved_step
+            if notice is not None and step is not None:
+                if notice.deadline is not None:
+                    self._persister.expedite(step, notice.deadline - EXIT_MARGIN_S)
+                finished = self._persister.wait_for_step(step, timeout=timeout)
+                _log_emergency(step, notice, finished, time.perf_counter() - started)
+            else:
+                finished = self._persister.wait(timeout=timeout)
         self.barrier()
+        if notice is not None:
+            finished = bool(_broadcast_object(finished))
+            if finished and self.config.on_preemption == "stop":
+                self.watcher.acknowledge()
         return finished
 
     # --------------------------------------------------------- failures
@@ -262,10 +420,13 @@ class SpotEngine:
             return []
         return self._persister.new_failures()
 
+    def _all_records(self) -> list[PersistRecord]:
+        current = self._persister.records if self._persister is not None else []
+        return [*self._earlier_records, *current]
+
     def new_records(self) -> list[PersistRecord]:
-        if self._persister is None:
-            return []
-        records = self._persister.records[self._reported_records :]
+        """Commits not yet returned by this method, those made while :meth:`finish` waited included."""
+        records = self._all_records()[self._reported_records :]
         self._reported_records += len(records)
         return records
 
@@ -274,8 +435,16 @@ class SpotEngine:
         self.stop()
         failures: list[PersistError] = []
         if self._persister is not None:
-            self._persister.close(timeout=timeout)
+            notice = self._active_notice()
+            if timeout is None and notice is not None and notice.deadline is not None:
+                timeout = max(notice.seconds_left() - EXIT_MARGIN_S, 0.0)
+                step = self.last_saved_step
+                if step is not None and self._persister.wait_for_step(step, timeout=0):
+                    timeout = 0.0  # what still uploads is older than the committed emergency checkpoint
+            if not self._persister.close(timeout=timeout) and notice is not None:
+                log.warning("spot_callbacks: not waiting for older uploads still in flight at the preemption")
             failures = self._persister.failures
+            self._earlier_records.extend(self._persister.records)
             self._persister = None  # a later fit() gets a fresh one
         self.barrier()
         if failures:
@@ -303,7 +472,10 @@ class SpotEngine:
         if self.local_rank == 0 and self.rank != 0:  # the other nodes pull what rank 0 chose
             self.store.pull(info.step, local_dir)
         self.barrier()
-        self.resumed = ResumeInfo(info, local_dir, time.perf_counter() - started)
+        self.resumed = ResumeInfo(
+            info, local_dir, time.perf_counter() - started, pulled_at=time.perf_counter()
+        )
+        self._resume_recorded = False
         log.info(
             "spot_callbacks: resuming from %s (step %d, %s) pulled in %.1fs",
             info.url, info.step, info.reason, self.resumed.pull_s,
@@ -340,11 +512,52 @@ class SpotEngine:
         trigger = self.trigger.state_dict()
         if at_checkpoint:
             trigger["elapsed_s"] = 0.0
-        return {"trigger": trigger}
+        return {
+            "trigger": trigger,
+            "ledger": self.ledger.to_json(),
+            "train_s": round(self.train_seconds(), 3),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "trigger" in state:
             self.trigger.load_state_dict(state["trigger"])
+        self._continue_ledger(state)
+
+
+def _agree_on_alerts(notice: Notice | None, hint: str | None) -> tuple[Notice | None, str | None]:
+    """Every rank's notice and hint -> the same answer on all: the notice with the earliest deadline."""
+    if not distributed_ready():
+        return notice, hint
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (notice, hint))
+    notices = [n for n, _ in gathered if n is not None]
+    hints = [h for _, h in gathered if h is not None]
+    if not notices:
+        return None, hints[0] if hints else None
+    with_deadline = [n for n in notices if n.deadline is not None]
+    chosen = min(with_deadline, key=lambda n: n.deadline) if with_deadline else notices[0]
+    return chosen, None
+
+
+def _log_emergency(step: int, notice: Notice, committed: bool, waited_s: float) -> None:
+    since_notice_s = time.time() - notice.received_at
+    left = notice.seconds_left()
+    if committed:
+        log.warning(
+            "spot_callbacks: emergency checkpoint committed in %.1fs (step %d, %.1fs after the %s notice)%s",
+            waited_s, step, since_notice_s, notice.source,
+            f", {left:.1f}s left before the deadline" if left is not None else "",
+        )  # fmt: skip
+    else:
+        log.error(
+            "spot_callbacks: the emergency checkpoint of step %d did not commit before the deadline "
+            "(%.1fs after the %s notice%s); the newest committed checkpoint stays the resume point",
+            step, since_notice_s, notice.source, f", {left:.1f}s left" if left is not None else "",
+        )  # fmt: skip
+
+
+def _utc(epoch_s: float) -> str:
+    return datetime.fromtimestamp(epoch_s, tz=timezone.utc).isoformat()
 
 
 def _broadcast_object(value: Any) -> Any:

@@ -302,6 +302,7 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
         for record in self.engine.new_records():
             self._metrics["spot/persist_s"] = record.persist_s
             self._metrics["spot/persist_MBps"] = record.mb_per_s
+        self.engine.log_cost_summary()
 
     def _persist_jit_checkpoint(self, args: Any, state: Any) -> None:
         # enable_jit_checkpoint without SIGTERM among our notice sources: the Trainer saved on SIGTERM

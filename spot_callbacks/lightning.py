@@ -226,6 +226,7 @@ def build_spot_checkpoint(pl: types.ModuleType) -> type:
                 self._save(trainer, "end")
             self.engine.finish()
             self._log_persist_records(trainer)
+            self.engine.log_cost_summary()
 
         def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
             try:

@@ -4,6 +4,11 @@ Two worker threads form a pipeline. The *writer* runs each job's ``write`` (seri
 state into scratch) in submission order, so staging buffers are freed quickly. The *uploader*
 makes one checkpoint durable at a time and commits it (manifest last). When uploads fall behind,
 the newest written checkpoint wins: an older one still waiting for the uploader is dropped.
+
+An emergency checkpoint (a job with a ``deadline``) goes first: older jobs not yet uploading are
+dropped at once, and an upload already in flight is waited for only when the measured upload
+speed says both fit before the deadline (:func:`plan_emergency`); otherwise the emergency
+checkpoint is uploaded alongside it, at once.
 """
 
 from __future__ import annotations
@@ -22,9 +27,15 @@ from pathlib import Path
 from typing import Any
 
 from spot_callbacks.checksums import FileDigest
-from spot_callbacks.store import MANIFEST_NAME, CheckpointInfo, CheckpointStore
+from spot_callbacks.store import MANIFEST_NAME, CheckpointInfo, CheckpointStore, local_payload_names
 
 log = logging.getLogger("spot_callbacks")
+
+# An upload that has run this many times longer than its size predicts (plus the grace) is stalled
+# or throttled, and no estimate of its end holds.
+STALL_FACTOR = 3.0
+STALL_GRACE_S = 1.0
+SPEED_RECORDS = 3  # the upload speed is measured over the newest few commits
 
 
 class PersistError(RuntimeError):
@@ -47,7 +58,8 @@ class PersistJob:
 
     ``local_dir`` holds the payload files, or will once ``write`` has run in the background
     (``write`` returns the digests of what it wrote). ``on_written`` runs after ``write``,
-    whether it succeeded or not (release staging buffers there).
+    whether it succeeded or not (release staging buffers there). ``deadline`` (epoch seconds)
+    makes it an emergency checkpoint that must commit by then: older checkpoints give way.
     """
 
     step: int
@@ -61,6 +73,7 @@ class PersistJob:
     metrics: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
     owns_local_dir: bool = True
+    deadline: float | None = None
     submitted_at: float = field(default_factory=time.monotonic)
 
 
@@ -81,6 +94,77 @@ class PersistRecord:
     @property
     def mb_per_s(self) -> float:
         return self.bytes / 1e6 / self.upload_s if self.upload_s > 0 else float("inf")
+
+
+@dataclass(frozen=True)
+class EmergencyPlan:
+    """What to do with the upload in flight when an emergency checkpoint arrives (see :func:`plan_emergency`)."""
+
+    finish_in_flight: bool
+    seconds_left: float
+    in_flight_elapsed_s: float
+    in_flight_left_s: float | None = None  # None: no estimate (no speed measured yet, or stalled)
+    emergency_s: float | None = None
+    stalled: bool = False
+
+    def describe(self, in_flight_step: int, emergency_step: int) -> str:
+        if self.stalled:
+            needs = (
+                f"has been uploading for {self.in_flight_elapsed_s:.1f}s, far longer than its size predicts"
+            )
+        elif self.in_flight_left_s is None:
+            needs = "needs an unknown time (no upload speed measured yet)"
+        else:
+            needs = (
+                f"needs ~{self.in_flight_left_s:.1f}s more and the emergency checkpoint of step "
+                f"{emergency_step} ~{self.emergency_s:.1f}s"
+            )
+        if self.finish_in_flight:
+            action = f"finishing step {in_flight_step} first"
+        else:
+            action = (
+                f"uploading step {emergency_step} now, alongside step {in_flight_step} "
+                f"(which commits only if it finishes in time)"
+            )
+        return f"in-flight step {in_flight_step} {needs}, deadline in {self.seconds_left:.1f}s: {action}"
+
+
+def plan_emergency(
+    in_flight_bytes: int,
+    in_flight_elapsed_s: float,
+    emergency_bytes: int,
+    bytes_per_s: float | None,
+    seconds_left: float,
+) -> EmergencyPlan:
+    """Finish the upload in flight first only if it and then the emergency checkpoint both fit in time.
+
+    An upload cannot be cancelled mid-put, so "not finishing" it means uploading the emergency
+    checkpoint alongside it at once rather than after it.
+
+    Example:
+        >>> plan_emergency(100e6, 1.0, 100e6, bytes_per_s=100e6, seconds_left=30).finish_in_flight
+        True
+        >>> plan = plan_emergency(4e9, 1.0, 4e9, bytes_per_s=100e6, seconds_left=30)
+        >>> plan.finish_in_flight, round(plan.in_flight_left_s)
+        (False, 39)
+    """
+    if not bytes_per_s or bytes_per_s <= 0:
+        return EmergencyPlan(False, seconds_left, in_flight_elapsed_s)
+    expected_s = in_flight_bytes / bytes_per_s
+    if in_flight_elapsed_s > STALL_FACTOR * expected_s + STALL_GRACE_S:
+        return EmergencyPlan(False, seconds_left, in_flight_elapsed_s, stalled=True)
+    left_s = max(expected_s - in_flight_elapsed_s, 0.0)
+    emergency_s = emergency_bytes / bytes_per_s
+    return EmergencyPlan(
+        left_s + emergency_s <= seconds_left, seconds_left, in_flight_elapsed_s, left_s, emergency_s
+    )
+
+
+def folder_bytes(folder: Path) -> int:
+    """Bytes of the payload files in a local checkpoint folder (0 when it does not exist)."""
+    if not folder.is_dir():
+        return 0
+    return sum((folder / name).stat().st_size for name in local_payload_names(folder))
 
 
 def default_scratch_root(store_url: str, scratch_dir: str | None = None) -> Path:
@@ -131,8 +215,13 @@ class Persister:
         self._cond = threading.Condition()
         self._to_write: deque[PersistJob] = deque()
         self._to_upload: PersistJob | None = None
-        self._busy_writing = False
+        self._busy_writing: PersistJob | None = None
         self._busy_uploading: PersistJob | None = None
+        self._busy_since = 0.0
+        self._busy_bytes = 0
+        self._urgent: PersistJob | None = None  # the emergency checkpoint, until it settles
+        self._alongside: dict[int, threading.Thread] = {}  # step -> emergency upload beside the uploader
+        self._outcomes: dict[int, str] = {}  # step -> "committed", "failed" or "dropped"
         self._write_times: dict[int, float] = {}
         self._local_committed: Path | None = None
         self._closed = False
@@ -148,23 +237,59 @@ class Persister:
             if self._closed:
                 raise RuntimeError("this Persister is closed; create a new one")
             self._to_write.append(job)
+            if job.deadline is not None:
+                self._make_urgent(job)
+            self._cond.notify_all()
+
+    def expedite(self, step: int, deadline: float) -> None:
+        """Make the queued checkpoint of ``step`` an emergency one that must commit by ``deadline``.
+
+        Older checkpoints not yet uploading are dropped. A no-op when that checkpoint is already
+        uploading, settled, or unknown.
+        """
+        with self._cond:
+            candidates = [*self._to_write, self._busy_writing, self._to_upload]
+            job = next((j for j in candidates if j is not None and j.step == step), None)
+            if job is None or (job.deadline is not None and job.deadline <= deadline):
+                return  # unknown, or urgent already
+            job.deadline = deadline
+            self._make_urgent(job)
             self._cond.notify_all()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every submitted checkpoint is committed or failed; False if ``timeout`` ran out."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self._to_write or self._busy_writing or self._to_upload or self._busy_uploading:
+            while not self._idle():
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return False
                 self._cond.wait(remaining)
         return True
 
+    def wait_for_step(self, step: int, timeout: float | None = None) -> bool:
+        """Block until the checkpoint of ``step`` settled; True if it committed.
+
+        Unlike :meth:`wait`, uploads of older checkpoints still in flight are not waited for.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while step not in self._outcomes and not self._idle():
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+            return self._outcomes.get(step) == "committed"
+
     @property
     def idle(self) -> bool:
         with self._cond:
-            return not (self._to_write or self._busy_writing or self._to_upload or self._busy_uploading)
+            return self._idle()
+
+    def _idle(self) -> bool:
+        return not (
+            self._to_write or self._busy_writing or self._to_upload or self._busy_uploading or self._alongside
+        )
 
     @property
     def in_flight_step(self) -> int | None:
@@ -188,6 +313,8 @@ class Persister:
         if finished:
             self._writer.join()
             self._uploader.join()
+            for thread in list(self._alongside.values()):
+                thread.join()
         return finished
 
     # ------------------------------------------------------------- workers
@@ -199,7 +326,7 @@ class Persister:
                 if not self._to_write:
                     return
                 job = self._to_write.popleft()
-                self._busy_writing = True
+                self._busy_writing = job
             started = time.perf_counter()
             try:
                 if job.write is not None:
@@ -212,16 +339,87 @@ class Persister:
                 if job.on_written is not None:
                     job.on_written()
             with self._cond:
-                self._busy_writing = False
+                self._busy_writing = None
                 if written:
                     self._write_times[job.step] = time.perf_counter() - started
-                    dropped, self._to_upload = self._to_upload, job
-                    if dropped is not None:
-                        log.info(
-                            "spot_callbacks: dropping checkpoint of step %d before upload: step %d is newer",
-                            dropped.step, job.step,
-                        )  # fmt: skip
-                        self._discard_local(dropped)
+                    urgent = self._urgent
+                    if urgent is not None and job is not urgent and job.step < urgent.step:
+                        self._drop(job, f"the emergency checkpoint of step {urgent.step} goes first")
+                    elif job.deadline is not None:
+                        self._dispatch_urgent(job)
+                    else:
+                        self._queue_for_upload(job)
+                self._cond.notify_all()
+
+    def _queue_for_upload(self, job: PersistJob) -> None:
+        dropped, self._to_upload = self._to_upload, job
+        if dropped is not None:
+            self._drop(dropped, f"step {job.step} is newer")
+
+    def _drop(self, job: PersistJob, why: str) -> None:
+        log.info("spot_callbacks: dropping checkpoint of step %d before upload: %s", job.step, why)
+        self._discard_local(job)
+        self._settle(job, "dropped")
+
+    def _settle(self, job: PersistJob, outcome: str) -> None:
+        self._outcomes[job.step] = outcome
+        if self._urgent is job:
+            self._urgent = None
+
+    def _make_urgent(self, job: PersistJob) -> None:
+        """Lock held: older checkpoints not yet uploading give way to ``job``."""
+        self._urgent = job
+        why = f"the emergency checkpoint of step {job.step} goes first"
+        older = [j for j in self._to_write if j is not job and j.step < job.step]
+        self._to_write = deque(j for j in self._to_write if not any(j is o for o in older))
+        for dropped in older:
+            if dropped.on_written is not None:
+                dropped.on_written()
+            self._drop(dropped, why)
+        pending = self._to_upload
+        if pending is not None and pending is not job and pending.step < job.step:
+            self._to_upload = None
+            self._drop(pending, why)
+        elif pending is job:  # written already, waiting behind the upload in flight
+            self._to_upload = None
+            self._dispatch_urgent(job)
+
+    def _dispatch_urgent(self, job: PersistJob) -> None:
+        """Lock held, ``job`` written: upload it next, or now beside the upload in flight (see plan_emergency)."""
+        in_flight = self._busy_uploading
+        if in_flight is None:
+            self._queue_for_upload(job)
+            return
+        plan = plan_emergency(
+            in_flight_bytes=self._busy_bytes,
+            in_flight_elapsed_s=time.monotonic() - self._busy_since,
+            emergency_bytes=folder_bytes(job.local_dir),
+            bytes_per_s=self._bytes_per_s(),
+            seconds_left=job.deadline - time.time(),
+        )
+        log.warning("spot_callbacks: %s", plan.describe(in_flight.step, job.step))
+        if plan.finish_in_flight:
+            self._queue_for_upload(job)
+            return
+        thread = threading.Thread(
+            target=self._upload_alongside, args=(job,), name="spot-emergency", daemon=True
+        )
+        self._alongside[job.step] = thread
+        thread.start()
+
+    def _bytes_per_s(self) -> float | None:
+        recent = self.records[-SPEED_RECORDS:]
+        seconds = sum(r.upload_s for r in recent)
+        return sum(r.bytes for r in recent) / seconds if recent and seconds > 0 else None
+
+    def _upload_alongside(self, job: PersistJob) -> None:
+        try:
+            self._upload(job)
+        except BaseException as err:  # noqa: BLE001
+            self._fail(job, err)
+        finally:
+            with self._cond:
+                self._alongside.pop(job.step, None)
                 self._cond.notify_all()
 
     def _upload_loop(self) -> None:
@@ -235,6 +433,8 @@ class Persister:
                     return
                 job, self._to_upload = self._to_upload, None
                 self._busy_uploading = job
+                self._busy_since = time.monotonic()
+                self._busy_bytes = folder_bytes(job.local_dir)
             try:
                 self._upload(job)
             except BaseException as err:  # noqa: BLE001
@@ -263,12 +463,28 @@ class Persister:
         )
         with self._cond:
             self.records.append(record)
-            self.last_committed = info
+            # An older upload that finished after an emergency checkpoint does not replace it.
+            newest = self.last_committed is None or info.step >= self.last_committed.step
+            if newest:
+                self.last_committed = info
+            self._settle(job, "committed")
+            self._cond.notify_all()
+        if job.deadline is not None and time.time() > job.deadline:
+            log.warning(
+                "spot_callbacks: the emergency checkpoint of step %d committed %.1fs after its deadline",
+                job.step, time.time() - job.deadline,
+            )  # fmt: skip
         log.info(
             "spot_callbacks: committed %s (%s, %.1f MB in %.2fs, %.0f MB/s)",
             info.url, job.reason, info.size_bytes / 1e6, upload_s, record.mb_per_s,
         )  # fmt: skip
+        if not newest:
+            self._discard_local(job)
+            return
         self._keep_local(job)
+        if job.deadline is not None:
+            # Seconds count now: retention waits for the next commit (the next run's first).
+            return
         try:
             self.store.prune(self.keep_last)
         except Exception as err:  # noqa: BLE001 - retention failing must not fail the commit
@@ -305,3 +521,5 @@ class Persister:
         log.error("spot_callbacks: %s", error)
         with self._cond:
             self.failures.append(error)
+            self._settle(job, "failed")
+            self._cond.notify_all()

@@ -1,4 +1,10 @@
-"""Preemption notices: every source (signals today; cloud metadata pollers later) -> one `Notice`."""
+"""Preemption notices: every source (signals, cloud metadata services) -> one `Notice`.
+
+Signals (``SIGTERM``: Kubernetes, SLURM preemption, a cloud's shutdown; ``SIGUSR1``: SLURM's
+``--signal``) are caught by handlers that chain to the ones installed before. The clouds' notices
+(``aws``, ``gcp``, ``azure``) are polled in one background thread (:mod:`spot_callbacks.cloud_notices`).
+``"auto"`` watches SIGTERM, SIGUSR1 too inside a SLURM job, and the cloud this machine runs on.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ log = logging.getLogger("spot_callbacks")
 # Kubernetes' default terminationGracePeriodSeconds; SLURM and clouds give as much or more.
 DEFAULT_SIGNAL_GRACE_S = 30.0
 SIGNAL_SOURCES = ("SIGTERM", "SIGUSR1")
+CLOUD_SOURCES = ("aws", "gcp", "azure")
 
 
 @dataclass(frozen=True)
@@ -47,33 +54,71 @@ def signal_grace_s() -> float:
 
 
 def resolve_sources(preemption: str | list[str]) -> list[str]:
-    """The concrete notice sources of a ``SpotConfig.preemption`` value."""
+    """The notice sources a ``SpotConfig.preemption`` value may watch.
+
+    With ``"auto"``, the clouds are candidates: only the one this machine runs on is polled.
+
+    Example:
+        >>> resolve_sources(["SIGUSR1", "gcp"])
+        ['SIGUSR1', 'gcp']
+        >>> resolve_sources("auto")[-3:]
+        ['aws', 'gcp', 'azure']
+    """
     if preemption == "auto":
-        return ["SIGTERM"]  # cloud detection is added with the metadata pollers
+        # SLURM sends the signal chosen with --signal (SIGUSR1 by convention) before its time limit.
+        signals = ["SIGTERM", "SIGUSR1"] if os.environ.get("SLURM_JOB_ID") else ["SIGTERM"]
+        return [*signals, *CLOUD_SOURCES]
     return list(preemption)
 
 
 class PreemptionWatcher:
-    """Installs the configured notice sources and keeps the first notice seen.
+    """Watches the configured notice sources and keeps the first notice seen.
 
     Signal handlers chain to the handler that was installed before (a framework's own), and
-    are restored by :meth:`stop`.
+    are restored by :meth:`stop`. Cloud sources are polled in one daemon thread that
+    :meth:`stop` ends; an early hint (AWS rebalance recommendation) is kept apart from notices,
+    for :meth:`take_hint`.
+
+    Args:
+        sources: signal names and clouds (see :func:`resolve_sources`).
+        detect_cloud: poll only the cloud this machine runs on, found with short timeouts in the
+            polling thread (``preemption="auto"``); off-cloud that thread ends after the probes.
+        poll_interval_s: seconds between polls (default ``$SPOT_METADATA_POLL_S``, else 5).
+        request_timeout_s: timeout of one metadata request.
 
     Example:
         >>> watcher = PreemptionWatcher(["SIGUSR1"]); watcher.start()
         >>> os.kill(os.getpid(), signal.SIGUSR1)
-        >>> watcher.notice.source
+        >>> watcher.wait(timeout=5).source
         'SIGUSR1'
         >>> watcher.stop()
     """
 
-    def __init__(self, sources: list[str]) -> None:
+    def __init__(
+        self,
+        sources: list[str],
+        detect_cloud: bool = False,
+        poll_interval_s: float | None = None,
+        request_timeout_s: float | None = None,
+    ) -> None:
         self.sources = list(sources)
+        self.detect_cloud = detect_cloud
+        self.poll_interval_s = poll_interval_s
+        self.request_timeout_s = request_timeout_s
         self._notice: Notice | None = None
+        self._noticed = threading.Event()
+        self._hint: str | None = None
         self._lock = threading.Lock()
         self._previous: dict[int, Any] = {}
         self._handlers: dict[int, Any] = {}
+        self._clouds: Any = None  # CloudNoticeThread while started
 
+    @classmethod
+    def from_setting(cls, preemption: str | list[str], **kwargs: Any) -> PreemptionWatcher:
+        """The watcher of a ``SpotConfig.preemption`` value (``"auto"`` detects the cloud)."""
+        return cls(resolve_sources(preemption), detect_cloud=preemption == "auto", **kwargs)
+
+    # ----------------------------------------------------------- notices
     @property
     def notice(self) -> Notice | None:
         return self._notice
@@ -81,21 +126,81 @@ class PreemptionWatcher:
     def clear(self) -> None:
         with self._lock:
             self._notice = None
+            self._noticed.clear()
 
     def report(self, notice: Notice) -> None:
         """Record a notice (first one wins until :meth:`clear`)."""
         with self._lock:
             if self._notice is None:
                 self._notice = notice
+                self._noticed.set()
                 log.warning(
                     "spot_callbacks: preemption notice from %s%s", notice.source,
-                    f", {notice.seconds_left():.0f}s left" if notice.deadline else "",
+                    f" ({notice.detail}), {notice.seconds_left():.0f}s left" if notice.deadline else "",
                 )  # fmt: skip
 
+    def wait(self, timeout: float | None = None) -> Notice | None:
+        """Block until a notice arrives (or ``timeout`` runs out); the notice, or None."""
+        self._noticed.wait(timeout)
+        return self._notice
+
+    def report_hint(self, detail: str) -> None:
+        """An early hint (not a notice): the next step boundary takes a normal checkpoint."""
+        with self._lock:
+            self._hint = detail
+        log.info("spot_callbacks: %s: a checkpoint is taken at the next step boundary", detail)
+
+    def take_hint(self) -> str | None:
+        """The pending hint, if any; it is consumed."""
+        with self._lock:
+            hint, self._hint = self._hint, None
+        return hint
+
+    def acknowledge(self) -> None:
+        """Tell the clouds that asked (Azure) that the emergency checkpoint is done."""
+        clouds = self._clouds
+        if clouds is not None:
+            for poller in clouds.pollers:
+                poller.acknowledge()
+
+    # --------------------------------------------------------- lifecycle
+    @property
+    def clouds(self) -> list[str]:
+        """The clouds being polled (after detection; see :meth:`detected`)."""
+        clouds = self._clouds
+        return [p.name for p in clouds.watched] if clouds is not None else []
+
+    @property
+    def polling(self) -> bool:
+        """Whether the polling thread runs."""
+        clouds = self._clouds
+        return clouds is not None and clouds.alive
+
+    def detected(self, timeout: float | None = None) -> list[str]:
+        """Wait until the clouds to poll are known (detection is quick); their names."""
+        clouds = self._clouds
+        if clouds is not None:
+            clouds.detected.wait(timeout)
+        return self.clouds
+
     def start(self) -> None:
+        """Install the signal handlers and start polling; returns at once."""
         for name in self.sources:
             if name in SIGNAL_SOURCES:
                 self._install_signal(getattr(signal, name))
+        clouds = [name for name in self.sources if name in CLOUD_SOURCES]
+        if clouds and not self.polling:
+            from spot_callbacks.cloud_notices import POLLERS, REQUEST_TIMEOUT_S, CloudNoticeThread
+
+            timeout_s = self.request_timeout_s or REQUEST_TIMEOUT_S
+            self._clouds = CloudNoticeThread(
+                [POLLERS[name](request_timeout_s=timeout_s) for name in clouds],
+                on_notice=self.report,
+                on_hint=self.report_hint,
+                detect=self.detect_cloud,
+                poll_interval_s=self.poll_interval_s,
+            )
+            self._clouds.start()
 
     def reassert(self) -> None:
         """Put our handlers back in front after a framework replaced them with its own.
@@ -108,15 +213,21 @@ class PreemptionWatcher:
             signal.signal(signum, handler)
 
     def stop(self) -> None:
+        """Restore the previous signal handlers and end the polling thread."""
         for signum, previous in self._previous.items():
             with contextlib.suppress(ValueError, OSError):  # not the main thread any more
                 signal.signal(signum, previous)
         self._previous.clear()
         self._handlers.clear()
+        clouds = self._clouds
+        if clouds is not None and not clouds.stop():
+            log.warning("spot_callbacks: the preemption notice thread did not end within 5s")
 
     def _install_signal(self, signum: int) -> None:
         if threading.current_thread() is not threading.main_thread():
             log.info("spot_callbacks: not on the main thread; %s is not watched", signal.Signals(signum).name)
+            return
+        if signum in self._previous:  # started twice: keep chaining to the original handler
             return
         previous = signal.getsignal(signum)
         self._previous[signum] = previous

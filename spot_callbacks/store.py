@@ -15,6 +15,7 @@ import os
 import posixpath
 import re
 import shutil
+import time
 import uuid
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -548,6 +549,7 @@ class CheckpointStore:
         names = local_payload_names(local_root)
         if not names:
             raise CheckpointError(f"{local_root} holds no files to checkpoint")
+        upload_started = time.perf_counter()
         self.begin(step)
         known = dict(digests or {})
 
@@ -560,6 +562,8 @@ class CheckpointStore:
             return name, digest
 
         files = dict(_run_parallel(upload, names))
+        # Known only now, and recorded with the rest: the manifest is the run's cost record (costs.py).
+        metrics = {**(metrics or {}), "upload_s": round(time.perf_counter() - upload_started, 6)}
         manifest = new_manifest(
             step, files, reason=reason, framework=framework, epoch=epoch, metrics=metrics, extra=extra
         )

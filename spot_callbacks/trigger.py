@@ -11,14 +11,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from spot_callbacks.costs import daly_interval_s
+from spot_callbacks.costs import (
+    PRIOR_INTERRUPTIONS_PER_HOUR,
+    daly_interval_s,
+    posterior_interruptions_per_hour,
+)
+from spot_callbacks.report import format_seconds
 
 log = logging.getLogger("spot_callbacks")
 
 AUTO_INITIAL_INTERVAL_S = 1800.0
 AUTO_MIN_INTERVAL_S = 60.0
 AUTO_MAX_INTERVAL_S = 6 * 3600.0
-DEFAULT_INTERRUPTIONS_PER_HOUR = 0.1  # when "auto" is not told the rate: a pessimistic spot market
+# When "auto" is told no rate and the run has no history yet: a pessimistic spot market.
+DEFAULT_INTERRUPTIONS_PER_HOUR = PRIOR_INTERRUPTIONS_PER_HOUR
+AUTO_RECENT_COSTS = 10  # delta is the median of this many recent checkpoint costs
+AUTO_RETUNE_THRESHOLD = 0.1  # a new interval within 10 % of the current one is not worth a change
 
 
 class CheckpointTrigger:
@@ -51,6 +59,8 @@ class CheckpointTrigger:
         self._clock = clock
         self._last_checkpoint_at = clock()
         self._checkpoint_costs_s: list[float] = []
+        self._observed_interruptions = 0
+        self._observed_hours = 0.0
 
     @property
     def elapsed_s(self) -> float:
@@ -64,22 +74,44 @@ class CheckpointTrigger:
         return None
 
     def mark_checkpoint(self, cost_s: float | None = None) -> None:
-        """Restart the clock; with ``interval="auto"``, feed the measured cost into the interval."""
+        """Restart the clock; with ``interval="auto"``, feed the measured cost into the interval.
+
+        ``cost_s`` is what the checkpoint cost the training: the blocked time plus the slowdown
+        its background persist causes.
+        """
         self._last_checkpoint_at = self._clock()
         if cost_s is not None and self.auto:
-            self._checkpoint_costs_s = [*self._checkpoint_costs_s[-9:], cost_s]
+            self._checkpoint_costs_s = [*self._checkpoint_costs_s[-(AUTO_RECENT_COSTS - 1) :], cost_s]
             self._retune()
 
+    def observe_interruptions(self, interruptions: int, hours: float) -> None:
+        """The run's own history (from its ledger), for ``"auto"`` when ``interruptions_per_hour`` is None."""
+        self._observed_interruptions, self._observed_hours = interruptions, hours
+
+    def interruption_rate(self) -> tuple[float, str]:
+        """The rate ``"auto"`` plans for, and where it comes from (for the log line)."""
+        if self.interruptions_per_hour is not None:
+            return self.interruptions_per_hour, "interruptions_per_hour"
+        rate = posterior_interruptions_per_hour(self._observed_interruptions, self._observed_hours)
+        return rate, (
+            f"{self._observed_interruptions} interruptions in {self._observed_hours:.1f} h of this run, "
+            f"with a prior of {DEFAULT_INTERRUPTIONS_PER_HOUR:g}/h"
+        )
+
     def _retune(self) -> None:
-        rate = self.interruptions_per_hour or DEFAULT_INTERRUPTIONS_PER_HOUR
-        if rate <= 0:
-            new = AUTO_MAX_INTERVAL_S
-        else:
-            cost = statistics.median(self._checkpoint_costs_s)
-            new = daly_interval_s(max(cost, 1e-3), 3600.0 / rate)
+        if not self._checkpoint_costs_s:
+            return
+        rate, rate_source = self.interruption_rate()
+        cost = statistics.median(self._checkpoint_costs_s)
+        new = AUTO_MAX_INTERVAL_S if rate <= 0 else daly_interval_s(max(cost, 1e-3), 3600.0 / rate)
         new = min(max(new, AUTO_MIN_INTERVAL_S), AUTO_MAX_INTERVAL_S)
-        if self.interval_s is None or abs(new - self.interval_s) / self.interval_s > 0.1:
-            log.info("spot_callbacks: interval='auto' now checkpoints every %.0fs", new)
+        if self.interval_s is None or abs(new - self.interval_s) / self.interval_s > AUTO_RETUNE_THRESHOLD:
+            log.info(
+                "spot_callbacks: interval='auto' now checkpoints every %s (Daly: checkpoint cost %s, "
+                "median of %d; %.3g interruptions/h from %s; kept within %s..%s)",
+                format_seconds(new), format_seconds(cost), len(self._checkpoint_costs_s), rate, rate_source,
+                format_seconds(AUTO_MIN_INTERVAL_S), format_seconds(AUTO_MAX_INTERVAL_S),
+            )  # fmt: skip
             self.interval_s = new
 
     def state_dict(self) -> dict[str, Any]:

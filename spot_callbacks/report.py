@@ -1,0 +1,354 @@
+"""A run's checkpoint and interruption costs as people read them: ``spot-callbacks report``,
+``spot-callbacks plan`` and the summary the adapters log at the end of training.
+
+The numbers come from :mod:`spot_callbacks.costs` (the ledger in the manifests, the model); this
+module only arranges them into (label, value) rows that the command line renders as a table.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from spot_callbacks.costs import (
+    EMERGENCY_REASONS,
+    SECONDS_PER_HOUR,
+    RunLedger,
+    SpotPlan,
+    finite_number,
+)
+
+
+@dataclass(frozen=True)
+class RunHistory:
+    """A run's costs as far as its store (or a live engine) tells: the lineage's ledger and the checkpoints at hand.
+
+    ``checkpoints``: the checkpoints whose manifests are at hand (retention keeps only the newest),
+    oldest first; ``ledger``: the totals of the newest one's lineage.
+    """
+
+    url: str
+    ledger: RunLedger
+    checkpoints: tuple[Any, ...] = ()  # CheckpointInfo
+    from_ledger: bool = True
+    at_hand: str = "kept in the store"  # what ``checkpoints`` are, in the report's words
+
+    @classmethod
+    def from_checkpoints(cls, url: str, infos: Sequence[Any]) -> RunHistory:
+        """From the manifests alone; the most recently committed one speaks for the run.
+
+        The newest by commit time, not by step: a run resumed from an older checkpoint (after a
+        damaged newer one was skipped) writes the history that is alive.
+        """
+        infos = tuple(infos)
+        if not infos:
+            return cls(url, RunLedger(), infos)
+        newest = max(infos, key=lambda info: (info.created, info.step))
+        ledger = RunLedger.from_json(newest.extra.get("ledger"))
+        if ledger is None:
+            return cls(url, RunLedger.from_manifests(infos), infos, from_ledger=False)
+        return cls(url, ledger, infos)
+
+    @property
+    def newest(self) -> Any:
+        return max(self.checkpoints, key=lambda info: (info.created, info.step)) if self.checkpoints else None
+
+    @property
+    def awaiting_resume(self) -> bool:
+        """The newest checkpoint is an emergency one: that run was interrupted and not resumed yet."""
+        newest = self.newest
+        return newest is not None and newest.reason in EMERGENCY_REASONS
+
+    @property
+    def interruptions(self) -> int:
+        return self.ledger.interruptions + int(self.awaiting_resume)
+
+
+def format_seconds(seconds: float | None) -> str:
+    """A duration for people: ``0.42 s``, ``12.3 s``, ``4.5 min``, ``3.25 h``.
+
+    Example:
+        >>> format_seconds(0.4213), format_seconds(75), format_seconds(4 * 3600), format_seconds(None)
+        ('0.42 s', '1.2 min', '4.00 h', 'unknown')
+    """
+    if seconds is None:
+        return "unknown"
+    if math.isinf(seconds):
+        return "never" if seconds > 0 else "-inf"
+    if abs(seconds) < 10:
+        return f"{seconds:.2f} s"
+    if abs(seconds) < 60:
+        return f"{seconds:.1f} s"
+    if abs(seconds) < 3600:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.2f} h"
+
+
+def format_money(amount: float) -> str:
+    """Example:
+    >>> format_money(1234.5), format_money(-3.2)
+    ('$1,234.50', '-$3.20')
+    """
+    return f"{'-' if amount < 0 else ''}${abs(amount):,.2f}"
+
+
+def human_size(size_bytes: int) -> str:
+    """A byte count in decimal units, as storage consoles show it.
+
+    Example:
+        >>> human_size(512), human_size(12_345_678), human_size(3 * 10**12)
+        ('512 B', '12.3 MB', '3.0 TB')
+    """
+    if size_bytes < 1000:
+        return f"{size_bytes} B"
+    value = float(size_bytes)
+    for unit in ("kB", "MB", "GB", "TB", "PB"):
+        value /= 1000
+        if value < 999.95 or unit == "PB":
+            return f"{value:.1f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def _percent(part: float, whole: float) -> str:
+    return f"{100.0 * part / whole:.1f}%" if whole > 0 else "n/a"
+
+
+def _by_reason(counts: dict[str, int]) -> str:
+    return ", ".join(f"{n} {reason}" for reason, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def _median(values: Iterable[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def history_rows(
+    history: RunHistory,
+    spot_price: float | None = None,
+    on_demand_price: float | None = None,
+    records: Sequence[Any] = (),
+) -> list[tuple[str, str]]:
+    """The run's costs as (label, value) rows: what ``spot-callbacks report`` and the end-of-training summary show.
+
+    ``records``: this process's :class:`~spot_callbacks.persist.PersistRecord` (the summary);
+    without them, persist times come from the manifests at hand.
+    """
+    ledger = history.ledger
+    rows: list[tuple[str, str]] = []
+    kept = len(history.checkpoints)
+    taken = ledger.checkpoint_count
+    newest = history.newest
+    what = f"{taken} taken" + (f" ({_by_reason(ledger.checkpoints)})" if ledger.checkpoints else "")
+    if kept and kept != taken:
+        what += f"; {kept} {history.at_hand}"
+    if newest is not None:
+        what += f"; newest step {newest.step} ({human_size(newest.size_bytes)})"
+    rows.append(("checkpoints", what))
+    rows.append(("training time", f"{format_seconds(ledger.train_s)} in this lineage"))
+    stall = f"{format_seconds(ledger.stall_s)} total ({_percent(ledger.stall_s, ledger.train_s)} of training)"
+    stalls = [finite_number(info.metrics.get("stall_s")) for info in history.checkpoints]
+    if _median(stalls) is not None:
+        stall += f", median {format_seconds(_median(stalls))} per checkpoint"
+    if ledger.slowdown_s > 0:
+        stall += f"; + {format_seconds(ledger.slowdown_s)} background slowdown (estimated)"
+    rows.append(("training stall", stall))
+    persist = _persist_row(history, records)
+    if persist:
+        rows.append(("persist (background)", persist))
+    interruptions = f"{history.interruptions}"
+    if history.interruptions:
+        parts = [f"{ledger.interruptions} resumed"]
+        if history.awaiting_resume:
+            parts.append(f"1 awaiting resume from step {newest.step} ({newest.reason})")
+        interruptions += f" ({', '.join(parts)})"
+    continued = ledger.resumes - ledger.interruptions
+    if continued:
+        interruptions += f"; {continued} finished run{'s' if continued > 1 else ''} continued"
+    rows.append(("interruptions", interruptions))
+    lost = f"{format_seconds(ledger.lost_work_measured_s)} measured"
+    if ledger.lost_work_estimated_s > 0 or any(not r.lost_work_measured for r in ledger.recent_resumes):
+        lost += f" + up to {format_seconds(ledger.lost_work_estimated_s)} estimated (resumes after a crash)"
+    rows.append(("lost work", lost))
+    if ledger.resumes:
+        n = ledger.resumes
+        resume = f"{n}: pull {format_seconds(ledger.pull_s / n)}, load {format_seconds(ledger.load_s / n)} on average"
+        downtime = f"downtime {format_seconds(ledger.downtime_s)} total"
+        if ledger.downtime_unknown:
+            downtime += f" ({ledger.downtime_unknown} unknown)"
+        rows.append(("resumes", f"{resume}; {downtime}"))
+    goodput = ledger.goodput
+    rows.append(
+        (
+            "goodput",
+            "n/a"
+            if goodput is None
+            else f"{100 * goodput:.1f}% of {format_seconds(ledger.billed_s)} billed was productive training",
+        )
+    )
+    if spot_price is not None:
+        billed_h = ledger.billed_s / SECONDS_PER_HOUR
+        spot_cost = billed_h * spot_price
+        money = f"spot {format_money(spot_cost)} ({billed_h:.2f} h x {format_money(spot_price)}/h)"
+        if on_demand_price is not None:
+            on_demand_cost = ledger.train_s / SECONDS_PER_HOUR * on_demand_price
+            saved = on_demand_cost - spot_cost
+            money += f" vs on demand {format_money(on_demand_cost)} (the training time, uninterrupted): "
+            money += (
+                f"saved {format_money(saved)} ({_percent(saved, on_demand_cost)})"
+                if saved >= 0
+                else f"spot cost {format_money(-saved)} more"
+            )
+        rows.append(("cost", money))
+    if not history.from_ledger:
+        rows.append(("note", "these manifests carry no ledger: totals cover the checkpoints at hand only"))
+    return rows
+
+
+def _persist_row(history: RunHistory, records: Sequence[Any]) -> str:
+    if records:
+        persist = [r.persist_s for r in records]
+        speeds = [r.mb_per_s for r in records if math.isfinite(r.mb_per_s)]
+        text = f"median {format_seconds(statistics.median(persist))} per checkpoint"
+        text += f" over {len(records)} committed by this run"
+        if speeds:
+            text += f", {statistics.median(speeds):.0f} MB/s"
+        return text
+    uploads = [finite_number(info.metrics.get("upload_s")) for info in history.checkpoints]
+    writes = [finite_number(info.metrics.get("write_s")) for info in history.checkpoints]
+    if _median(uploads) is None:
+        return ""
+    text = f"median upload {format_seconds(_median(uploads))}"
+    if _median(writes) is not None:
+        text += f" + write {format_seconds(_median(writes))}"
+    rates = [
+        info.size_bytes / 1e6 / upload
+        for info, upload in zip(history.checkpoints, uploads, strict=True)
+        if upload
+    ]
+    if rates:
+        text += f", {statistics.median(rates):.0f} MB/s"
+    return text + f" (over the {len(uploads)} checkpoints kept)"
+
+
+def resume_rows(history: RunHistory) -> list[tuple[str, ...]]:
+    """The recent resumes as table rows: resumed (UTC), from step, after, pull, load, lost work, downtime."""
+    rows = []
+    for record in history.ledger.recent_resumes:
+        when = datetime.fromtimestamp(record.resumed_at, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        lost = format_seconds(record.lost_work_s)
+        if not record.lost_work_measured:
+            lost = f"<= {lost} (est.)"
+        rows.append(
+            (
+                when,
+                str(record.from_step),
+                record.from_reason,
+                format_seconds(record.pull_s),
+                format_seconds(record.load_s),
+                lost if record.interrupted else "-",
+                format_seconds(record.downtime_s) if record.interrupted else "-",
+            )
+        )
+    return rows
+
+
+RESUME_HEADERS = ("RESUMED (UTC)", "FROM STEP", "AFTER", "PULL", "LOAD", "LOST WORK", "DOWNTIME")
+
+
+def format_rows(rows: Sequence[tuple[str, str]], indent: str = "  ") -> str:
+    """Label/value rows as aligned plain-text lines."""
+    width = max((len(label) for label, _ in rows), default=0)
+    return "\n".join(f"{indent}{label.ljust(width)}  {value}" for label, value in rows)
+
+
+def plan_rows(plan: SpotPlan) -> list[tuple[str, str]]:
+    """A :class:`SpotPlan` as (label, value) rows, as ``spot-callbacks plan`` prints them."""
+    rate = plan.interruptions_per_hour
+    mtbf = "no interruptions" if rate == 0 else f"one every {format_seconds(SECONDS_PER_HOUR / rate)}"
+    rows = [
+        ("job", f"{plan.work_hours:g} h of training; checkpoint {format_seconds(plan.checkpoint_s)}, "
+                f"resume {format_seconds(plan.resume_s)}; {rate:g} interruptions/h ({mtbf})"),
+        ("optimal interval", f"{format_seconds(plan.interval_s)} (Daly; Young: {format_seconds(plan.young_interval_s)})"),
+        ("spot", f"{format_money(plan.spot_cost)}, {plan.spot_hours:.2f} h expected "
+                 f"({plan.expected_interruptions:.1f} interruptions) at {format_money(plan.spot_price)}/h"),
+        ("on demand", f"{format_money(plan.on_demand_cost)}, {plan.on_demand_hours:.2f} h "
+                      f"at {format_money(plan.on_demand_price)}/h"),
+    ]  # fmt: skip
+    if plan.savings >= 0:
+        verdict = f"spot saves {format_money(plan.savings)} ({_percent(plan.savings, plan.on_demand_cost)})"
+    else:
+        verdict = f"on demand saves {format_money(-plan.savings)} ({_percent(-plan.savings, plan.spot_cost)})"
+    rows.append(("verdict", verdict))
+    break_even = plan.break_even_interruptions_per_hour
+    if break_even == 0:
+        text = "spot is not cheaper per hour: on demand wins at any interruption rate"
+    elif math.isinf(break_even):
+        text = "spot stays cheaper at any interruption rate"
+    else:
+        text = (
+            f"{break_even:.3g} interruptions/h (one every {format_seconds(SECONDS_PER_HOUR / break_even)}): "
+            "above it on demand is cheaper"
+        )
+    rows.append(("break-even rate", text))
+    return rows
+
+
+def write_plan_plot(plan: SpotPlan, path: str | Any, points: int = 400) -> None:
+    """Write a PNG of the expected cost against the checkpoint interval: the spot curve, the
+    on-demand line and the optimum marked (matplotlib, Agg backend: no display needed).
+
+    Raises ImportError when matplotlib is not installed.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
+
+    optimum_s = plan.interval_s
+    if math.isfinite(optimum_s) and optimum_s > 0:
+        low_s, high_s = optimum_s / 30.0, optimum_s * 30.0
+    else:  # nothing interrupts: every interval is fine, longer ones a little cheaper
+        low_s, high_s = max(plan.checkpoint_s, 1.0), max(plan.checkpoint_s, 1.0) * 1000.0
+    intervals_s = [low_s * (high_s / low_s) ** (i / (points - 1)) for i in range(points)]
+    costs = [plan.spot_cost_at(interval) for interval in intervals_s]
+    minutes = [interval / 60.0 for interval in intervals_s]
+
+    figure = Figure(figsize=(8, 5), dpi=120, layout="constrained")
+    axes = figure.add_subplot()
+    axes.plot(
+        minutes, costs, color="tab:blue", linewidth=2,
+        label=f"spot at {format_money(plan.spot_price)}/h, {plan.interruptions_per_hour:g} interruptions/h",
+    )  # fmt: skip
+    axes.axhline(
+        plan.on_demand_cost, color="tab:red", linestyle="--", linewidth=1.5,
+        label=f"on demand at {format_money(plan.on_demand_price)}/h: {format_money(plan.on_demand_cost)}",
+    )  # fmt: skip
+    if math.isfinite(optimum_s) and optimum_s > 0:
+        axes.plot(
+            [optimum_s / 60.0], [plan.spot_cost], marker="o", markersize=9, color="black", linestyle="none",
+            label=f"optimum: every {format_seconds(optimum_s)}, {format_money(plan.spot_cost)}",
+        )  # fmt: skip
+        axes.axvline(optimum_s / 60.0, color="black", linewidth=0.8, alpha=0.4)
+    finite_costs = [cost for cost in costs if math.isfinite(cost)]
+    top = max(plan.on_demand_cost, plan.spot_cost) * 1.6
+    if finite_costs:
+        top = min(top, max(finite_costs) * 1.05) if max(finite_costs) > plan.on_demand_cost else top
+    axes.set_ylim(0, top if top > 0 else 1.0)
+    axes.set_xscale("log")
+    axes.set_xlim(minutes[0], minutes[-1])
+    axes.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    axes.yaxis.set_major_formatter(FuncFormatter(lambda value, _: format_money(value)))
+    axes.set_xlabel("checkpoint interval (minutes, log scale)")
+    axes.set_ylabel("expected cost of the job")
+    axes.set_title(
+        f"{plan.work_hours:g} h of training; checkpoint {format_seconds(plan.checkpoint_s)}, "
+        f"resume {format_seconds(plan.resume_s)}"
+    )
+    axes.grid(True, which="both", alpha=0.25)
+    axes.legend(loc="upper center")
+    figure.savefig(path, format="png")
