@@ -1,9 +1,13 @@
-"""`spot-callbacks`: list, verify, pull and delete the committed checkpoints of a run.
+"""`spot-callbacks`: list, verify, pull and delete the committed checkpoints of a run; report
+what its checkpoints and interruptions cost; plan whether spot is worth it for a job.
 
     spot-callbacks ls s3://bucket/runs/exp1
     spot-callbacks verify s3://bucket/runs/exp1 --step 12000
     spot-callbacks pull s3://bucket/runs/exp1 ./resume
     spot-callbacks rm s3://bucket/runs/exp1 --step 11000 --yes
+    spot-callbacks report s3://bucket/runs/exp1 --spot-price 1.2 --on-demand-price 3.9
+    spot-callbacks plan --work-hours 200 --spot-price 1.2 --on-demand-price 3.9 \\
+        --interruptions-per-hour 0.1 --checkpoint-seconds 30 --resume-seconds 300 --plot plan.png
 
 Credentials come from the environment, as fsspec reads them (``AWS_*``,
 ``GOOGLE_APPLICATION_CREDENTIALS``, ``AZURE_STORAGE_*``), or from ``--storage-options JSON``.
@@ -16,6 +20,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import re
 import sys
 import traceback
@@ -27,6 +32,18 @@ from typing import Any, TextIO
 from urllib.parse import urlsplit
 
 from spot_callbacks import __version__
+from spot_callbacks.config import ConfigError, parse_duration
+from spot_callbacks.costs import plan_job
+from spot_callbacks.report import (
+    RESUME_HEADERS,
+    RunHistory,
+    format_rows,
+    history_rows,
+    human_size,
+    plan_rows,
+    resume_rows,
+    write_plan_plot,
+)
 from spot_callbacks.store import (
     CheckpointError,
     CheckpointInfo,
@@ -77,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     redact = Redactor()
     restore_logging = _install_log_handler(verbosity, redact)
     try:
-        redact.add_url(args.url)
+        redact.add_url(getattr(args, "url", ""))  # `plan` has no URL
         storage_options = parse_storage_options(args.storage_options)
         redact.add_options(storage_options)
         if storage_options:
@@ -116,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     """
     parser = _ArgumentParser(
         prog=PROG,
-        description="Inspect and manage the committed checkpoints of a spot_callbacks run (any fsspec URL).",
+        description="Inspect and manage the committed checkpoints of a spot_callbacks run (any fsspec URL), "
+        "report what they cost, and plan whether spot is worth it.",
         epilog="Credentials come from the environment as fsspec reads them, or from --storage-options.",
     )
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
@@ -148,6 +166,44 @@ def build_parser() -> argparse.ArgumentParser:
     rm.add_argument("--step", type=_step, required=True, help="the step to delete")
     rm.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
     rm.add_argument("--force", action="store_true", help="allow deleting the newest valid checkpoint")
+
+    report = command(
+        "report",
+        "the run's checkpoint and interruption costs, from its manifests: stall, lost work, resumes, goodput",
+        _cmd_report,
+    )
+    report.add_argument(
+        "--spot-price", type=_price, metavar="P", help="spot price per hour: adds the dollars"
+    )
+    report.add_argument(
+        "--on-demand-price", type=_price, metavar="Q", help="on-demand price per hour: adds what spot saved"
+    )
+
+    plan_help = (
+        "expected cost and time of a job on spot and on demand, the optimal checkpoint interval "
+        "and the break-even interruption rate (Daly's model; see spot_callbacks.costs)"
+    )
+    plan = commands.add_parser("plan", help=plan_help, description=plan_help)
+    plan.add_argument("--work-hours", type=_positive, required=True, metavar="W", help="hours of training")
+    plan.add_argument("--spot-price", type=_price, required=True, metavar="P", help="spot price per hour")
+    plan.add_argument(
+        "--on-demand-price", type=_price, required=True, metavar="Q", help="on-demand price per hour"
+    )
+    plan.add_argument(
+        "--interruptions-per-hour", type=_non_negative, required=True, metavar="RATE",
+        help="expected interruptions per hour of spot time (0.05 = one a day)",
+    )  # fmt: skip
+    plan.add_argument(
+        "--checkpoint-seconds", type=_positive_duration, required=True, metavar="DELTA",
+        help="seconds training is blocked per checkpoint (stall plus slowdown; `report` measures it)",
+    )  # fmt: skip
+    plan.add_argument(
+        "--resume-seconds", type=_duration, required=True, metavar="R",
+        help="seconds from an interruption to training again: new machine, pull, load",
+    )  # fmt: skip
+    plan.add_argument("--plot", metavar="PNG", help="also write a plot of expected cost against the interval")
+    _add_global_options(plan, suppress_defaults=True)
+    plan.set_defaults(run=_cmd_plan)
     return parser
 
 
@@ -177,6 +233,52 @@ def _step(text: str) -> int:
     if step < 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a step; use an integer >= 0")
     return step
+
+
+def _number(text: str, what: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}; use a number >= 0")
+    return value
+
+
+def _price(text: str) -> float:
+    return _number(text, "a price per hour")
+
+
+def _non_negative(text: str) -> float:
+    return _number(text, "a rate")
+
+
+def _positive(text: str) -> float:
+    value = _number(text, "a number of hours")
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
+    return value
+
+
+def _duration(text: str) -> float:
+    try:
+        return _number(text, "a number of seconds")
+    except argparse.ArgumentTypeError:
+        try:
+            return float(parse_duration(text, key="seconds"))
+        except ConfigError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a duration; use seconds (e.g. 45) or e.g. '90s', '5min', '1h'"
+            ) from None
+
+
+def _positive_duration(text: str) -> float:
+    value = _duration(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} must be > 0 (a checkpoint that costs nothing needs no plan)"
+        )
+    return value
 
 
 # ------------------------------------------------------------------------------------ commands
@@ -278,6 +380,81 @@ def _cmd_rm(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
         return EXIT_ERROR
     store.delete(step)
     print(f"deleted {what}")
+    return EXIT_OK
+
+
+def _cmd_report(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
+    if args.on_demand_price is not None and args.spot_price is None:
+        raise CliError("--on-demand-price needs --spot-price too: the saving compares the two")
+    store = _open_store(args.url, storage_options)
+    committed_checkpoints = store.committed()
+    if not committed_checkpoints:
+        print(f"no committed checkpoints in {store.url}")
+        return EXIT_OK
+    history = RunHistory.from_checkpoints(store.url, committed_checkpoints)
+    rows = history_rows(history, args.spot_price, args.on_demand_price)
+    resumes = resume_rows(history)
+    newest = history.newest
+    created = newest.created.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    title = f"{store.url} ({newest.framework}), newest checkpoint committed {created}"
+    resume_title = f"recent resumes ({len(resumes)} of {history.ledger.resumes})"
+    console = _rich_console(sys.stdout)
+    if console is None:
+        print(title)
+        print(format_rows(rows))
+        if resumes:
+            print(f"\n{resume_title}")
+            for line in _plain_table(resumes, RESUME_HEADERS, right_aligned={1, 3, 4, 5, 6}):
+                print(f"  {line}")
+        return EXIT_OK
+    from rich import box
+    from rich.table import Table
+
+    summary = Table(title=title, title_justify="left", show_header=False, box=box.SIMPLE)
+    summary.add_column(style="bold", no_wrap=True)
+    summary.add_column(overflow="fold")
+    for label, value in rows:
+        summary.add_row(label, value)
+    console.print(summary)
+    if resumes:
+        table = Table(title=resume_title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD)
+        for col, header in enumerate(RESUME_HEADERS):
+            table.add_column(header.lower(), justify="right" if col in {1, 3, 4, 5, 6} else "left")
+        for row in resumes:
+            table.add_row(*row)
+        console.print(table)
+    return EXIT_OK
+
+
+def _cmd_plan(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
+    plan = plan_job(
+        work_hours=args.work_hours, spot_price=args.spot_price, on_demand_price=args.on_demand_price,
+        interruptions_per_hour=args.interruptions_per_hour, checkpoint_s=args.checkpoint_seconds,
+        resume_s=args.resume_seconds,
+    )  # fmt: skip
+    rows = plan_rows(plan)
+    if args.plot:
+        path = Path(args.plot).expanduser()
+        try:
+            write_plan_plot(plan, path)
+        except ImportError:
+            raise CliError("--plot needs matplotlib: pip install matplotlib") from None
+        except OSError as err:
+            raise CliError(f"cannot write the plot to {path}: {err.strerror or err}") from None
+        rows.append(("plot", str(path)))
+    console = _rich_console(sys.stdout)
+    if console is None:
+        print(format_rows(rows, indent=""))
+        return EXIT_OK
+    from rich import box
+    from rich.table import Table
+
+    table = Table(show_header=False, box=box.SIMPLE)
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(overflow="fold")
+    for label, value in rows:
+        table.add_row(label, value)
+    console.print(table)
     return EXIT_OK
 
 
@@ -384,23 +561,6 @@ def describe_error(err: BaseException, verbose: bool = False) -> str:
     return " ".join(message.split())
 
 
-def human_size(size_bytes: int) -> str:
-    """A byte count in decimal units, as storage consoles show it.
-
-    Example:
-        >>> human_size(512), human_size(12_345_678), human_size(3 * 10**12)
-        ('512 B', '12.3 MB', '3.0 TB')
-    """
-    if size_bytes < 1000:
-        return f"{size_bytes} B"
-    value = float(size_bytes)
-    for unit in ("kB", "MB", "GB", "TB", "PB"):
-        value /= 1000
-        if value < 999.95 or unit == "PB":
-            return f"{value:.1f} {unit}"
-    raise AssertionError("unreachable")
-
-
 def size_problems(store: CheckpointStore, infos: list[CheckpointInfo]) -> dict[int, str | None]:
     """For each checkpoint, ``None`` when its files have the manifest's sizes, else the short reason.
 
@@ -484,12 +644,16 @@ _HEADERS = ("", "STEP", "CREATED (UTC)", "REASON", "SIZE", "FRAMEWORK", "VALID")
 _RIGHT_ALIGNED = {1, 4}
 
 
-def _plain_table(rows: list[tuple[str, ...]]) -> list[str]:
-    widths = [max(len(row[col]) for row in [_HEADERS, *rows]) for col in range(len(_HEADERS))]
+def _plain_table(
+    rows: list[tuple[str, ...]],
+    headers: tuple[str, ...] = _HEADERS,
+    right_aligned: set[int] = _RIGHT_ALIGNED,
+) -> list[str]:
+    widths = [max(len(row[col]) for row in [headers, *rows]) for col in range(len(headers))]
     lines = []
-    for row in [_HEADERS, *rows]:
+    for row in [headers, *rows]:
         cells = [
-            cell.rjust(widths[col]) if col in _RIGHT_ALIGNED else cell.ljust(widths[col])
+            cell.rjust(widths[col]) if col in right_aligned else cell.ljust(widths[col])
             for col, cell in enumerate(row)
         ]
         lines.append("  ".join(cells).rstrip())

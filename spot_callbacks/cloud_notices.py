@@ -349,13 +349,17 @@ class GcpPoller(CloudPoller):
         return response.status == 200 and response.headers.get("Metadata-Flavor") == "Google"
 
     def poll(self, wait_s: float) -> Poll:
-        path, timeout_s = self.PATH, self.request_timeout_s
-        if self._etag is not None:
-            # Waits until the value differs from the one we last saw, so a change between two
-            # polls is not missed and the notice arrives as soon as it is posted.
-            wait = max(1, round(wait_s))
-            path += "?" + urlencode({"wait_for_change": "true", "last_etag": self._etag, "timeout_sec": wait})
-            timeout_s += wait
+        if self._etag is None:  # a first plain read: the VM may be preempted already
+            found = self._read(self.PATH, self.request_timeout_s)
+            if found.notice is not None or self._etag is None:
+                return found
+        # Waits until the value differs from the one last seen, so a change between two polls is
+        # not missed and the notice arrives as soon as it is posted.
+        wait = max(1, round(wait_s))
+        query = urlencode({"wait_for_change": "true", "last_etag": self._etag, "timeout_sec": wait})
+        return self._read(f"{self.PATH}?{query}", self.request_timeout_s + wait)
+
+    def _read(self, path: str, timeout_s: float) -> Poll:
         response = self.client.request("GET", path, timeout_s, headers=self.HEADERS)
         if response.status != 200:
             raise MetadataError(f"GET {self.PATH}: HTTP {response.status}")
@@ -565,6 +569,8 @@ class CloudNoticeThread:
             except MetadataError as err:
                 if err.unreachable:
                     unreachable.add(poller.address)
+            except Exception as err:  # noqa: BLE001 - detection must never end the thread noisily
+                log.debug("spot_callbacks: %s: detection failed: %s", poller.describe(), err)
         return found
 
     def _poll_one(self, poller: CloudPoller) -> None:

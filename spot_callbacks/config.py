@@ -93,11 +93,12 @@ class SpotConfig:
         scratch_dir: fast local disk for staging; default ``$SPOT_SCRATCH``, else a temp dir.
         storage_options: passed to fsspec (endpoint, credentials, ...).
         preemption: notice sources: ``"SIGTERM"``, ``"SIGUSR1"``, ``"aws"``, ``"gcp"``,
-            ``"azure"``; ``"auto"`` is SIGTERM plus the cloud detected; ``[]`` is none.
+            ``"azure"``; ``"auto"`` is SIGTERM (and SIGUSR1 inside a SLURM job) plus the cloud
+            detected; ``[]`` is none.
         on_preemption: after the emergency checkpoint commits, ``"stop"`` training gracefully
             or ``"continue"``.
-        interruptions_per_hour: expected interruption rate, for ``interval="auto"`` and the
-            cost report.
+        interruptions_per_hour: expected interruption rate, for ``interval="auto"``; ``None``:
+            learned from the run's own interruptions (recorded in its manifests), from 0.1/h.
 
     Raises:
         ConfigError: a value is out of range or of the wrong kind; the message names the key,
@@ -135,7 +136,7 @@ class SpotConfig:
         default="stop", metadata={"help": "after the emergency checkpoint: stop or continue"}
     )
     interruptions_per_hour: Union[float, None] = field(  # noqa: UP007
-        default=None, metadata={"help": "expected interruption rate, for interval='auto' and cost reports"}
+        default=None, metadata={"help": "interruption rate for interval='auto'; None: learned from the run"}
     )
 
     def __post_init__(self) -> None:

@@ -98,6 +98,7 @@ class SpotEngine:
         )
         self.watcher = PreemptionWatcher.from_setting(config.preemption)
         self._emergency_notice: Notice | None = None  # the notice every rank agreed on
+        self._emergency_committed: int | None = None  # its checkpoint's step, once committed
         self.staging = StagingArea()
         self._persister: Persister | None = None
         self.last_saved_step: int | None = None
@@ -145,6 +146,7 @@ class SpotEngine:
         # The interval counts training time, not the set-up before it (model build, a long pull).
         self.trigger.mark_checkpoint()
         self._start_training_clock(self.ledger.train_s)
+        self.watcher.clear()  # a notice acted on in an earlier fit() in this process is spent
         self.watcher.start()
 
     def stop(self) -> None:
@@ -346,11 +348,11 @@ class SpotEngine:
             record = self.ledger.recent_resumes[-1]
             self._start_training_clock(self.ledger.train_s)
             lost = format_seconds(record.lost_work_s)
+            lost = lost if record.lost_work_measured else f"<= {lost} (estimated: no emergency checkpoint)"
             log.info(
-                "spot_callbacks: resumed after %s: pull %s, load %s, lost work %s, downtime %s",
-                info.reason, format_seconds(record.pull_s), format_seconds(record.load_s),
-                lost if record.lost_work_measured else f"<= {lost} (estimated: no emergency checkpoint)",
-                format_seconds(record.downtime_s),
+                "spot_callbacks: resumed from step %d (%s): pull %s, load %s%s",
+                info.step, info.reason, format_seconds(record.pull_s), format_seconds(record.load_s),
+                f", lost work {lost}, downtime {format_seconds(record.downtime_s)}" if record.interrupted else "",
             )  # fmt: skip
         else:
             ledger = RunLedger.from_json(state.get("ledger"))
@@ -404,7 +406,10 @@ class SpotEngine:
                 if notice.deadline is not None:
                     self._persister.expedite(step, notice.deadline - EXIT_MARGIN_S)
                 finished = self._persister.wait_for_step(step, timeout=timeout)
-                _log_emergency(step, notice, finished, time.perf_counter() - started)
+                if self._emergency_committed != step:  # said once, not again by a later wait
+                    _log_emergency(step, notice, finished, time.perf_counter() - started)
+                if finished:
+                    self._emergency_committed = step
             else:
                 finished = self._persister.wait(timeout=timeout)
         self.barrier()

@@ -193,8 +193,14 @@ class PreemptionWatcher:
             from spot_callbacks.cloud_notices import POLLERS, REQUEST_TIMEOUT_S, CloudNoticeThread
 
             timeout_s = self.request_timeout_s or REQUEST_TIMEOUT_S
+            pollers = []
+            for name in clouds:
+                try:
+                    pollers.append(POLLERS[name](request_timeout_s=timeout_s))
+                except ValueError as err:  # a malformed endpoint variable must not stop training
+                    log.warning("spot_callbacks: %s notices are not watched: %s", name, err)
             self._clouds = CloudNoticeThread(
-                [POLLERS[name](request_timeout_s=timeout_s) for name in clouds],
+                pollers,
                 on_notice=self.report,
                 on_hint=self.report_hint,
                 detect=self.detect_cloud,

@@ -148,12 +148,13 @@ def history_rows(
     if newest is not None:
         what += f"; newest step {newest.step} ({human_size(newest.size_bytes)})"
     rows.append(("checkpoints", what))
-    rows.append(("training time", f"{format_seconds(ledger.train_s)} in this lineage"))
+    runs = ledger.resumes + 1
+    rows.append(("training time", f"{format_seconds(ledger.train_s)} in {runs} run{'s' if runs > 1 else ''}"))
     stall = f"{format_seconds(ledger.stall_s)} total ({_percent(ledger.stall_s, ledger.train_s)} of training)"
     stalls = [finite_number(info.metrics.get("stall_s")) for info in history.checkpoints]
     if _median(stalls) is not None:
         stall += f", median {format_seconds(_median(stalls))} per checkpoint"
-    if ledger.slowdown_s > 0:
+    if ledger.slowdown_s >= 0.005:
         stall += f"; + {format_seconds(ledger.slowdown_s)} background slowdown (estimated)"
     rows.append(("training stall", stall))
     persist = _persist_row(history, records)
@@ -161,7 +162,7 @@ def history_rows(
         rows.append(("persist (background)", persist))
     interruptions = f"{history.interruptions}"
     if history.interruptions:
-        parts = [f"{ledger.interruptions} resumed"]
+        parts = [f"{ledger.interruptions} resumed"] if ledger.interruptions else []
         if history.awaiting_resume:
             parts.append(f"1 awaiting resume from step {newest.step} ({newest.reason})")
         interruptions += f" ({', '.join(parts)})"
@@ -192,17 +193,26 @@ def history_rows(
     if spot_price is not None:
         billed_h = ledger.billed_s / SECONDS_PER_HOUR
         spot_cost = billed_h * spot_price
-        money = f"spot {format_money(spot_cost)} ({billed_h:.2f} h x {format_money(spot_price)}/h)"
+        rows.append(
+            (
+                "spot cost",
+                f"{format_money(spot_cost)} ({billed_h:.2f} h billed x {format_money(spot_price)}/h)",
+            )
+        )
         if on_demand_price is not None:
             on_demand_cost = ledger.train_s / SECONDS_PER_HOUR * on_demand_price
             saved = on_demand_cost - spot_cost
-            money += f" vs on demand {format_money(on_demand_cost)} (the training time, uninterrupted): "
-            money += (
-                f"saved {format_money(saved)} ({_percent(saved, on_demand_cost)})"
+            verdict = (
+                f"spot saved {format_money(saved)} ({_percent(saved, on_demand_cost)})"
                 if saved >= 0
                 else f"spot cost {format_money(-saved)} more"
             )
-        rows.append(("cost", money))
+            rows.append(
+                (
+                    "on-demand cost",
+                    f"{format_money(on_demand_cost)} for the training time, uninterrupted: {verdict}",
+                )
+            )
     if not history.from_ledger:
         rows.append(("note", "these manifests carry no ledger: totals cover the checkpoints at hand only"))
     return rows
@@ -299,15 +309,16 @@ def plan_rows(plan: SpotPlan) -> list[tuple[str, str]]:
 
 def write_plan_plot(plan: SpotPlan, path: str | Any, points: int = 400) -> None:
     """Write a PNG of the expected cost against the checkpoint interval: the spot curve, the
-    on-demand line and the optimum marked (matplotlib, Agg backend: no display needed).
+    on-demand line and the optimum marked (matplotlib's Agg canvas: no display needed).
 
     Raises ImportError when matplotlib is not installed.
     """
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
+    # A bare Figure renders with the Agg canvas: no pyplot, no display, no global backend switch.
     from matplotlib.figure import Figure
-    from matplotlib.ticker import FuncFormatter
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    def text(label: str) -> str:  # a bare "$" starts matplotlib's math mode
+        return label.replace("$", r"\$")
 
     optimum_s = plan.interval_s
     if math.isfinite(optimum_s) and optimum_s > 0:
@@ -322,16 +333,16 @@ def write_plan_plot(plan: SpotPlan, path: str | Any, points: int = 400) -> None:
     axes = figure.add_subplot()
     axes.plot(
         minutes, costs, color="tab:blue", linewidth=2,
-        label=f"spot at {format_money(plan.spot_price)}/h, {plan.interruptions_per_hour:g} interruptions/h",
+        label=text(f"spot at {format_money(plan.spot_price)}/h, {plan.interruptions_per_hour:g} interruptions/h"),
     )  # fmt: skip
     axes.axhline(
         plan.on_demand_cost, color="tab:red", linestyle="--", linewidth=1.5,
-        label=f"on demand at {format_money(plan.on_demand_price)}/h: {format_money(plan.on_demand_cost)}",
+        label=text(f"on demand at {format_money(plan.on_demand_price)}/h: {format_money(plan.on_demand_cost)}"),
     )  # fmt: skip
     if math.isfinite(optimum_s) and optimum_s > 0:
         axes.plot(
             [optimum_s / 60.0], [plan.spot_cost], marker="o", markersize=9, color="black", linestyle="none",
-            label=f"optimum: every {format_seconds(optimum_s)}, {format_money(plan.spot_cost)}",
+            label=text(f"optimum: every {format_seconds(optimum_s)}, {format_money(plan.spot_cost)}"),
         )  # fmt: skip
         axes.axvline(optimum_s / 60.0, color="black", linewidth=0.8, alpha=0.4)
     finite_costs = [cost for cost in costs if math.isfinite(cost)]
@@ -341,8 +352,10 @@ def write_plan_plot(plan: SpotPlan, path: str | Any, points: int = 400) -> None:
     axes.set_ylim(0, top if top > 0 else 1.0)
     axes.set_xscale("log")
     axes.set_xlim(minutes[0], minutes[-1])
+    axes.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
     axes.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
-    axes.yaxis.set_major_formatter(FuncFormatter(lambda value, _: format_money(value)))
+    axes.xaxis.set_minor_formatter(NullFormatter())
+    axes.yaxis.set_major_formatter(FuncFormatter(lambda value, _: text(f"${value:,.0f}")))
     axes.set_xlabel("checkpoint interval (minutes, log scale)")
     axes.set_ylabel("expected cost of the job")
     axes.set_title(
@@ -350,5 +363,5 @@ def write_plan_plot(plan: SpotPlan, path: str | Any, points: int = 400) -> None:
         f"resume {format_seconds(plan.resume_s)}"
     )
     axes.grid(True, which="both", alpha=0.25)
-    axes.legend(loc="upper center")
+    axes.legend(loc="best", framealpha=0.95)
     figure.savefig(path, format="png")

@@ -20,6 +20,9 @@ Public API for test modules (``from conftest import StoreTarget, fs_for``):
 ``s3_server`` / ``azurite_server`` / ``gcs_server``   session fixtures (see :class:`ServerInfo`).
 ``s3_env`` / ``az_env`` / ``gcs_env``   function fixtures exporting credentials/endpoints to
                 ``os.environ`` (via monkeypatch) for tests that spawn subprocesses.
+``aws_imds`` / ``gcp_metadata`` / ``azure_events``   loopback cloud metadata services
+                (``tests/metadata_servers.py``), reset for each test, with the endpoint variables
+                of all three clouds pointing at them or at a closed port (never at a real cloud).
 """
 
 from __future__ import annotations
@@ -556,3 +559,65 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StoreT
             if fs.exists(root):
                 fs.rm(root, recursive=True)
         fs.invalidate_cache()
+
+
+# ---------------------------------------------------------------------------
+# Cloud metadata services (preemption notices)
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def _metadata_servers() -> Iterator[dict[str, Any]]:
+    from metadata_servers import AwsImds, AzureScheduledEvents, GcpMetadata
+
+    servers = {"aws": AwsImds(), "gcp": GcpMetadata(), "azure": AzureScheduledEvents()}
+    try:
+        yield servers
+    finally:
+        for server in servers.values():
+            server.close()
+
+
+METADATA_ENV = {
+    "aws": "AWS_EC2_METADATA_SERVICE_ENDPOINT",
+    "gcp": "GCE_METADATA_HOST",
+    "azure": "SPOT_AZURE_METADATA_ENDPOINT",
+}
+
+
+def closed_port_url() -> str:
+    """An http URL on 127.0.0.1 where nothing listens (connections are refused at once)."""
+    return f"http://127.0.0.1:{free_port()}"
+
+
+@pytest.fixture
+def metadata_env(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
+    """``metadata_env(aws=url, ...)``: point the clouds' endpoint variables there, the rest at a closed port."""
+
+    def point(**urls: str) -> None:
+        for cloud, variable in METADATA_ENV.items():
+            url = urls.get(cloud) or closed_port_url()
+            monkeypatch.setenv(variable, url.removeprefix("http://") if cloud == "gcp" else url)
+        monkeypatch.setenv("SPOT_METADATA_POLL_S", "0.05")
+
+    point()
+    return point
+
+
+def _metadata_fixture(cloud: str) -> Any:
+    @pytest.fixture
+    def fixture(_metadata_servers: dict[str, Any], metadata_env: Callable[..., None]) -> Iterator[Any]:
+        server = _metadata_servers[cloud]
+        server.reset()
+        metadata_env(**{cloud: server.url})
+        try:
+            yield server
+        finally:
+            server.reset()  # releases requests a "hang" fault holds
+
+    return fixture
+
+
+aws_imds = _metadata_fixture("aws")
+gcp_metadata = _metadata_fixture("gcp")
+azure_events = _metadata_fixture("azure")

@@ -11,7 +11,8 @@ class FaultyFileSystem:
 
     - ``transient_failures``: the next N writes raise ConnectionError (retryable).
     - ``permanent``: every write raises PermissionError (not retryable).
-    - ``gate``: a threading.Event every write waits on before running (to hold an upload).
+    - ``gate``: a threading.Event every write waits on before running (to hold an upload);
+      with ``gate_only``, only writes whose path contains it wait. ``held`` is set once one waits.
     """
 
     def __init__(self, inner: Any) -> None:
@@ -19,6 +20,8 @@ class FaultyFileSystem:
         self.transient_failures = 0
         self.permanent = False
         self.gate: threading.Event | None = None
+        self.gate_only: str | None = None
+        self.held = threading.Event()
         self.writes_started = threading.Event()
         self.calls: list[tuple[str, str]] = []
         self._lock = threading.Lock()
@@ -35,7 +38,8 @@ class FaultyFileSystem:
             if self.transient_failures > 0:
                 self.transient_failures -= 1
                 raise ConnectionError(f"injected: connection reset writing {path}")
-        if self.gate is not None:
+        if self.gate is not None and (self.gate_only is None or self.gate_only in path):
+            self.held.set()
             self.gate.wait()
 
     def put_file(self, lpath: str, rpath: str, *args: Any, **kwargs: Any) -> Any:

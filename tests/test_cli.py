@@ -1,4 +1,4 @@
-"""`spot-callbacks` ls / verify / pull / rm, run in-process against file://, memory://, s3://, az:// and gs://."""
+"""`spot-callbacks` ls / verify / pull / rm / report / plan, run in-process against file://, memory://, s3://, az:// and gs://."""
 
 from __future__ import annotations
 
@@ -6,15 +6,24 @@ import io
 import json
 import logging
 import posixpath
+import re
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from spot_callbacks import CheckpointStore, RetryPolicy, cli
+from spot_callbacks import CheckpointStore, RetryPolicy, cli, report
 from spot_callbacks.cli import main
+from spot_callbacks.costs import (
+    RunLedger,
+    break_even_interruptions_per_hour,
+    daly_interval_s,
+    measure_resume,
+    plan_job,
+)
 from spot_callbacks.store import MANIFEST_NAME, step_dirname
 
 FAST_RETRY = RetryPolicy(attempts=2, initial_backoff_s=0.01, max_backoff_s=0.05)
@@ -218,11 +227,16 @@ def test_secret_storage_option_never_printed(store, store_url, capsys, tmp_path)
     ]
     commit(store, tmp_path, 3)
     outputs = []
-    for argv in (["ls", store_url.url], ["verify", store_url.url, "--step", "9"], ["verify", store_url.url]):
+    for argv in (
+        ["ls", store_url.url],
+        ["verify", store_url.url, "--step", "9"],
+        ["verify", store_url.url],
+        ["report", store_url.url],
+    ):
         code = main(["-vv", "--storage-options", json.dumps(options), *argv])
         out, err = capsys.readouterr()
         outputs.append((code, out + err))
-    assert [code for code, _ in outputs] == [0, 1, 0], outputs
+    assert [code for code, _ in outputs] == [0, 1, 0, 0], outputs
     assert secret_name in outputs[0][1]  # the names may be shown, for debugging
     for _, text in outputs:
         assert FAKE_SECRET not in text
@@ -311,7 +325,7 @@ def test_console_script_help_runs():
     argv = [script] if script else [sys.executable, "-m", "spot_callbacks.cli"]
     result = subprocess.run([*argv, "--help"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    for command in ("ls", "verify", "pull", "rm", "--storage-options"):
+    for command in ("ls", "verify", "pull", "rm", "report", "plan", "--storage-options"):
         assert command in result.stdout
     result = subprocess.run(
         [sys.executable, "-m", "spot_callbacks.cli", "ls", "memory://cli-subprocess"],
@@ -320,3 +334,158 @@ def test_console_script_help_runs():
         timeout=120,
     )
     assert (result.returncode, result.stdout) == (0, "no committed checkpoints in memory:///cli-subprocess\n")
+
+
+# ------------------------------------------------------------------------------------ report
+HOUR = 3600.0
+
+
+def commit_with_ledger(store: CheckpointStore, tmp_path: Path, step: int, reason: str, metrics: dict, ledger):
+    folder = tmp_path / f"costs-{step}"
+    folder.mkdir()
+    (folder / "state.pt").write_bytes(b"w" * 5000)
+    store.write_checkpoint(
+        step, folder, reason=reason, framework="test", metrics=metrics, extra={"ledger": ledger.to_json()}
+    )
+
+
+def a_run_with_two_resumes_and_a_pending_preemption(store: CheckpointStore, tmp_path: Path):
+    """Four checkpoints, a preemption resumed after 5 min, a crash, and a preemption not yet resumed."""
+    t0 = 1_800_000_000.0
+    ledger = RunLedger().add_checkpoint("interval", stall_s=2.0, train_s=1800.0)
+    commit_with_ledger(store, tmp_path, 100, "interval", {"stall_s": 2.0, "train_s": 1800.0}, ledger)
+    ledger = ledger.add_checkpoint("preemption", stall_s=1.0, train_s=2700.0)
+    commit_with_ledger(store, tmp_path, 150, "preemption", {"stall_s": 1.0, "train_s": 2700.0}, ledger)
+    ledger = ledger.add_resume(
+        measure_resume("preemption", 150, t0, t0 - 5, t0 + 300, pull_s=40.0, load_s=20.0)
+    )
+    ledger = ledger.add_checkpoint("interval", stall_s=3.0, train_s=3600.0)
+    commit_with_ledger(store, tmp_path, 200, "interval", {"stall_s": 3.0, "train_s": 3600.0}, ledger)
+    crash = measure_resume(
+        "interval", 200, t0 + 4000, t0 + 3990, t0 + 3990 + 900, 30.0, 10.0, interval_s=1800
+    )
+    ledger = ledger.add_resume(crash)
+    ledger = ledger.add_checkpoint("preemption", stall_s=2.0, train_s=7200.0)
+    commit_with_ledger(store, tmp_path, 300, "preemption", {"stall_s": 2.0, "train_s": 7200.0}, ledger)
+    store.delete(100)  # retention: the newest ledger still counts it
+    return ledger
+
+
+def report_rows(out: str) -> dict[str, str]:
+    rows = {}
+    for line in out.splitlines():
+        match = re.match(r"^  (\S.*?)\s{2,}(\S.*)$", line)
+        if match and not line.startswith("   "):
+            rows.setdefault(match.group(1), match.group(2))
+    return rows
+
+
+def test_report_reads_the_runs_history_from_its_manifests(store, store_url, run, tmp_path):
+    ledger = a_run_with_two_resumes_and_a_pending_preemption(store, tmp_path)
+    code, out, err = run("report", store_url.url, "--spot-price", "1.5", "--on-demand-price", "4")
+    assert code == 0, err
+    rows = report_rows(out)
+    assert out.startswith(f"{store.url} (test), newest checkpoint committed ")
+    assert rows["checkpoints"].startswith(
+        "4 taken (2 interval, 2 preemption); 3 kept in the store; newest step 300"
+    )
+    stall_s, train_s = 2.0 + 1.0 + 3.0 + 2.0, 7200.0
+    assert rows["training time"] == "2.00 h in 3 runs"
+    assert rows["training stall"].startswith(
+        f"{stall_s:.2f} s total ({100 * stall_s / train_s:.1f}% of training)"
+    )
+    assert rows["interruptions"] == "3 (2 resumed, 1 awaiting resume from step 300 (preemption))"
+    assert rows["lost work"].startswith("0.00 s measured + up to 15.0 min estimated")  # the crash: <= 900 s
+    assert rows["resumes"] == "2: pull 35.0 s, load 15.0 s on average; downtime 5.0 min total (1 unknown)"
+    billed_s = train_s + 900 + (40 + 30) + (20 + 10)
+    assert ledger.billed_s == billed_s
+    assert rows["goodput"].startswith(f"{100 * (train_s - stall_s) / billed_s:.1f}% of ")
+    spot_cost, on_demand_cost = billed_s / HOUR * 1.5, train_s / HOUR * 4
+    assert rows["spot cost"].startswith(f"${spot_cost:.2f} ({billed_s / HOUR:.2f} h billed")
+    saved = on_demand_cost - spot_cost
+    assert rows["on-demand cost"].endswith(f"spot saved ${saved:.2f} ({100 * saved / on_demand_cost:.1f}%)")
+    resume_lines = out.split("recent resumes (2 of 2)\n")[1].splitlines()
+    assert "FROM STEP" in resume_lines[0]
+    assert resume_lines[1].split()[1:3] == ["150", "preemption"] and resume_lines[1].rstrip().endswith(
+        "5.0 min"
+    )
+    assert resume_lines[2].split()[1:3] == ["200", "interval"] and "<= 15.0 min (est.)" in resume_lines[2]
+    assert resume_lines[2].rstrip().endswith("unknown")
+
+
+def test_report_without_prices_without_a_ledger_and_without_checkpoints(capsys, tmp_path):
+    url = f"memory://cli-report-{tmp_path.name}/run"
+    assert main(["report", url]) == 0
+    assert (
+        capsys.readouterr().out == f"no committed checkpoints in memory:///cli-report-{tmp_path.name}/run\n"
+    )
+    store = CheckpointStore(url)
+    for step in (1, 2):
+        commit(store, tmp_path, step)  # manifests written without a ledger (older versions, other tools)
+    assert main(["report", url]) == 0
+    rows = report_rows(capsys.readouterr().out)
+    assert rows["checkpoints"].startswith("2 taken (2 interval); newest step 2")
+    assert "note" in rows and "spot cost" not in rows
+    assert main(["report", url, "--on-demand-price", "3"]) == 1
+    assert "--on-demand-price needs --spot-price" in assert_one_error_line(capsys.readouterr().err)
+    assert main(["report", url, "--spot-price", "-1"]) == 2
+
+
+def test_report_rich_tables_on_a_terminal(tmp_path, capsys, monkeypatch):
+    store = CheckpointStore(f"memory://cli-report-rich-{tmp_path.name}/run")
+    a_run_with_two_resumes_and_a_pending_preemption(store, tmp_path)
+    monkeypatch.setattr(cli, "_is_terminal", lambda stream: True)
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["report", store.url, "--spot-price", "1.5"]) == 0
+    out = capsys.readouterr().out
+    for text in (
+        "goodput",
+        "interruptions",
+        "3 (2 resumed",
+        "recent resumes (2 of 2)",
+        "from step",
+        "spot cost",
+    ):
+        assert text in out, text
+
+
+# ------------------------------------------------------------------------------------ plan
+PLAN_ARGS = ["plan", "--work-hours", "200", "--spot-price", "1.2", "--on-demand-price", "3.9",
+             "--interruptions-per-hour", "0.1", "--checkpoint-seconds", "30", "--resume-seconds", "5min"]  # fmt: skip
+
+
+def test_plan_prints_the_numbers_of_the_cost_model(capsys):
+    assert main(PLAN_ARGS) == 0
+    out = capsys.readouterr().out
+    plan = plan_job(200, 1.2, 3.9, 0.1, 30, 300)
+    rows = {label: value for label, value in report.plan_rows(plan)}
+    assert out == report.format_rows(list(rows.items()), indent="") + "\n"
+    assert plan.interval_s == daly_interval_s(30, HOUR / 0.1)
+    assert rows["optimal interval"].startswith(f"{plan.interval_s / 60:.1f} min (Daly")
+    assert rows["spot"].startswith(f"${plan.spot_cost:,.2f}, {plan.spot_hours:.2f} h expected")
+    assert rows["on demand"].startswith(f"${200 * 3.9:,.2f}, 200.00 h")
+    assert rows["verdict"].startswith(f"spot saves ${200 * 3.9 - plan.spot_cost:,.2f}")
+    rate = break_even_interruptions_per_hour(1.2, 3.9, 30, 300)
+    assert rows["break-even rate"].startswith(f"{rate:.3g} interruptions/h")
+
+
+def test_plan_plot_writes_a_png(tmp_path, capsys):
+    target = tmp_path / "plan.png"
+    assert main([*PLAN_ARGS, "--plot", str(target)]) == 0
+    assert re.search(rf"^plot +{re.escape(str(target))}$", capsys.readouterr().out, re.MULTILINE)
+    data = target.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    assert (width, height) == (960, 600)  # 8 x 5 inches at 120 dpi
+    assert len(data) > 20_000  # curves, labels and a legend, not an empty canvas
+
+
+def test_plan_errors(capsys, tmp_path):
+    assert main([*PLAN_ARGS[:-2], "--resume-seconds", "soon"]) == 2
+    assert "'soon' is not a duration" in capsys.readouterr().err
+    assert main([*PLAN_ARGS, "--checkpoint-seconds", "0"]) == 2
+    assert main([*PLAN_ARGS, "--spot-price", "nan"]) == 2
+    assert main(PLAN_ARGS[:-2]) == 2  # --resume-seconds is required
+    capsys.readouterr()
+    assert main([*PLAN_ARGS, "--plot", str(tmp_path / "missing" / "plan.png")]) == 1
+    assert "cannot write the plot to" in assert_one_error_line(capsys.readouterr().err)

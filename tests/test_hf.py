@@ -25,6 +25,7 @@ import transformers
 
 from spot_callbacks import CheckpointStore, ConfigError, SpotConfig
 from spot_callbacks.hf import SpotCheckpointCallback
+from spot_callbacks.report import RunHistory
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = REPO_ROOT / "tests" / "scripts" / "hf_run.py"
@@ -125,13 +126,23 @@ def test_sigterm_commits_then_a_fresh_machine_resumes_bit_identical(
     assert store.verify(stop_step) is True
 
     fresh = tmp_path / "machine-b"  # an empty output_dir, another seed: nothing local to lean on
-    run_script(*remote, "--out", tmp_path / "second.pt", "--output-dir", fresh, "--seed", 99, expect_rc=0)
+    resumed_run = run_script(
+        *remote, "--out", tmp_path / "second.pt", "--output-dir", fresh, "--seed", 99, expect_rc=0
+    )
     second = result_of(tmp_path / "second.pt")
     assert second["resumed_from"] == str(fresh / f"checkpoint-{stop_step}")
     assert second["global_step"] == MAX_STEPS and not second["preempted"]
     assert "spot/resume_s" in second["log_keys"] and "spot/stall_s" in second["log_keys"]
     assert_same_weights(torch.load(tmp_path / "second.pt"), baseline_weights)
     assert [(c.step, c.reason) for c in store.committed()] == [(stop_step, "preemption"), (MAX_STEPS, "end")]
+    history = RunHistory.from_checkpoints(url, store.committed())  # what `spot-callbacks report` reads
+    (resume,) = history.ledger.recent_resumes
+    assert history.interruptions == 1 and history.ledger.checkpoints == {"preemption": 1, "end": 1}
+    assert (resume.from_step, resume.lost_work_s, resume.lost_work_measured) == (stop_step, 0.0, True)
+    assert resume.pull_s > 0 and resume.downtime_s is not None and resume.downtime_s >= 0
+    assert (
+        "checkpoint costs of" in resumed_run.stderr and "1 (1 resumed)" in resumed_run.stderr
+    )  # the summary
 
 
 @pytest.mark.slow
@@ -219,7 +230,11 @@ def test_corrupt_newest_remote_checkpoint_is_skipped_with_a_log_line(
     assert fresh.latest() == str(tmp_path / "b" / "checkpoint-5")
     assert (tmp_path / "b" / "checkpoint-5" / "model.safetensors").is_file()
     assert not (tmp_path / "b" / "checkpoint-10").exists()
-    skipped = [r.getMessage() for r in caplog.records if "step-000000010" in r.getMessage()]
+    skipped = [
+        r.getMessage()
+        for r in caplog.records
+        if "step-000000010" in r.getMessage() and r.levelno >= logging.WARNING  # not the first run's INFO
+    ]
     assert skipped and "skipping damaged checkpoint" in skipped[0], [r.getMessage() for r in caplog.records]
     assert [c.step for c in fresh.store.committed()] == [5, 10]  # skipped, never deleted
 
@@ -242,11 +257,16 @@ def test_a_save_dropped_by_save_strategy_best_is_detected_and_persisted(
     assert any("requested at step 8" in r.getMessage() for r in caplog.records)
 
 
-def test_trainer_saves_for_its_own_save_strategy_are_persisted(tmp_path: Path) -> None:
+def test_trainer_saves_for_its_own_save_strategy_are_persisted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="spot_callbacks")
     ckpt = SpotCheckpointCallback(dirpath=str(tmp_path / "store"), interval=None, preemption=[])
     trainer = make_trainer(tmp_path / "out", [ckpt], max_steps=12, save_strategy="steps", save_steps=5)
     trainer.train()
     assert [(c.step, c.reason) for c in ckpt.store.committed()] == [(5, "steps"), (10, "steps"), (12, "end")]
+    summaries = [r.getMessage() for r in caplog.records if "checkpoint costs of" in r.getMessage()]
+    assert len(summaries) == 1 and "3 taken (2 steps, 1 end)" in summaries[0]  # logged once, at the end
     # The Trainer's folders are the Trainer's: nothing of save_strategy="steps" is deleted by us.
     assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == [
         "checkpoint-10", "checkpoint-12", "checkpoint-5"

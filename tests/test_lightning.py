@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 
 from spot_callbacks import CheckpointStore, ConfigError, PersistError
 from spot_callbacks.lightning import SpotCheckpoint
+from spot_callbacks.report import RunHistory
 
 SCRIPT = Path(__file__).parent / "scripts" / "lightning_run.py"
 RUN_TIMEOUT_S = 240
@@ -55,7 +57,23 @@ def interrupted_then_resumed(tmp_path, url, options, sigterm_steps, extra=()) ->
     done = run_training(tmp_path, *common, "--seed", "999", scratch="final")
     assert done.returncode == 0, done.stderr[-4000:]
     assert "resuming from" in done.stderr
+    assert_interruptions_accounted(CheckpointStore(url, storage_options=options), sigterm_steps)
+    assert "checkpoint costs of" in done.stderr  # the summary at the end of fit
     return final_weights(out)
+
+
+def assert_interruptions_accounted(store: CheckpointStore, sigterm_steps: list[int]) -> None:
+    """What `spot-callbacks report` reads: each SIGTERM an interruption, resumed, with no work lost."""
+    history = RunHistory.from_checkpoints(store.url, store.committed())
+    ledger = history.ledger
+    assert history.interruptions == ledger.resumes == len(sigterm_steps)
+    assert ledger.checkpoints.get("preemption") == len(sigterm_steps)
+    # The emergency checkpoint holds the step the signal landed in: no step is redone.
+    assert [(r.from_step, r.from_reason) for r in ledger.recent_resumes] == [
+        (step + 1, "preemption") for step in sigterm_steps
+    ]
+    assert ledger.lost_work_s == 0.0 and all(r.lost_work_measured for r in ledger.recent_resumes)
+    assert all(r.pull_s > 0 and r.downtime_s is not None and r.downtime_s >= 0 for r in ledger.recent_resumes)
 
 
 @pytest.fixture(scope="module")
@@ -270,6 +288,14 @@ def test_a_permanent_storage_failure_fails_fit_with_the_url_and_keeps_training_s
         boring_trainer(spot).fit(model)
     kept = sorted(p.name for p in (tmp_path / "scratch").rglob("step-*"))
     assert "step-000000006" in kept  # the local copy is kept for the user
+
+
+def test_the_cost_summary_is_logged_once_at_the_end_of_fit(tmp_path, caplog):
+    spot = SpotCheckpoint(dirpath=str(tmp_path / "run"), interval=None, every_n_steps=3, preemption=[])
+    with caplog.at_level(logging.INFO, logger="spot_callbacks"):
+        boring_trainer(spot).fit(BoringModel())
+    summaries = [r.getMessage() for r in caplog.records if "checkpoint costs of" in r.getMessage()]
+    assert len(summaries) == 1 and "2 taken (2 steps)" in summaries[0]
 
 
 def test_callback_state_survives_in_the_checkpoint_and_the_clock_restarts_with_it(tmp_path):

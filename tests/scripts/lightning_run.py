@@ -1,7 +1,9 @@
 """A small Lightning training run for the resume tests (run as a subprocess).
 
 Dropout, a shuffled DataLoader and a per-step LR scheduler: everything that breaks a naive
-resume. Sends itself SIGTERM at ``--sigterm-at-step`` (a real signal, mid-epoch by choice).
+resume. Sends itself SIGTERM at ``--sigterm-at-step`` (a real signal, mid-epoch by choice), or
+at ``--announce-at-step`` has a test's loopback cloud metadata service (``--announce-url``)
+announce a preemption, and waits until the callback's poller has seen it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 import os
 import signal
 import sys
+import urllib.request
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -22,6 +25,8 @@ parser.add_argument("--out", required=True)
 parser.add_argument("--seed", type=int, default=1)
 parser.add_argument("--sigterm-at-step", type=int, default=-1)
 parser.add_argument("--sigterm-rank", type=int, default=0)
+parser.add_argument("--announce-at-step", type=int, default=-1)
+parser.add_argument("--announce-url")
 parser.add_argument("--num-workers", type=int, default=0)
 parser.add_argument("--max-epochs", type=int, default=3)
 parser.add_argument("--every-n-steps", type=int, default=None)
@@ -90,6 +95,19 @@ class SelfSigterm(pl.Callback):
             os.kill(os.getpid(), signal.SIGTERM)  # arrives inside the step, like a real notice
 
 
+class AnnounceNotice(pl.Callback):
+    def __init__(self, step: int, url: str, spot) -> None:
+        self.step, self.url, self.spot, self.sent = step, url, spot, False
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step and not self.sent:
+            self.sent = True
+            no_proxy = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+            no_proxy.open(urllib.request.Request(self.url, data=b"", method="POST"), timeout=10).read()
+            # The notice lands inside this step, as a real one would: the poller reports it now.
+            assert self.spot.engine.watcher.wait(timeout=30) is not None, "the poller saw no notice"
+
+
 class PrintBatches(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         print(
@@ -128,6 +146,8 @@ def main() -> int:
         callbacks.append(PrintBatches())
     if args.sigterm_at_step >= 0:
         callbacks.append(SelfSigterm(args.sigterm_at_step, args.sigterm_rank))
+    if args.announce_at_step >= 0:
+        callbacks.append(AnnounceNotice(args.announce_at_step, args.announce_url, spot))
     torch.manual_seed(0)  # the model's initial weights do not depend on --seed
     model = Net()
     torch.manual_seed(args.seed)
