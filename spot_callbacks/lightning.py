@@ -321,6 +321,8 @@ def build_spot_checkpoint(pl: types.ModuleType) -> type:
     )
     SpotCheckpoint.__module__ = __name__
     SpotCheckpoint.__qualname__ = "SpotCheckpoint"
+    # The docstring's example must build the Trainer of the same package as the callback.
+    SpotCheckpoint.__doc__ = SpotCheckpoint.__doc__.replace("lightning.pytorch", pl.__name__)
     return SpotCheckpoint
 
 
