@@ -11,6 +11,7 @@ from spot_callbacks.checksums import FileDigest
 from spot_callbacks.config import ConfigError, SpotConfig, parse_duration
 from spot_callbacks.persist import Persister, PersistError, PersistJob, PersistRecord
 from spot_callbacks.retry import RetryPolicy
+from spot_callbacks.runlock import RunLockedError
 from spot_callbacks.store import (
     CheckpointError,
     CheckpointInfo,
@@ -56,6 +57,7 @@ __all__ = [
     "PersistRecord",
     "Persister",
     "RetryPolicy",
+    "RunLockedError",
     "SpotConfig",
     "StagedState",
     "StagingArea",

@@ -29,6 +29,7 @@ from spot_callbacks.costs import RunLedger, SlowdownMeter, finite_number, ledger
 from spot_callbacks.persist import Persister, PersistError, PersistJob, PersistRecord, default_scratch_root
 from spot_callbacks.preemption import Notice, PreemptionWatcher
 from spot_callbacks.report import RunHistory, format_rows, format_seconds, history_rows
+from spot_callbacks.runlock import RunLock, RunLockedError
 from spot_callbacks.snapshot import StagingArea, write_state
 from spot_callbacks.store import (
     CheckpointInfo,
@@ -101,6 +102,7 @@ class SpotEngine:
         self._emergency_committed: int | None = None  # its checkpoint's step, once committed
         self.staging = StagingArea()
         self._persister: Persister | None = None
+        self._lock: RunLock | None = None
         self.last_saved_step: int | None = None
         self.last_stall_s: float | None = None
         self.resumed: ResumeInfo | None = None
@@ -146,11 +148,38 @@ class SpotEngine:
         # The interval counts training time, not the set-up before it (model build, a long pull).
         self.trigger.mark_checkpoint()
         self._start_training_clock(self.ledger.train_s)
+        self._acquire_lock()
         self.watcher.clear()  # a notice acted on in an earlier fit() in this process is spent
         self.watcher.start()
 
     def stop(self) -> None:
+        """Stop the notice sources and release the run lock (an exception ends training)."""
         self.watcher.stop()
+        self._release_lock()
+
+    def _acquire_lock(self) -> None:
+        """The writer takes the run lock of ``dirpath`` (see runlock.py); every rank raises if it is held."""
+        refusal = None
+        if self.is_writer and self._lock is None:
+            lock = RunLock(self.store)
+            try:
+                lock.acquire()
+                self._lock = lock
+            except RunLockedError as err:
+                refusal = str(err)
+            except Exception as err:  # noqa: BLE001 - storage trouble is the persister's to report
+                log.warning(
+                    "spot_callbacks: could not take the run lock of %s, training without it: %s: %s",
+                    self.store.url, type(err).__name__, err,
+                )  # fmt: skip
+        refusal = _broadcast_object(refusal)
+        if refusal is not None:
+            raise RunLockedError(refusal)
+
+    def _release_lock(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     # -------------------------------------------------------- deciding
     def decide(self, step: int, extra_notice: Notice | None = None) -> Decision:
@@ -436,8 +465,8 @@ class SpotEngine:
         return records
 
     def finish(self, timeout: float | None = None) -> None:
-        """Wait for every upload, stop the workers; raise the first persist failure, if any."""
-        self.stop()
+        """Wait for every upload, stop the workers, release the run lock; raise the first persist failure, if any."""
+        self.watcher.stop()
         failures: list[PersistError] = []
         if self._persister is not None:
             notice = self._active_notice()
@@ -451,6 +480,7 @@ class SpotEngine:
             failures = self._persister.failures
             self._earlier_records.extend(self._persister.records)
             self._persister = None  # a later fit() gets a fresh one
+        self._release_lock()  # after the last upload: until then this run still writes
         self.barrier()
         if failures:
             raise failures[-1]
@@ -480,6 +510,8 @@ class SpotEngine:
         self.resumed = ResumeInfo(
             info, local_dir, time.perf_counter() - started, pulled_at=time.perf_counter()
         )
+        # That step is committed already: a run resumed at its very end must not rewrite it.
+        self.last_saved_step = info.step
         self._resume_recorded = False
         log.info(
             "spot_callbacks: resuming from %s (step %d, %s) pulled in %.1fs",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import threading
 from typing import Any
 
@@ -10,14 +11,19 @@ class FaultyFileSystem:
     """Delegates every call to ``inner``; ``put_file`` / ``pipe_file`` can fail or block on demand.
 
     - ``transient_failures``: the next N writes raise ConnectionError (retryable).
+    - ``failure_rate``: each write raises ConnectionError with this probability (seeded by ``seed``);
+      ``injected`` counts the failures injected.
     - ``permanent``: every write raises PermissionError (not retryable).
     - ``gate``: a threading.Event every write waits on before running (to hold an upload);
       with ``gate_only``, only writes whose path contains it wait. ``held`` is set once one waits.
     """
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any, failure_rate: float = 0.0, seed: int = 0) -> None:
         self.inner = inner
         self.transient_failures = 0
+        self.failure_rate = failure_rate
+        self.injected = 0
+        self._rng = random.Random(seed)
         self.permanent = False
         self.gate: threading.Event | None = None
         self.gate_only: str | None = None
@@ -35,6 +41,11 @@ class FaultyFileSystem:
             self.writes_started.set()
             if self.permanent:
                 raise PermissionError(f"injected: access denied writing {path}")
+            if self.failure_rate and self._rng.random() < self.failure_rate:
+                self.injected += 1
+                raise ConnectionError(
+                    f"injected ({self.failure_rate:.0%} of writes): connection reset writing {path}"
+                )
             if self.transient_failures > 0:
                 self.transient_failures -= 1
                 raise ConnectionError(f"injected: connection reset writing {path}")

@@ -276,7 +276,9 @@ def test_exception_inside_a_step_takes_no_half_done_checkpoint(tmp_path):
     spot = SpotCheckpoint(dirpath=str(tmp_path / "run"), interval=None, every_n_steps=2, preemption=[])
     with pytest.raises(RuntimeError, match="boom in step"):
         boring_trainer(spot, max_steps=10).fit(FailsAtStep5())
-    assert [(i.step, i.reason) for i in spot.store.committed()] == [(2, "steps"), (4, "steps")]
+    committed = [(i.step, i.reason) for i in spot.store.committed()]
+    # Step 2 may be dropped for the newer step 4 if its upload is slow (newest wins); nothing else.
+    assert committed[-1] == (4, "steps") and set(committed) <= {(2, "steps"), (4, "steps")}
 
 
 def test_a_permanent_storage_failure_fails_fit_with_the_url_and_keeps_training_state(tmp_path, s3_server):

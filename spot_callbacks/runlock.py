@@ -1,0 +1,217 @@
+"""The run lock: one training run writes into a ``dirpath`` at a time.
+
+Two runs pointed at the same ``dirpath`` by mistake would interleave their checkpoints and prune
+each other's. The first run writes ``<dirpath>/.spot-lock.json`` (host, pid, run id, started,
+heartbeat) and refreshes its heartbeat from a background thread; a second run that finds a lock
+with a fresh heartbeat refuses to start (:class:`RunLockedError`). A lock whose heartbeat is older
+than ``SPOT_LOCK_STALE_S`` (default 120 s), or whose owner is a dead process on this host, is
+taken over with a warning: a run killed without notice (kill -9, a vanished machine) leaves its
+lock behind, and the run that resumes it must not be blocked for long. ``SPOT_FORCE_LOCK=1``
+takes over any lock.
+
+Object stores have no compare-and-swap: two runs that start within the same second or so can both
+read "no lock" and both write one. The lock is read back after writing, which catches most of those
+races; the last writer wins the rest. The lock prevents mistakes, it is not a mutex.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import posixpath
+import socket
+import threading
+import time
+import uuid
+from datetime import datetime, timezone
+from typing import Any
+
+from spot_callbacks.store import CheckpointError, CheckpointStore
+
+log = logging.getLogger("spot_callbacks")
+
+LOCK_NAME = ".spot-lock.json"
+FORCE_ENV = "SPOT_FORCE_LOCK"
+STALE_ENV = "SPOT_LOCK_STALE_S"
+DEFAULT_STALE_S = 120.0
+HEARTBEATS_PER_STALE = 4  # a live owner refreshes several times before its lock could look stale
+
+
+class RunLockedError(CheckpointError):
+    """Another live run holds the lock of this ``dirpath``."""
+
+
+def stale_after_s() -> float:
+    raw = os.environ.get(STALE_ENV)
+    if raw is None:
+        return DEFAULT_STALE_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{STALE_ENV}={raw!r} is not a number of seconds; use e.g. 120") from None
+    if not value > 0:
+        raise ValueError(f"{STALE_ENV}={raw!r} must be a positive number of seconds")
+    return value
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+class RunLock:
+    """The lock object of one run in ``store``; :meth:`acquire` once, :meth:`release` at the end.
+
+    Example:
+        >>> lock = RunLock(CheckpointStore("memory://doc-lock/run"))
+        >>> lock.acquire(); lock.holder()["run_id"] == lock.run_id
+        True
+        >>> lock.release(); lock.holder() is None
+        True
+    """
+
+    def __init__(self, store: CheckpointStore, stale_s: float | None = None) -> None:
+        self.store = store
+        self.stale_s = stale_s if stale_s is not None else stale_after_s()
+        self.heartbeat_s = self.stale_s / HEARTBEATS_PER_STALE
+        self.run_id = uuid.uuid4().hex
+        self.path = posixpath.join(store.root, LOCK_NAME)
+        self.url = store.url_of(self.path)
+        self._owner = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "run_id": self.run_id,
+            "started": datetime.now(timezone.utc).isoformat(),
+        }
+        self._held = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ----------------------------------------------------------------- reading
+    def holder(self) -> dict[str, Any] | None:
+        """The lock's content, or None when there is none (an unreadable lock counts as none)."""
+        try:
+            raw = self.store.retry.call(lambda: self.store.fs.cat_file(self.path), f"read {self.url}")
+        except FileNotFoundError:
+            return None
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            log.warning("spot_callbacks: ignoring the unreadable run lock %s", self.url)
+            return None
+        return doc if isinstance(doc, dict) else None
+
+    def _why_free(self, doc: dict[str, Any]) -> str | None:
+        """Why the lock in ``doc`` may be taken over, or None when its owner looks alive."""
+        if doc.get("run_id") == self.run_id:
+            return "it is ours"
+        if os.environ.get(FORCE_ENV) == "1":
+            return f"{FORCE_ENV}=1"
+        same_host = doc.get("host") == self._owner["host"]
+        pid = doc.get("pid")
+        if same_host and pid == os.getpid():
+            return "its owner was an earlier run in this process"
+        if same_host and isinstance(pid, int) and not _pid_alive(pid):
+            return f"its owner, process {pid} on this host, is dead"
+        heartbeat = doc.get("heartbeat")
+        age_s = time.time() - heartbeat if isinstance(heartbeat, (int, float)) else float("inf")
+        if age_s > self.stale_s:
+            return f"its heartbeat is {age_s:.0f}s old (stale after {self.stale_s:.0f}s, {STALE_ENV})"
+        return None
+
+    def _watch_heartbeat(self, doc: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+        """A fresh lock may belong to a run that was just killed (a replacement machine often starts
+        within the stale time): watch it rather than fail. A live owner refreshes it within one
+        heartbeat period (then we refuse); a dead one lets it go stale (then we take over)."""
+        log.warning(
+            "spot_callbacks: %s is locked by %s; waiting up to %.0fs to see whether that run is alive",
+            self.store.url, _owner(doc), self.stale_s,
+        )  # fmt: skip
+        first_beat = doc.get("heartbeat")
+        waiter = threading.Event()
+        while True:
+            waiter.wait(min(self.heartbeat_s / 4, 5.0))
+            current = self.holder()
+            if current is None:
+                return doc, "it was released"
+            if current.get("heartbeat") != first_beat or current.get("run_id") != doc.get("run_id"):
+                return current, None  # refreshed: its owner is alive
+            why = self._why_free(current)
+            if why is not None:
+                return current, why
+
+    # ----------------------------------------------------------------- writing
+    def acquire(self) -> None:
+        """Take the lock, or raise :class:`RunLockedError` naming the owner and the override."""
+        doc = self.holder()
+        if doc is not None:
+            why = self._why_free(doc)
+            if why is None:
+                doc, why = self._watch_heartbeat(doc)
+            if why is None:
+                raise self._locked_error(doc)
+            if doc.get("run_id") != self.run_id:
+                log.warning(
+                    "spot_callbacks: taking over the run lock %s (%s): %s", self.url, why, _owner(doc)
+                )
+        self._write()
+        # No compare-and-swap on object stores: read back, so a run that wrote at the same moment
+        # usually finds out here rather than after interleaving checkpoints.
+        doc = self.holder()
+        if doc is not None and doc.get("run_id") != self.run_id:
+            raise self._locked_error(doc)
+        self._held = True
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._beat, name="spot-lock-heartbeat", daemon=True)
+        self._thread.start()
+
+    def release(self) -> None:
+        """Stop the heartbeat and delete the lock if it is still ours."""
+        if not self._held:
+            return
+        self._held = False
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        try:
+            doc = self.holder()
+            if doc is not None and doc.get("run_id") == self.run_id:
+                self.store.retry.call(lambda: self.store.fs.rm(self.path), f"delete {self.url}")
+        except Exception as err:  # noqa: BLE001 - a lock left behind goes stale; never fail the run for it
+            log.warning("spot_callbacks: could not release the run lock %s: %s", self.url, err)
+
+    def _write(self) -> None:
+        raw = json.dumps({**self._owner, "heartbeat": time.time()}).encode()
+        if self.store.is_local:
+            self.store.fs.makedirs(self.store.root, exist_ok=True)
+        self.store.retry.call(lambda: self.store.fs.pipe_file(self.path, raw), f"write {self.url}")
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            try:
+                self._write()
+            except Exception as err:  # noqa: BLE001 - the next beat tries again
+                log.warning("spot_callbacks: could not refresh the run lock %s: %s", self.url, err)
+
+    def _locked_error(self, doc: dict[str, Any]) -> RunLockedError:
+        return RunLockedError(
+            f"{self.store.url} is in use by another run ({_owner(doc)}); two runs writing into one dirpath "
+            f"would interleave and prune each other's checkpoints. Use another dirpath, or, if that run is "
+            f"gone, wait until its lock is stale ({self.stale_s:.0f}s after its last heartbeat, {STALE_ENV}) "
+            f"or set {FORCE_ENV}=1 to take the lock over ({self.url})"
+        )
+
+
+def _owner(doc: dict[str, Any]) -> str:
+    heartbeat = doc.get("heartbeat")
+    age = f"{time.time() - heartbeat:.0f}s ago" if isinstance(heartbeat, (int, float)) else "unknown"
+    return (
+        f"host {doc.get('host')!r}, pid {doc.get('pid')}, run {str(doc.get('run_id'))[:8]}, "
+        f"started {doc.get('started')}, last heartbeat {age}"
+    )

@@ -1,0 +1,138 @@
+"""The run lock: a second run on the same dirpath refuses to start; dead and stale owners are taken over."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from spot_callbacks import CheckpointStore, RunLockedError, SpotConfig
+from spot_callbacks.engine import SpotEngine
+from spot_callbacks.runlock import LOCK_NAME, RunLock
+
+
+@pytest.fixture(params=["file", "s3"])
+def lock_target(request, tmp_path):
+    if request.param == "file":
+        return str(tmp_path / "run"), {}
+    info = request.getfixturevalue("s3_server")
+    return f"s3://{info.bucket}/lock-{tmp_path.name}", dict(info.storage_options)
+
+
+def _engine(url: str, options: dict) -> SpotEngine:
+    return SpotEngine(SpotConfig(dirpath=url, interval=None, preemption=[], storage_options=options), "test")
+
+
+def _write_foreign_lock(url: str, options: dict, **fields) -> None:
+    store = CheckpointStore(url, storage_options=options)
+    doc = {"host": "other-host", "pid": 4242, "run_id": "f" * 32, "started": "2026-01-01T00:00:00+00:00",
+           "heartbeat": time.time(), **fields}  # fmt: skip
+    if store.is_local:
+        store.fs.makedirs(store.root, exist_ok=True)
+    store.fs.pipe_file(f"{store.root}/{LOCK_NAME}", json.dumps(doc).encode())
+
+
+def test_a_second_run_on_a_live_runs_dirpath_refuses_to_start_with_the_owner_and_override(
+    lock_target, monkeypatch
+) -> None:
+    url, options = lock_target
+    monkeypatch.delenv("SPOT_FORCE_LOCK", raising=False)
+    monkeypatch.setenv("SPOT_LOCK_STALE_S", "8")
+    _write_foreign_lock(url, options)  # a live run on another machine, heartbeat just now
+    alive, refresher = threading.Event(), None
+
+    def keep_beating() -> None:  # the other machine's heartbeat thread
+        while not alive.wait(0.5):
+            _write_foreign_lock(url, options)
+
+    refresher = threading.Thread(target=keep_beating, daemon=True)
+    refresher.start()
+    second = _engine(url, options)
+    try:
+        with pytest.raises(RunLockedError) as refused:
+            second.start()
+    finally:
+        alive.set()
+        refresher.join()
+    message = str(refused.value)
+    assert "other-host" in message and "4242" in message and "SPOT_FORCE_LOCK=1" in message
+    assert CheckpointStore(url, storage_options=options).committed() == []  # nothing was written
+    monkeypatch.setenv("SPOT_FORCE_LOCK", "1")  # the override takes the lock over
+    second.start()
+    second.save_state(step=3, epoch=0, state={"w": torch.ones(2)}, reason="steps")
+    second.finish()
+    assert CheckpointStore(url, storage_options=options).latest().step == 3
+
+
+def test_a_fresh_lock_whose_owner_stopped_beating_is_taken_over_after_the_stale_time(
+    lock_target, monkeypatch, caplog
+) -> None:
+    url, options = lock_target
+    monkeypatch.delenv("SPOT_FORCE_LOCK", raising=False)
+    monkeypatch.setenv("SPOT_LOCK_STALE_S", "2")
+    _write_foreign_lock(url, options)  # kill -9'd a moment ago on another machine: fresh, never refreshed
+    engine = _engine(url, options)
+    with caplog.at_level(logging.WARNING, logger="spot_callbacks"):
+        engine.start()  # waits for the heartbeat to go stale instead of failing the restart
+    assert "waiting up to 2s" in caplog.text and "taking over the run lock" in caplog.text
+    assert RunLock(CheckpointStore(url, storage_options=options)).holder()["run_id"] == engine._lock.run_id
+    engine.finish()
+
+
+def test_the_lock_is_held_while_training_and_released_at_finish(lock_target) -> None:
+    url, options = lock_target
+    first = _engine(url, options)
+    first.start()
+    holder = RunLock(CheckpointStore(url, storage_options=options)).holder()
+    assert (
+        holder is not None
+        and holder["run_id"] == first._lock.run_id
+        and holder["host"] == socket.gethostname()
+    )
+    first.save_state(step=1, epoch=0, state={"w": torch.ones(2)}, reason="steps")
+    first.finish()
+    assert RunLock(CheckpointStore(url, storage_options=options)).holder() is None
+
+
+def test_a_stale_lock_is_taken_over_with_a_warning(lock_target, caplog) -> None:
+    url, options = lock_target
+    _write_foreign_lock(url, options, heartbeat=time.time() - 3600)  # a machine that vanished an hour ago
+    engine = _engine(url, options)
+    with caplog.at_level(logging.WARNING, logger="spot_callbacks"):
+        engine.start()
+    assert "taking over the run lock" in caplog.text and "heartbeat is 3600s old" in caplog.text
+    engine.finish()
+
+
+def test_a_lock_left_by_a_killed_process_on_this_host_is_taken_over_at_once(tmp_path) -> None:
+    url = str(tmp_path / "run")
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    _write_foreign_lock(url, {}, host=socket.gethostname(), pid=int(dead.stdout))  # fresh heartbeat, dead pid
+    engine = _engine(url, {})
+    engine.start()  # the resume after a kill -9 on the same machine is not blocked
+    assert RunLock(CheckpointStore(url)).holder()["run_id"] == engine._lock.run_id
+    engine.finish()
+
+
+def test_a_live_owner_keeps_its_heartbeat_fresh(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("SPOT_LOCK_STALE_S", "0.4")  # heartbeats every 0.1s
+    lock = RunLock(CheckpointStore(str(tmp_path / "run")))
+    lock.acquire()
+    try:
+        first = lock.holder()["heartbeat"]
+        deadline = time.monotonic() + 30
+        while lock.holder()["heartbeat"] == first:
+            assert time.monotonic() < deadline, "the heartbeat never moved"
+            time.sleep(0.05)  # polling a condition, with a deadline
+    finally:
+        lock.release()
+    assert lock.holder() is None
