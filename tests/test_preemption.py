@@ -348,11 +348,28 @@ class _Announce(pl.Callback):
             assert self.watcher.wait(timeout=10) is not None
 
 
-def test_lightning_stops_on_a_gcp_preemption_in_process(gcp_metadata, tmp_path):
+CLOUD_SERVERS = {"aws": "aws_imds", "gcp": "gcp_metadata", "azure": "azure_events"}
+
+
+def cloud_announcer(request: pytest.FixtureRequest, cloud: str) -> tuple[Any, Any]:
+    """The cloud's loopback metadata server and a function that makes it announce a preemption."""
+    server = request.getfixturevalue(CLOUD_SERVERS[cloud])
+    event_ids: list[str] = []
+    announce = {
+        "aws": lambda: server.announce(seconds_ahead=120),
+        "gcp": lambda: server.set_preempted(),
+        "azure": lambda: event_ids.append(server.add_event("Preempt")[0]),
+    }[cloud]
+    return server, (announce, event_ids)
+
+
+@pytest.mark.parametrize("cloud", sorted(CLOUD_SERVERS))
+def test_lightning_stops_on_a_cloud_preemption_in_process(request, cloud, tmp_path):
+    server, (announce_now, event_ids) = cloud_announcer(request, cloud)
     ckpt = SpotCheckpoint(
-        dirpath=str(tmp_path / "run"), interval=None, preemption=["gcp"], scratch_dir=str(tmp_path)
+        dirpath=str(tmp_path / "run"), interval=None, preemption=[cloud], scratch_dir=str(tmp_path)
     )
-    announce = _Announce(3, gcp_metadata.set_preempted, ckpt.engine.watcher)
+    announce = _Announce(3, announce_now, ckpt.engine.watcher)
     trainer = pl.Trainer(
         callbacks=[ckpt, announce], max_steps=20, logger=False, enable_progress_bar=False,
         enable_model_summary=False, accelerator="cpu",
@@ -362,8 +379,10 @@ def test_lightning_stops_on_a_gcp_preemption_in_process(gcp_metadata, tmp_path):
     assert stopped.value.code == 143 and ckpt.preempted and trainer.global_step == 4
     latest = ckpt.store.latest()
     assert latest.step == 4 and latest.reason == "preemption"
-    assert latest.extra["preemption"]["source"] == "gcp"
+    assert latest.extra["preemption"]["source"] == cloud
     assert not ckpt.engine.watcher.polling
+    if cloud == "azure":
+        assert server.acknowledged == [{"StartRequests": [{"EventId": event_ids[0]}]}]
 
 
 class _AnnounceHf(transformers.TrainerCallback):
@@ -376,24 +395,36 @@ class _AnnounceHf(transformers.TrainerCallback):
             assert self.watcher.wait(timeout=10) is not None
 
 
-def test_hf_trainer_stops_on_an_azure_preemption_and_acknowledges_it(azure_events, tmp_path):
+@pytest.mark.parametrize("cloud", sorted(CLOUD_SERVERS))
+def test_hf_trainer_stops_on_a_cloud_preemption_and_resumes(request, cloud, tmp_path):
+    server, (announce_now, event_ids) = cloud_announcer(request, cloud)
+
+    def trainer_for(callbacks: list, output_dir: str) -> transformers.Trainer:
+        args = transformers.TrainingArguments(
+            output_dir=output_dir, max_steps=20, per_device_train_batch_size=8, save_strategy="no",
+            report_to=[], use_cpu=True, disable_tqdm=True, logging_steps=50,
+        )  # fmt: skip
+        return transformers.Trainer(
+            model=hf_run.build_model(), args=args, train_dataset=hf_run.TokenData(), callbacks=callbacks
+        )
+
     ckpt = SpotCheckpointCallback(
-        dirpath=str(tmp_path / "run"), interval=None, preemption=["azure"], scratch_dir=str(tmp_path)
+        dirpath=str(tmp_path / "run"), interval=None, preemption=[cloud], scratch_dir=str(tmp_path / "s1")
     )
-    event_ids: list[str] = []
-    announce = _AnnounceHf(
-        5, lambda: event_ids.append(azure_events.add_event("Preempt")[0]), ckpt.engine.watcher
-    )
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "out"), max_steps=20, per_device_train_batch_size=8, save_strategy="no",
-        report_to=[], use_cpu=True, disable_tqdm=True, logging_steps=50,
-    )  # fmt: skip
-    trainer = transformers.Trainer(
-        model=hf_run.build_model(), args=args, train_dataset=hf_run.TokenData(), callbacks=[ckpt, announce]
-    )
+    trainer = trainer_for([ckpt, _AnnounceHf(5, announce_now, ckpt.engine.watcher)], str(tmp_path / "out"))
     trainer.train(resume_from_checkpoint=ckpt.latest())
     assert ckpt.preempted and trainer.state.global_step == 6
     latest = ckpt.store.latest()
     assert latest.step == 6 and latest.reason == "preemption"
-    assert latest.extra["preemption"]["source"] == "azure"
-    assert azure_events.acknowledged == [{"StartRequests": [{"EventId": event_ids[0]}]}]
+    assert latest.extra["preemption"]["source"] == cloud
+    if cloud == "azure":
+        assert server.acknowledged == [{"StartRequests": [{"EventId": event_ids[0]}]}]
+
+    # The resume from it continues: a fresh machine (empty output_dir and scratch), no notice source.
+    again = SpotCheckpointCallback(
+        dirpath=str(tmp_path / "run"), interval=None, preemption=[], scratch_dir=str(tmp_path / "s2")
+    )
+    resumed = trainer_for([again], str(tmp_path / "out2"))
+    resumed.train(resume_from_checkpoint=again.latest())
+    assert not again.preempted and resumed.state.global_step == 20
+    assert [(i.step, i.reason) for i in again.store.committed()][-2:] == [(6, "preemption"), (20, "end")]
