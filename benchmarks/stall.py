@@ -634,6 +634,287 @@ VARIANTS: dict[str, Variant] = {
 }
 
 
+# ------------------------------------------------------------------------- Hugging Face group
+# Selected with --variants hf-spot,hf-local,hf-sync (never mixed with the Lightning variants above).
+# transformers is imported lazily, so the Lightning variants run without it.
+HF_REFERENCE = "hf-local"
+
+
+class HFStallModel(torch.nn.Module):
+    """The same ``depth`` × ``Linear(width, width)`` stack as :class:`StallModel`, in the Trainer's calling convention."""
+
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(depth)))
+
+    def forward(
+        self, x: torch.Tensor | None = None, input_ids: Any = None, labels: Any = None
+    ) -> dict[str, torch.Tensor]:
+        return {"loss": self.net(x).square().mean()}
+
+
+def hf_probes(
+    every_n: int, recorder: Recorder, settle: Callable[[], None], args: argparse.Namespace
+) -> tuple[Any, Any]:
+    """Two TrainerCallbacks: ``head`` goes first in the callback list, ``tail`` last.
+
+    Blocked time ("hook") = from ``head.on_step_end`` of a checkpoint step to the end of
+    ``tail.on_save``: every callback's ``on_step_end`` (the save request), the Trainer's own
+    ``_save_checkpoint`` and every ``on_save`` (an upload, for ``hf-sync``). Split into "Trainer
+    save" (``tail.on_step_end`` end → ``head.on_save``) and "on_save callbacks". "to next step" =
+    from ``head.on_step_end`` to the next ``on_step_begin`` (or ``on_train_end``): the blocked time
+    plus what the Trainer does after the save. Step periods are ``on_step_begin`` → next one.
+    """
+    import transformers
+
+    class Head(transformers.TrainerCallback):
+        def __init__(self) -> None:
+            self.period_started: float | None = None
+            self.step_end_at: float | None = None
+            self.quiet_steps: set[int] = set()
+
+        def _close(self, step: int) -> None:
+            now = time.perf_counter()
+            if self.period_started is not None:
+                recorder.record("period", now - self.period_started, step)
+            if self.step_end_at is not None:
+                recorder.record("to next step", now - self.step_end_at, step)
+            self.period_started = self.step_end_at = None
+
+        def on_step_begin(self, targs: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self._close(state.global_step)
+            step = state.global_step + 1
+            recorder.step = step
+            ckpt_step = -(-step // every_n) * every_n
+            if step % every_n == every_n - 2:
+                started = time.perf_counter()
+                settle()
+                recorder.record("settle: background", time.perf_counter() - started, ckpt_step)
+                started = time.perf_counter()
+                os.sync()
+                recorder.record("settle: sync", time.perf_counter() - started, ckpt_step)
+                waited, load = wait_quiet(args.quiet_cores, timeout_s=args.quiet_timeout)
+                recorder.record("settle: quiet wait", waited, ckpt_step)
+                recorder.record("others' load before (cores)", load, ckpt_step)
+            if step % every_n in (every_n - 2, every_n - 1):
+                self.quiet_steps.add(step)
+            if step % every_n == 0:
+                started = time.perf_counter()
+                settle()
+                recorder.record("settle: at checkpoint", time.perf_counter() - started)
+                gc.collect()
+            self.period_started = time.perf_counter()
+
+        def on_step_end(self, targs: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.step_end_at = time.perf_counter()
+            tail.ticks, tail.cpu = cpu_ticks(), time.process_time()
+
+        def on_save(self, targs: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            tail.on_save_at = time.perf_counter()
+            if tail.step_end_done_at is not None:
+                recorder.record("Trainer save", tail.on_save_at - tail.step_end_done_at, state.global_step)
+
+        def on_train_end(self, targs: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self._close(state.global_step)
+
+    class Tail(transformers.TrainerCallback):
+        def __init__(self) -> None:
+            self.step_end_done_at: float | None = None
+            self.on_save_at: float | None = None
+            self.ticks = cpu_ticks()
+            self.cpu = 0.0
+
+        def on_step_end(self, targs: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.step_end_done_at = time.perf_counter()
+
+        def on_save(self, targs: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            now = time.perf_counter()
+            step = state.global_step
+            if head.step_end_at is not None:
+                wall = now - head.step_end_at
+                recorder.record("hook", wall, step)
+                recorder.record("hook: process CPU s", time.process_time() - self.cpu, step)
+                recorder.record(
+                    "hook: others' CPU (cores)", others_cpu_s(self.ticks, cpu_ticks()) / max(wall, 1e-3), step
+                )
+            if self.on_save_at is not None:
+                recorder.record("on_save callbacks", now - self.on_save_at, step)
+
+    head, tail = Head(), Tail()
+    return head, tail
+
+
+@dataclass
+class HFSetup:
+    """How one HF variant checkpoints: its callbacks, its save_strategy, what to wait for, what to check."""
+
+    callbacks: list[Any]
+    save_strategy: str  # "steps" (the Trainer saves every N steps) or "no" (the callback asks)
+    settle: Callable[[], None] = lambda: None
+    landed: Callable[[], Landed] | None = None
+    after_fit: Callable[[FitResult], None] = lambda result: None
+
+
+def remote_folders_landed(ctx: Context, extra_check: Callable[[], str] = lambda: "") -> Landed:
+    """Count folders right under the fit's prefix whose objects together hold the whole state."""
+    sizes: dict[str, int] = collections.Counter()
+    for path, info in ctx.fs().find(ctx.prefix, detail=True).items():
+        rel = path[len(ctx.prefix) :].lstrip("/")
+        if "/" in rel:
+            sizes[rel.split("/", 1)[0]] += info["size"]
+    full = sum(1 for size in sizes.values() if size >= FULL_SIZE_FRACTION * ctx.state_bytes)
+    short = [f"{k}={v / 1e6:.0f}MB" for k, v in sizes.items() if v < FULL_SIZE_FRACTION * ctx.state_bytes]
+    note = "; ".join(filter(None, [f"short folders: {', '.join(short)}" if short else "", extra_check()]))
+    return Landed(len(ctx.ckpt_steps), full, note)
+
+
+def hf_spot_setup(ctx: Context, recorder: Recorder) -> HFSetup:
+    from spot_callbacks.hf import SpotCheckpointCallback
+
+    ckpt = SpotCheckpointCallback(
+        dirpath=ctx.url,
+        interval=None,
+        every_n_steps=ctx.args.every_n,
+        keep_last=0,
+        scratch_dir=str(ctx.scratch / "spot-scratch"),
+        storage_options=ctx.storage_options,
+        preemption=[],
+    )
+    engine = ckpt.engine
+    original = engine.save_folder
+
+    def save_folder(step: int, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(step, *args, **kwargs)
+        finally:
+            recorder.record("engine.last_stall_s", engine.last_stall_s, step)
+
+    engine.save_folder = save_folder
+
+    def committed() -> str:
+        steps = sorted(info.step for info in ckpt.store.committed())
+        return "" if steps == ctx.ckpt_steps else f"committed steps {steps}, expected {ctx.ckpt_steps}"
+
+    def after_fit(result: FitResult) -> None:
+        persister = engine._persister
+        for record in persister.records if persister is not None else []:
+            result.add("bg upload_s", record.upload_s)
+        shutil.rmtree(engine.scratch_root, ignore_errors=True)
+
+    return HFSetup(
+        callbacks=[ckpt],
+        save_strategy="no",
+        settle=lambda: engine.wait_for_commit(),
+        landed=lambda: remote_folders_landed(ctx, committed),
+        after_fit=after_fit,
+    )
+
+
+def hf_local_setup(ctx: Context, recorder: Recorder) -> HFSetup:
+    return HFSetup(callbacks=[], save_strategy="steps")
+
+
+def hf_sync_setup(ctx: Context, recorder: Recorder) -> HFSetup:
+    import transformers
+
+    fs = ctx.fs()
+
+    class SyncUpload(transformers.TrainerCallback):
+        def on_save(self, targs: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            name = f"checkpoint-{state.global_step}"
+            started = time.perf_counter()
+            fs.put(os.path.join(targs.output_dir, name), f"{ctx.prefix}/{name}", recursive=True)
+            recorder.record("s3fs put", time.perf_counter() - started, state.global_step)
+
+    return HFSetup(callbacks=[SyncUpload()], save_strategy="steps", landed=lambda: remote_folders_landed(ctx))
+
+
+def run_hf(ctx: Context, make_setup: Callable[[Context, Recorder], HFSetup]) -> FitResult:
+    import transformers
+
+    args = ctx.args
+    torch.manual_seed(0)
+    model = HFStallModel(args.width, ctx.depth)
+    data = [{"x": row} for row in torch.randn(ctx.max_steps * args.batch, args.width)]
+    recorder = Recorder()
+    setup = make_setup(ctx, recorder)
+    head, tail = hf_probes(args.every_n, recorder, setup.settle, args)
+    output_dir = ctx.scratch / f"hf-{uuid.uuid4().hex[:6]}"
+    targs = transformers.TrainingArguments(
+        output_dir=str(output_dir),
+        max_steps=ctx.max_steps,
+        per_device_train_batch_size=args.batch,
+        learning_rate=1e-5,
+        save_strategy=setup.save_strategy,
+        save_steps=args.every_n,
+        logging_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        dataloader_num_workers=0,
+        remove_unused_columns=False,
+        disable_tqdm=True,
+        seed=0,
+    )
+    result = FitResult()
+    trainer = None
+    try:
+        trainer = transformers.Trainer(
+            model=model, args=targs, train_dataset=data, callbacks=[head, *setup.callbacks, tail]
+        )
+        trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
+        trainer.train()
+    except Exception as err:  # noqa: BLE001 - a failing variant is reported, the others still run
+        result.error = f"{type(err).__name__}: {err}"
+        traceback.print_exc()
+    steps = ctx.ckpt_steps
+    result.blocked_s = recorder.at("hook", steps)
+    periods = recorder.by_name.get("period", {})
+    quiet = [v for s, v in periods.items() if s in head.quiet_steps and s > 2]
+    busy = [v for s, v in periods.items() if s not in head.quiet_steps and s not in steps and s > 2]
+    result.busy_step_s = med(busy)
+    if quiet:
+        result.quiet_step_s = statistics.median(quiet)
+        result.step_excess_s = [periods[s] - result.quiet_step_s for s in steps if s in periods]
+    for name in recorder.by_name:
+        if name not in ("hook", "period"):
+            for value in recorder.at(name, steps):
+                result.add(name, value)
+    setup.after_fit(result)
+    if setup.landed is not None:
+        try:
+            result.landed = setup.landed()
+        except Exception as err:  # noqa: BLE001
+            result.landed = Landed(len(steps), 0, f"listing failed: {type(err).__name__}: {err}")
+    shutil.rmtree(output_dir, ignore_errors=True)
+    del trainer, model, setup, head, tail
+    gc.collect()
+    return result
+
+
+HF_VARIANTS: dict[str, Variant] = {
+    v.name: v
+    for v in (
+        Variant(
+            "hf-spot",
+            "SpotCheckpointCallback(every_n_steps=N, dirpath=s3://…): Trainer save + background upload",
+            functools.partial(run_hf, make_setup=hf_spot_setup),
+        ),
+        Variant(
+            HF_REFERENCE,
+            'Trainer\'s own save (save_strategy="steps", save_steps=N), local only',
+            functools.partial(run_hf, make_setup=hf_local_setup),
+            remote=False,
+        ),
+        Variant(
+            "hf-sync",
+            "Trainer save + a TrainerCallback whose on_save fs.put's checkpoint-N to S3 (s3fs)",
+            functools.partial(run_hf, make_setup=hf_sync_setup),
+        ),
+    )
+}
+ALL_VARIANTS: dict[str, Variant] = {**VARIANTS, **HF_VARIANTS}
+
+
 # -------------------------------------------------------------------------------------- report
 @dataclass
 class Summary:
@@ -663,7 +944,7 @@ class Summary:
         if errors:
             return f"FAILED: {errors[0][:60]}"
         if not self.variant.remote:
-            return "n/a (RAM)"
+            return "n/a (RAM)" if self.variant.name in VARIANTS else "n/a (local)"
         found = sum(fit.landed.found if fit.landed else 0 for fit in self.fits)
         expected = sum(fit.landed.expected if fit.landed else ckpts for fit in self.fits)
         notes = [fit.landed.note for fit in self.fits if fit.landed and fit.landed.note]
@@ -837,6 +1118,128 @@ def markdown_section(
     return "\n".join(lines) + "\n"
 
 
+HF_BENCH_NAME = "stall: training-loop time blocked per checkpoint (Hugging Face Trainer, moto S3)"
+HF_HEADERS = (
+    "variant",
+    "landed",
+    "blocked s (median)",
+    f"× {HF_REFERENCE}",
+    "min–max s",
+    "first ckpt s",
+    "later ckpts s",
+    "Trainer save s",
+    "on_save callbacks s",
+    "engine.last_stall_s",
+    "to next step s",
+    "step excess s",
+    "quiet step s",
+    "step during bg work s",
+)
+HF_BREAKDOWN_KEYS = (
+    "hook: process CPU s",
+    "hook: others' CPU (cores)",
+    "s3fs put",
+    "settle: background",
+    "settle: sync",
+    "settle: quiet wait",
+    "others' load before (cores)",
+    "settle: at checkpoint",
+    "bg upload_s",
+)
+
+
+def hf_rows_for(summaries: list[Summary], ckpts: int) -> list[list[str]]:
+    ref = next((s for s in summaries if s.variant.name == HF_REFERENCE), None)
+    ref_median = med(ref.blocked) if ref else None
+    rows = []
+    for s in summaries:
+        blocked = med(s.blocked)
+        rows.append(
+            [
+                s.variant.name,
+                s.landed_cell(ckpts),
+                fmt(blocked),
+                f"{blocked / ref_median:.2f}×" if blocked is not None and ref_median else "–",
+                f"{min(s.blocked):.3f}–{max(s.blocked):.3f}" if s.blocked else "–",
+                fmt(med(s.first_blocked)),
+                fmt(med(s.later_blocked)),
+                fmt(med(s.part("Trainer save"))),
+                fmt(med(s.part("on_save callbacks"))),
+                fmt(med(s.part("engine.last_stall_s"))),
+                fmt(med(s.part("to next step"))),
+                fmt(med(s.values("step_excess_s"))),
+                fmt(med([f.quiet_step_s for f in s.fits if f.quiet_step_s is not None])),
+                fmt(med([f.busy_step_s for f in s.fits if f.busy_step_s is not None])),
+            ]
+        )
+    return rows
+
+
+def hf_breakdown_lines(summaries: list[Summary]) -> list[str]:
+    lines = []
+    for s in summaries:
+        parts = [f"{key} {fmt(med(s.part(key)))}" for key in HF_BREAKDOWN_KEYS if s.part(key)]
+        if parts:
+            lines.append(
+                f"- `{s.variant.name}` (medians per checkpoint, s unless noted): " + "; ".join(parts)
+            )
+    return lines
+
+
+def hf_markdown_section(
+    summaries: list[Summary],
+    args: argparse.Namespace,
+    depth: int,
+    nbytes: int,
+    env: tuple[str, str],
+    wall_s: float,
+    loadavg: tuple[str, str],
+) -> str:
+    now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    flagged = [s.variant.name for s in summaries if s.flagged]
+    lines = [
+        f"## {HF_BENCH_NAME}",
+        "",
+        f"- Date: {now}",
+        f"- Machine: {env[0]}",
+        f"- Versions: {env[1]}",
+        f"- Command: `python benchmarks/stall.py --size-mb {args.size_mb:g} --width {args.width} "
+        f"--batch {args.batch} --every-n {args.every_n} --ckpts {args.ckpts} --rounds {args.rounds} "
+        f"--quiet-cores {args.quiet_cores:g} --quiet-timeout {args.quiet_timeout:g} "
+        + (f"--threads {args.threads} " if args.threads else "")
+        + f"--variants {','.join(args.variants)}` ({wall_s:.0f}s); torch threads {torch.get_num_threads()}",
+        f"- State: {depth} × Linear({args.width}, {args.width}) fp32 in a plain `nn.Module` "
+        '(`forward(x=None, ...)` returns `{"loss": ...}`) + the Trainer\'s AdamW moments = '
+        f"{nbytes / 1e6:.0f} MB; `Trainer(use_cpu=True, report_to=[], dataloader_num_workers=0)`, batch "
+        f"{args.batch}; a checkpoint every {args.every_n} steps, {args.ckpts} per fit, {args.rounds} round(s) "
+        f"→ {args.ckpts * args.rounds} checkpoints per variant. The Trainer writes `checkpoint-N/` "
+        "(model.safetensors + optimizer.pt + scheduler/RNG/trainer state) to a local output_dir. S3 is moto on loopback.",
+        "- Variants: " + "; ".join(f"`{s.variant.name}` = {s.variant.description}" for s in summaries) + ".",
+        "- Blocked = wall time from the first callback's `on_step_end` on a checkpoint step to the end of "
+        "the last callback's `on_save`: the save request, the Trainer's `_save_checkpoint` and every "
+        "`on_save` (for `hf-sync`, the upload). Trainer save = end of the last `on_step_end` → first "
+        "`on_save`; on_save callbacks = first → end of last `on_save`. To next step = first `on_step_end` → "
+        "next `on_step_begin` (or `on_train_end`), i.e. blocked + the Trainer's own work after the save. "
+        "Step excess = checkpoint step period (`on_step_begin` → next) − median quiet step period. "
+        "As in the Lightning section, each interval ends with two quiet steps and the checkpoint step; before "
+        "them the previous background upload is waited for, dirty pages are synced and other processes are "
+        f"waited on until they use < {args.quiet_cores:g} cores (up to {args.quiet_timeout:g} s; all untimed). "
+        "engine.last_stall_s = SpotCheckpointCallback's own measure (save request → its on_save).",
+        f"- Load average (1/5/15 min) at start: {loadavg[0]}; at end: {loadavg[1]}.",
+        *([f"- Note: {args.note}"] if args.note else []),
+        "",
+        *markdown_table(HF_HEADERS, hf_rows_for(summaries, args.ckpts)),
+        "",
+        "Where the time goes:",
+        "",
+        *hf_breakdown_lines(summaries),
+        "",
+    ]
+    if flagged:
+        lines += [f"**Flagged (error or checkpoints missing in the bucket): {', '.join(flagged)}**", ""]
+    return "\n".join(lines) + "\n"
+
+
 # ---------------------------------------------------------------------------------------- main
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
@@ -850,7 +1253,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--every-n", type=int, default=5, help="steps between checkpoints (default 5)")
     parser.add_argument("--ckpts", type=int, default=3, help="checkpoints per fit (default 3)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds over the variants (default 2)")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"subset of {','.join(VARIANTS)}")
+    parser.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"subset of {','.join(VARIANTS)} (Lightning, the default) or of {','.join(HF_VARIANTS)} "
+        "(Hugging Face Trainer; needs transformers); the two groups are not mixed",
+    )
     parser.add_argument(
         "--quiet-cores",
         type=float,
@@ -872,13 +1280,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-append", action="store_true", help="print only; do not append to BENCHMARKS.md")
     args = parser.parse_args(argv)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = set(args.variants) - set(VARIANTS)
+    unknown = set(args.variants) - set(ALL_VARIANTS)
     if unknown or not args.variants:
         parser.error(
-            f"--variants must be a subset of {','.join(VARIANTS)} (unknown: {', '.join(sorted(unknown))})"
+            f"--variants must be a subset of {','.join(ALL_VARIANTS)} (unknown: {', '.join(sorted(unknown))})"
         )
     if args.size_mb <= 0 or min(args.width, args.batch, args.every_n, args.ckpts, args.rounds) < 1:
         parser.error("sizes and counts must be positive")
+    args.hf = set(args.variants) <= set(HF_VARIANTS)
+    if not args.hf and set(args.variants) & set(HF_VARIANTS):
+        parser.error("--variants: run the Lightning and the Hugging Face variants separately")
     if args.every_n < 5:
         parser.error(
             "--every-n must be >= 5 (two quiet baseline steps and steps overlapping background work)"
@@ -915,7 +1326,8 @@ def main(argv: list[str] | None = None) -> int:
     quiet_lightning()
     if args.threads:
         torch.set_num_threads(args.threads)
-    env = (machine_line(), versions_line(("torch", "lightning", "fsspec", "s3fs", "moto", "xxhash")))
+    dists = ("torch", "transformers" if args.hf else "lightning", "fsspec", "s3fs", "moto", "xxhash")
+    env = (machine_line(), versions_line(dists))
     depth = depth_for(int(args.size_mb * 1e6), args.width)
     nbytes = state_bytes(args.width, depth)
     scratch_root = Path(args.scratch)
@@ -954,7 +1366,7 @@ def main(argv: list[str] | None = None) -> int:
                         nbytes,
                     )
                     started = time.perf_counter()
-                    result = VARIANTS[name].run(ctx)
+                    result = ALL_VARIANTS[name].run(ctx)
                     fits[name].append(result)
                     with contextlib.suppress(FileNotFoundError):
                         ctx.fs().rm(ctx.prefix, recursive=True)
@@ -971,29 +1383,29 @@ def main(argv: list[str] | None = None) -> int:
                         + f" ({time.perf_counter() - started:.0f}s)",
                         flush=True,
                     )
-        summaries = [Summary(VARIANTS[name], fits[name]) for name in args.variants]
+        summaries = [Summary(ALL_VARIANTS[name], fits[name]) for name in args.variants]
         wall_s = time.perf_counter() - began
         loadavg = (load_start, load_average())
         print(f"load average at start {loadavg[0]}, at end {loadavg[1]}")
-        title = (
-            f"{BENCH_NAME} ({nbytes / 1e6:.0f} MB state, {args.ckpts * args.rounds} checkpoints per variant)"
-        )
-        print_rich_table(
-            HEADERS, rows_for(summaries, args.ckpts), title, left=("variant", "landed"), width=220
-        )
-        for line in breakdown_lines(summaries):
+        name = HF_BENCH_NAME if args.hf else BENCH_NAME
+        title = f"{name} ({nbytes / 1e6:.0f} MB state, {args.ckpts * args.rounds} checkpoints per variant)"
+        headers, rows = (HF_HEADERS, hf_rows_for) if args.hf else (HEADERS, rows_for)
+        print_rich_table(headers, rows(summaries, args.ckpts), title, left=("variant", "landed"), width=220)
+        for line in (hf_breakdown_lines if args.hf else breakdown_lines)(summaries):
             print(line)
         flagged = [s.variant.name for s in summaries if s.flagged]
         if flagged:
             print(f"FLAGGED (error or checkpoints missing in the bucket): {', '.join(flagged)}")
-        print(verdict(summaries).replace("**", ""))
+        if not args.hf:
+            print(verdict(summaries).replace("**", ""))
         print(f"total time {wall_s:.0f}s")
         if not args.no_append:
-            path = append_markdown(markdown_section(summaries, args, depth, nbytes, env, wall_s, loadavg))
+            section = hf_markdown_section if args.hf else markdown_section
+            path = append_markdown(section(summaries, args, depth, nbytes, env, wall_s, loadavg))
             print(f"appended to {path}")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return 1 if any(Summary(VARIANTS[n], fits[n]).flagged for n in args.variants if fits[n]) else 0
+    return 1 if any(Summary(ALL_VARIANTS[n], fits[n]).flagged for n in args.variants if fits[n]) else 0
 
 
 if __name__ == "__main__":
