@@ -139,6 +139,8 @@ class RunLock:
             waiter.wait(min(self.heartbeat_s / 4, 5.0))
             current = self.holder()
             if current is None:
+                if self.store.fs.exists(self.path):
+                    continue  # caught mid-write (a local write is not atomic): its owner is writing
                 return doc, "it was released"
             if current.get("heartbeat") != first_beat or current.get("run_id") != doc.get("run_id"):
                 return current, None  # refreshed: its owner is alive
@@ -188,8 +190,13 @@ class RunLock:
 
     def _write(self) -> None:
         raw = json.dumps({**self._owner, "heartbeat": time.time()}).encode()
-        if self.store.is_local:
+        if self.store.is_local:  # write beside and rename, so a reader never sees half a lock
             self.store.fs.makedirs(self.store.root, exist_ok=True)
+            tmp = f"{self.path}.{self.run_id[:8]}.tmp"
+            with open(tmp, "wb") as handle:
+                handle.write(raw)
+            os.replace(tmp, self.path)
+            return
         self.store.retry.call(lambda: self.store.fs.pipe_file(self.path, raw), f"write {self.url}")
 
     def _beat(self) -> None:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,7 +38,12 @@ def _write_foreign_lock(url: str, options: dict, **fields) -> None:
            "heartbeat": time.time(), **fields}  # fmt: skip
     if store.is_local:
         store.fs.makedirs(store.root, exist_ok=True)
-    store.fs.pipe_file(f"{store.root}/{LOCK_NAME}", json.dumps(doc).encode())
+    path = f"{store.root}/{LOCK_NAME}"
+    if store.is_local:  # as the library does: a reader never sees half a lock
+        Path(f"{path}.tmp").write_bytes(json.dumps(doc).encode())
+        os.replace(f"{path}.tmp", path)
+    else:
+        store.fs.pipe_file(path, json.dumps(doc).encode())
 
 
 def test_a_second_run_on_a_live_runs_dirpath_refuses_to_start_with_the_owner_and_override(
