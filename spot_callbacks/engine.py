@@ -531,15 +531,7 @@ class SpotEngine:
                     "spot_callbacks: skipping %s: %s; trying the previous checkpoint", candidate.url, err
                 )
                 older = [info for info in self.store.committed() if info.step < candidate.step]
-                candidate = None
-                for info in reversed(older):
-                    try:
-                        self.store.check_sizes(info)
-                    except CorruptCheckpointError as size_error:
-                        log.warning("spot_callbacks: skipping %s: %s", info.url, size_error)
-                        continue
-                    candidate = info
-                    break
+                candidate = self.store.newest_valid(older)
         return None
 
     # ------------------------------------------------------------ state

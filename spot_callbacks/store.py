@@ -344,7 +344,12 @@ class CheckpointStore:
         A checkpoint that fails the check is skipped with a warning naming it and the reason; it
         is never deleted here.
         """
-        for info in reversed(self.committed()):
+        return self.newest_valid(self.committed())
+
+    def newest_valid(self, infos: list[CheckpointInfo]) -> CheckpointInfo | None:
+        """The newest of ``infos`` (oldest first) whose files have the manifest's sizes; the others
+        are skipped with a warning, never deleted."""
+        for info in reversed(infos):
             try:
                 self.check_sizes(info)
             except CorruptCheckpointError as err:
@@ -592,14 +597,8 @@ class CheckpointStore:
         committed = self.committed()
         if len(committed) <= keep_last:
             return []
-        newest_valid = None
-        for info in reversed(committed):
-            try:
-                self.check_sizes(info)
-            except CorruptCheckpointError:
-                continue
-            newest_valid = info.step
-            break
+        newest = self.newest_valid(committed)
+        newest_valid = newest.step if newest is not None else None
         deleted = []
         for info in committed[:-keep_last]:
             if info.step == newest_valid:
