@@ -506,6 +506,32 @@ class CheckpointStore:
         if self.is_local:
             _fsync_file(remote)
 
+    def upload_files(
+        self,
+        step: int,
+        folder: str | os.PathLike[str],
+        names: list[str],
+        digests: dict[str, FileDigest] | None = None,
+    ) -> dict[str, FileDigest]:
+        """Upload ``names`` (relative to ``folder``) into the folder of ``step`` in parallel; return their digests.
+
+        Digests known from writing the files are reused, the others are computed while the upload
+        runs. Nothing is committed: :meth:`commit` does that once every file of the checkpoint
+        (from every rank, for a sharded one) is durable.
+        """
+        local_root = Path(folder)
+        known = dict(digests or {})
+
+        def upload(name: str) -> tuple[str, FileDigest]:
+            digest = known.get(name)
+            with ThreadPoolExecutor(max_workers=1) as hasher:
+                pending = None if digest else hasher.submit(digest_local_file, local_root / name)
+                self.upload_file(local_root / name, step, name)
+                digest = digest or pending.result()
+            return name, digest
+
+        return dict(_run_parallel(upload, names))
+
     def commit(self, manifest: dict[str, Any]) -> CheckpointInfo:
         """Write the manifest, which makes the checkpoint visible; every payload file must be durable."""
         step = manifest["step"]
@@ -556,17 +582,7 @@ class CheckpointStore:
             raise CheckpointError(f"{local_root} holds no files to checkpoint")
         upload_started = time.perf_counter()
         self.begin(step)
-        known = dict(digests or {})
-
-        def upload(name: str) -> tuple[str, FileDigest]:
-            digest = known.get(name)
-            with ThreadPoolExecutor(max_workers=1) as hasher:
-                pending = None if digest else hasher.submit(digest_local_file, local_root / name)
-                self.upload_file(local_root / name, step, name)
-                digest = digest or pending.result()
-            return name, digest
-
-        files = dict(_run_parallel(upload, names))
+        files = self.upload_files(step, local_root, names, digests)
         # Known only now, and recorded with the rest: the manifest is the run's cost record (costs.py).
         metrics = {**(metrics or {}), "upload_s": round(time.perf_counter() - upload_started, 6)}
         manifest = new_manifest(
