@@ -6,7 +6,9 @@
 - ``_CheckpointConnector.resume_start``: the first place after ``setup`` (process group ready)
   where the path is used; "latest" becomes the pulled local file, or ``None`` (fresh start).
 - ``_CheckpointConnector.dump_checkpoint``: the checkpoint dict ``Trainer.save_checkpoint`` would
-  write, without writing it (the engine snapshots and persists it in the background).
+  write, without writing it (the engine snapshots and persists it in the background); for sharded
+  strategies, ``_save_distributed_checkpoint`` / ``_state_dict_type`` and the DCP key layout of
+  their ``save_checkpoint`` (``state_dict`` / ``model``, ``optimizer_N``, the rest in ``meta.pt``).
 - ``_SignalConnector.received_sigterm``: set on every rank to stop them all the same way.
 - ``PL_GLOBAL_SEED``: the seed of the DistributedSampler Lightning injects.
 - ``fit_loop.epoch_progress``: normalised after a resume from an epoch's last batch.
@@ -18,8 +20,11 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 from collections.abc import Callable
 from typing import Any
+
+from spot_callbacks.snapshot import IncompatibleCheckpointError, unsafe_checkpoint_error
 
 log = logging.getLogger("spot_callbacks")
 
@@ -42,18 +47,52 @@ def install_last_alias(connector_cls: type, is_spot_callback: Callable[[Any], bo
 
 
 def install_latest_resolution(trainer: Any, resolve: Callable[[], str | None]) -> None:
-    """Resolve ``ckpt_path="latest"`` on this trainer through ``resolve`` (a local file or None)."""
+    """Resolve ``ckpt_path="latest"`` on this trainer through ``resolve`` (a local file or None).
+
+    What was pulled is loaded with ``weights_only=True`` unless ``fit(weights_only=False)`` asked
+    otherwise (a store's bytes are data, not code), and a file that safe loading refuses, or whose
+    tensors do not fit the model, fails with an error naming it and the way out.
+    """
     connector = trainer._checkpoint_connector
     if getattr(connector, "_spot_resolves_latest", False):
         return
     original = connector.resume_start
+    original_restore_model = connector.restore_model
+    pulled: list[str] = []
 
     def resume_start(checkpoint_path: Any = None, *args: Any, **kwargs: Any) -> Any:
-        if checkpoint_path == LATEST:
-            checkpoint_path = resolve()
-        return original(checkpoint_path, *args, **kwargs)
+        pulled.clear()
+        if checkpoint_path != LATEST:
+            return original(checkpoint_path, *args, **kwargs)
+        checkpoint_path = resolve()
+        if checkpoint_path is None:
+            return original(checkpoint_path, *args, **kwargs)
+        pulled.append(os.fspath(checkpoint_path))
+        if not args and kwargs.get("weights_only") is None:
+            kwargs["weights_only"] = True  # also when TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD is set
+        try:
+            return original(checkpoint_path, *args, **kwargs)
+        except pickle.UnpicklingError as err:
+            allow = (
+                "allow them with torch.serialization.add_safe_globals([...]) before fit(), or pass "
+                "fit(..., weights_only=False) to unpickle it whole"
+            )
+            raise unsafe_checkpoint_error(checkpoint_path, err, allow) from None
+
+    def restore_model() -> Any:
+        try:
+            return original_restore_model()
+        except RuntimeError as err:
+            if not pulled or "Error(s) in loading state_dict" not in str(err):
+                raise
+            raise IncompatibleCheckpointError(
+                f"the newest committed checkpoint ({pulled[0]}) does not fit this model: {err}\n"
+                "It was saved by a model with other parameters or shapes. Resume with the model that "
+                "wrote it, or start this one afresh: a new dirpath, or fit() without ckpt_path='latest'"
+            ) from err
 
     connector.resume_start = resume_start
+    connector.restore_model = restore_model
     connector._spot_resolves_latest = True
 
 
@@ -64,6 +103,46 @@ def set_received_sigterm(trainer: Any, value: bool) -> None:
 
 def dump_checkpoint(trainer: Any) -> dict[str, Any]:
     return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+
+
+def saves_sharded(trainer: Any) -> bool:
+    """The strategy checkpoints sharded state: ModelParallelStrategy(save_distributed_checkpoint=True)
+    or FSDPStrategy(state_dict_type="sharded")."""
+    strategy = trainer.strategy
+    if type(strategy).__name__ == "ModelParallelStrategy":
+        return bool(getattr(strategy, "_save_distributed_checkpoint", False))
+    return (
+        type(strategy).__name__ == "FSDPStrategy" and getattr(strategy, "_state_dict_type", None) == "sharded"
+    )
+
+
+def dump_sharded_checkpoint(trainer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The checkpoint split as the strategy's own ``save_checkpoint`` splits it: the DCP part and ``meta.pt``.
+
+    ModelParallelStrategy's state-dict methods offload every shard to the CPU (a copy on GPU); the
+    engine stages the shards into reused pinned buffers itself, so they are taken here without the
+    offload, as views, under the keys ``ModelParallelStrategy.load_checkpoint`` reads.
+    """
+    strategy = trainer.strategy
+    if type(strategy).__name__ != "ModelParallelStrategy":  # FSDPStrategy: its own sharded state dicts
+        checkpoint = dump_checkpoint(trainer)
+        state = {"model": checkpoint.pop("state_dict")}
+        state.update({f"optimizer_{i}": o for i, o in enumerate(checkpoint.pop("optimizer_states", []))})
+        return state, checkpoint
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    strategy.lightning_module_state_dict = dict  # instance attributes shadow the methods for this dump
+    strategy.optimizer_state = lambda optimizer: {}
+    try:
+        checkpoint = dump_checkpoint(trainer)
+    finally:
+        del strategy.lightning_module_state_dict, strategy.optimizer_state
+    checkpoint.pop("state_dict", None)
+    checkpoint.pop("optimizer_states", None)
+    state = {"state_dict": get_model_state_dict(strategy.model)}
+    for index, optimizer in enumerate(trainer.optimizers):
+        state[f"optimizer_{index}"] = get_optimizer_state_dict(strategy.model, optimizer)
+    return state, checkpoint
 
 
 def restore_epoch_position(trainer: Any, batches_done: int) -> bool:
