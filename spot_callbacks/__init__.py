@@ -10,7 +10,7 @@ import logging as _logging
 from spot_callbacks.checksums import FileDigest
 from spot_callbacks.config import ConfigError, SpotConfig, parse_duration
 from spot_callbacks.persist import Persister, PersistError, PersistJob, PersistRecord
-from spot_callbacks.retry import RetryPolicy
+from spot_callbacks.retry import AttemptTimeoutError, RetryPolicy, UploadTimeout
 from spot_callbacks.runlock import RunLockedError
 from spot_callbacks.store import (
     CheckpointError,
@@ -24,7 +24,14 @@ from spot_callbacks.store import (
 __version__ = "0.1.0"
 
 # Imported on first use: they need torch, which the command line and the store do not.
-_SNAPSHOT_NAMES = {"StagedState", "StagingArea", "UnsafeCheckpointError", "load_state", "write_state"}
+_SNAPSHOT_NAMES = {
+    "IncompatibleCheckpointError",
+    "StagedState",
+    "StagingArea",
+    "UnsafeCheckpointError",
+    "load_state",
+    "write_state",
+}
 
 
 def __getattr__(name: str):  # noqa: ANN202 - PEP 562 lazy attribute
@@ -44,6 +51,7 @@ if not _logging.getLogger().hasHandlers():
     _logger.propagate = False
 
 __all__ = [
+    "AttemptTimeoutError",
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointNotFoundError",
@@ -51,6 +59,7 @@ __all__ = [
     "ConfigError",
     "CorruptCheckpointError",
     "FileDigest",
+    "IncompatibleCheckpointError",
     "ManifestError",
     "PersistError",
     "PersistJob",
@@ -62,6 +71,7 @@ __all__ = [
     "StagedState",
     "StagingArea",
     "UnsafeCheckpointError",
+    "UploadTimeout",
     "load_state",
     "parse_duration",
     "write_state",

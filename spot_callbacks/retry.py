@@ -1,12 +1,15 @@
-"""Which storage errors are worth retrying, and the backoff used for them (tenacity)."""
+"""Which storage errors are worth retrying, the backoff used for them (tenacity), and how long
+one upload attempt may take before it counts as hung."""
 
 from __future__ import annotations
 
 import errno
 import logging
-from collections.abc import Callable
+import os
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import tenacity
 
@@ -77,3 +80,102 @@ class RetryPolicy:
             reraise=True,
         )
         return retrying(fn)
+
+
+UPLOAD_TIMEOUT_ENV = "SPOT_UPLOAD_TIMEOUT_S"
+UPLOAD_MIN_SPEED_ENV = "SPOT_UPLOAD_MIN_MBPS"
+
+
+class AttemptTimeoutError(TimeoutError):
+    """One attempt of a storage call ran past its timeout and was abandoned (retried as transient)."""
+
+
+@dataclass(frozen=True)
+class UploadTimeout:
+    """How long one upload attempt may run before it counts as hung: ``floor_s`` plus its size at
+    ``min_mb_per_s``. ``floor_s=None`` never times out.
+
+    Read from ``$SPOT_UPLOAD_TIMEOUT_S`` (the floor; ``0`` or ``off`` disables) and
+    ``$SPOT_UPLOAD_MIN_MBPS`` by :meth:`from_env`.
+
+    Example:
+        >>> UploadTimeout(floor_s=120, min_mb_per_s=4).seconds_for(1_000_000_000)
+        370.0
+        >>> UploadTimeout.from_env({"SPOT_UPLOAD_TIMEOUT_S": "off"}).seconds_for(10)
+    """
+
+    floor_s: float | None = 120.0
+    min_mb_per_s: float = 4.0
+
+    def __post_init__(self) -> None:
+        if self.floor_s is not None and not self.floor_s > 0:
+            raise ValueError(f"floor_s={self.floor_s!r} must be > 0 seconds, or None for no timeout")
+        if not self.min_mb_per_s > 0:
+            raise ValueError(f"min_mb_per_s={self.min_mb_per_s!r} must be > 0 MB/s")
+
+    def seconds_for(self, nbytes: int) -> float | None:
+        if self.floor_s is None:
+            return None
+        return self.floor_s + nbytes / (self.min_mb_per_s * 1e6)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> UploadTimeout:
+        environ = os.environ if environ is None else environ
+        default = cls()
+        floor_text = environ.get(UPLOAD_TIMEOUT_ENV, "").strip()
+        floor_s: float | None = default.floor_s
+        if floor_text.lower() in ("0", "off", "none"):
+            floor_s = None
+        elif floor_text:
+            floor_s = _positive_number(UPLOAD_TIMEOUT_ENV, floor_text, "seconds, or 0/off for no timeout")
+        speed_text = environ.get(UPLOAD_MIN_SPEED_ENV, "").strip()
+        speed = (
+            _positive_number(UPLOAD_MIN_SPEED_ENV, speed_text, "MB/s") if speed_text else default.min_mb_per_s
+        )
+        return cls(floor_s, speed)
+
+
+def _positive_number(name: str, text: str, unit: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{name}={text!r} is not a positive number; use e.g. {name}=120 ({unit})")
+    return value
+
+
+def call_with_timeout(fn: Callable[[], T], timeout_s: float | None, what: str) -> T:
+    """Run ``fn`` in a daemon thread and raise :class:`AttemptTimeoutError` if it has not returned
+    within ``timeout_s`` (``None``: wait forever).
+
+    A thread cannot be killed: the late attempt is abandoned and may still finish in the
+    background (the caller must make a late finish harmless). It is a daemon, so it never
+    keeps the process from exiting.
+
+    Example:
+        >>> call_with_timeout(lambda: 42, 5.0, "answer")
+        42
+    """
+    if timeout_s is None:
+        return fn()
+    outcome: dict[str, Any] = {}
+    done = threading.Event()
+
+    def attempt() -> None:
+        try:
+            outcome["value"] = fn()
+        except BaseException as err:  # noqa: BLE001 - handed to the caller below
+            outcome["error"] = err
+        finally:
+            done.set()
+
+    threading.Thread(target=attempt, name="spot-attempt", daemon=True).start()
+    if not done.wait(timeout_s):
+        raise AttemptTimeoutError(
+            f"{what} did not finish within {timeout_s:.1f}s (hung?); abandoning that attempt. "
+            f"Slow links: raise {UPLOAD_TIMEOUT_ENV} (seconds) or lower {UPLOAD_MIN_SPEED_ENV}"
+        )
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]

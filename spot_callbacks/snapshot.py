@@ -222,21 +222,46 @@ def _tensor_nbytes(tensor: torch.Tensor) -> int:
 def write_state(staged: StagedState, path: str | os.PathLike[str]) -> FileDigest:
     """Serialize a staged state with ``torch.save`` to ``path``, checksumming as it writes.
 
-    The file appears under its name only once complete (written beside it, then renamed).
+    The file appears under its name only once complete (written beside it, then renamed); a
+    failed write leaves nothing behind (on a full disk, a partial file would keep it full).
+
+    Raises:
+        OSError: with ``filename`` set to ``path``, also for a full disk (``errno.ENOSPC``).
     """
     staged.wait_copied()
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp")
-    with open(tmp, "wb") as raw:
-        writer = ChecksumWriter(raw)
-        torch.save(staged.state, writer)
-    os.replace(tmp, target)
+    try:
+        with open(tmp, "wb") as raw:
+            writer = ChecksumWriter(raw)
+            torch.save(staged.state, writer)
+        os.replace(tmp, target)
+    except BaseException as err:
+        tmp.unlink(missing_ok=True)
+        if isinstance(err, OSError) and err.errno is not None and err.filename is None:
+            # torch.save reports a full disk with no file name: name the file being written.
+            raise OSError(err.errno, os.strerror(err.errno), os.fspath(target)) from err
+        raise
     return writer.digest()
 
 
 class UnsafeCheckpointError(pickle.UnpicklingError):
     """A state file holds objects that safe (``weights_only``) loading refuses to construct."""
+
+
+class IncompatibleCheckpointError(RuntimeError):
+    """A checkpoint's tensors do not fit the model resuming from it (another model, or a changed one)."""
+
+
+def unsafe_checkpoint_error(
+    path: str | os.PathLike[str], err: BaseException, allow: str
+) -> UnsafeCheckpointError:
+    """The error for a state file that safe loading refused; ``allow`` says how to load it when trusted."""
+    return UnsafeCheckpointError(
+        f"{os.fspath(path)} holds objects that safe loading refuses to construct; nothing from it was "
+        f"executed. If you trust this file and the objects it names, {allow}. Details: {err}"
+    )
 
 
 def load_state(
@@ -264,8 +289,5 @@ def load_state(
         with torch.serialization.safe_globals(list(safe_globals)):
             return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
-        raise UnsafeCheckpointError(
-            f"{os.fspath(path)} holds objects that safe loading refuses to construct; nothing from it was "
-            f"executed. If you trust this file and the objects it names, allow them with "
-            f"safe_globals=[...] (torch.serialization.add_safe_globals). Details: {err}"
-        ) from None
+        allow = "allow them with safe_globals=[...] (torch.serialization.add_safe_globals)"
+        raise unsafe_checkpoint_error(path, err, allow) from None

@@ -34,7 +34,7 @@ from spot_callbacks.checksums import (
     digest_local_file,
     read_blocks,
 )
-from spot_callbacks.retry import RetryPolicy
+from spot_callbacks.retry import RetryPolicy, UploadTimeout, call_with_timeout
 
 log = logging.getLogger("spot_callbacks")
 
@@ -214,6 +214,8 @@ class CheckpointStore:
         dirpath: fsspec URL (``s3://``, ``gs://``, ``az://``, ``file://``, ``memory://``) or local path.
         storage_options: passed to fsspec to build the filesystem (endpoint, credentials, ...).
         retry: backoff for transient storage errors.
+        upload_timeout: how long one upload attempt may run before it is abandoned and retried
+            (default: ``$SPOT_UPLOAD_TIMEOUT_S`` and ``$SPOT_UPLOAD_MIN_MBPS``, see :class:`UploadTimeout`).
 
     Example:
         >>> import tempfile, pathlib
@@ -232,6 +234,7 @@ class CheckpointStore:
         dirpath: str | os.PathLike[str],
         storage_options: dict[str, Any] | None = None,
         retry: RetryPolicy | None = None,
+        upload_timeout: UploadTimeout | None = None,
     ) -> None:
         self.dirpath = os.fspath(dirpath)
         self.fs, root = fsspec.core.url_to_fs(self.dirpath, **(storage_options or {}))
@@ -240,6 +243,7 @@ class CheckpointStore:
         # adlfs names itself "abfs"; report URLs in the protocol the user wrote (az://).
         self._protocol = protocol if protocol in _protocols(self.fs) else None
         self.retry = retry or RetryPolicy()
+        self.upload_timeout = upload_timeout or UploadTimeout.from_env()
         self._warned: set[tuple[int, str]] = set()
 
     # ----------------------------------------------------------------- layout
@@ -495,16 +499,37 @@ class CheckpointStore:
             self._remove_tree(folder)
 
     def upload_file(self, local_path: str | os.PathLike[str], step: int, name: str) -> None:
-        """Upload one payload file into the folder of ``step`` (multipart through the backend)."""
+        """Upload one payload file into the folder of ``step`` (multipart through the backend).
+
+        An attempt still running after :attr:`upload_timeout` allows for its size is abandoned
+        and retried like a failed one.
+        """
         _check_relative_name(name)
         remote = posixpath.join(self.step_path(step), name)
+        source = os.fspath(local_path)
+        what = f"upload {self.step_url(step)}/{name}"
+        timeout_s = self.upload_timeout.seconds_for(os.path.getsize(source))
         if self.is_local:
             self.fs.makedirs(posixpath.dirname(remote), exist_ok=True)
-        self.retry.call(
-            lambda: self.fs.put_file(os.fspath(local_path), remote), f"upload {self.step_url(step)}/{name}"
-        )
-        if self.is_local:
-            _fsync_file(remote)
+        # An abandoned attempt may wake up and finish after its retry did. It writes the same bytes
+        # (scratch files are never rewritten in place) whole: an object PUT replaces the object at
+        # once, and locally _put renames a finished copy. So a late write is harmless.
+        self.retry.call(lambda: call_with_timeout(lambda: self._put(source, remote), timeout_s, what), what)
+
+    def _put(self, source: str, remote: str) -> None:
+        if not self.is_local:
+            self.fs.put_file(source, remote)
+            return
+        folder, base = posixpath.split(remote)
+        partial = posixpath.join(folder, f".{base}.{uuid.uuid4().hex[:8]}.part")
+        try:
+            self.fs.put_file(source, partial)
+            _fsync_file(partial)
+            os.replace(partial, remote)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(partial)
+            raise
 
     def upload_files(
         self,
@@ -541,8 +566,10 @@ class CheckpointStore:
         if self.is_local:
             self._commit_local(path, raw)
         else:
+            what = f"write {self.step_url(step)}/{MANIFEST_NAME}"
+            timeout_s = self.upload_timeout.seconds_for(len(raw))
             self.retry.call(
-                lambda: self.fs.pipe_file(path, raw), f"write {self.step_url(step)}/{MANIFEST_NAME}"
+                lambda: call_with_timeout(lambda: self.fs.pipe_file(path, raw), timeout_s, what), what
             )
         return info
 
