@@ -28,9 +28,12 @@ from spot_callbacks.config import SpotConfig
 from spot_callbacks.costs import RunLedger, SlowdownMeter, finite_number, ledger_after_resume
 from spot_callbacks.persist import Persister, PersistError, PersistJob, PersistRecord, default_scratch_root
 from spot_callbacks.preemption import Notice, PreemptionWatcher
+from spot_callbacks.region import RegionCheck
 from spot_callbacks.report import RunHistory, format_rows, format_seconds, history_rows
 from spot_callbacks.runlock import RunLock, RunLockedError
+from spot_callbacks.sharded import ShardedPersister
 from spot_callbacks.snapshot import StagingArea, write_state
+from spot_callbacks.staleness import StalenessMonitor
 from spot_callbacks.store import (
     CheckpointInfo,
     CheckpointStore,
@@ -101,7 +104,7 @@ class SpotEngine:
         self._emergency_notice: Notice | None = None  # the notice every rank agreed on
         self._emergency_committed: int | None = None  # its checkpoint's step, once committed
         self.staging = StagingArea()
-        self._persister: Persister | None = None
+        self._persister: Persister | ShardedPersister | None = None
         self._lock: RunLock | None = None
         self.last_saved_step: int | None = None
         self.last_stall_s: float | None = None
@@ -117,6 +120,8 @@ class SpotEngine:
         self._train_started_at: float | None = None
         self._last_step_at: float | None = None
         self._resume_recorded = False
+        self.staleness = StalenessMonitor(self.store.url)  # see staleness.py; fed at each step boundary
+        self.region_check: RegionCheck | None = None  # see region.py; the writer's, from start()
 
     # ----------------------------------------------------------- ranks
     @property
@@ -136,6 +141,21 @@ class SpotEngine:
     def persister(self) -> Persister:
         if self._persister is None:
             self._persister = Persister(self.store, keep_last=self.config.keep_last)
+        if not isinstance(self._persister, Persister):
+            raise RuntimeError(
+                "this run saves sharded checkpoints (save_sharded_state); it cannot mix in single-file ones"
+            )
+        return self._persister
+
+    @property
+    def sharded_persister(self) -> ShardedPersister:
+        """The persister of sharded checkpoints; made on first use, on every rank at the same step (collective)."""
+        if self._persister is None:
+            self._persister = ShardedPersister(self.store, self.scratch_root, keep_last=self.config.keep_last)
+        if not isinstance(self._persister, ShardedPersister):
+            raise RuntimeError(
+                "this run saves single-file checkpoints (save_state); it cannot mix in sharded ones"
+            )
         return self._persister
 
     def barrier(self) -> None:
@@ -151,6 +171,10 @@ class SpotEngine:
         self._acquire_lock()
         self.watcher.clear()  # a notice acted on in an earlier fit() in this process is spent
         self.watcher.start()
+        self.staleness.start()
+        if self.is_writer and self.region_check is None and RegionCheck.enabled():
+            self.region_check = RegionCheck(self.store.fs, self.store.root, self.store.url)
+            self.region_check.start()  # a daemon thread: start-up does not wait for it
 
     def stop(self) -> None:
         """Stop the notice sources and release the run lock (an exception ends training)."""
@@ -191,6 +215,7 @@ class SpotEngine:
         if extra_notice is not None:
             self.watcher.report(extra_notice)
         self._time_step()
+        self._watch_persisting()
         local = self.trigger.due(step)
         notice = self.watcher.notice
         hint = self.watcher.take_hint()
@@ -262,6 +287,44 @@ class SpotEngine:
                     deadline=self._commit_deadline(reason),
                 )
             )
+        stall_s = time.perf_counter() - started
+        self._after_save(step, stall_s)
+        return stall_s
+
+    def save_sharded_state(
+        self,
+        step: int,
+        epoch: int | None,
+        state: dict[str, Any],
+        reason: str,
+        meta: dict[str, Any] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> float:
+        """Snapshot this rank's shards of ``state`` and persist them in the background, every rank in parallel.
+
+        For state no rank holds whole (FSDP, DTensor): call it on every rank with the rank's
+        sharded state dicts (``{"model": get_model_state_dict(model), "optim": ...}``); ``meta`` is
+        the small non-tensor rest, written by rank 0 as ``meta.pt``. The checkpoint commits once
+        every rank's files are durable (see sharded.py). Returns the seconds this rank was blocked.
+        """
+        started = time.perf_counter()
+        persister = self.sharded_persister
+        staged, nbytes = persister.stage(state)
+        stall_s = time.perf_counter() - started
+        metrics = {**self._account(reason, stall_s), "staged_bytes": nbytes} if self.is_writer else {}
+        persister.submit(
+            persister.job(
+                step,
+                reason,
+                self.framework,
+                staged,
+                meta=meta,
+                epoch=epoch,
+                metrics=metrics,
+                extra={**(extra or {}), "ledger": self.ledger.to_json(), **self._preemption_extra(reason)},
+                deadline=self._commit_deadline(reason),
+            )
+        )
         stall_s = time.perf_counter() - started
         self._after_save(step, stall_s)
         return stall_s
@@ -428,14 +491,14 @@ class SpotEngine:
             timeout = left if timeout is None else min(timeout, left)
         timeout = None if timeout is None else max(timeout, 0.0)
         finished = True
-        if self.is_writer and self._persister is not None:
+        if self._persister is not None:  # the writer, or every rank when each persists its shards
             started = time.perf_counter()
             step = self.last_saved_step
             if notice is not None and step is not None:
                 if notice.deadline is not None:
                     self._persister.expedite(step, notice.deadline - EXIT_MARGIN_S)
                 finished = self._persister.wait_for_step(step, timeout=timeout)
-                if self._emergency_committed != step:  # said once, not again by a later wait
+                if self._emergency_committed != step and self.is_writer:  # said once, by one rank
                     _log_emergency(step, notice, finished, time.perf_counter() - started)
                 if finished:
                     self._emergency_committed = step
@@ -453,6 +516,26 @@ class SpotEngine:
         if self._persister is None:
             return []
         return self._persister.new_failures()
+
+    def persist_lag_s(self) -> float:
+        """Seconds since the newest commit of this run (or since training started): ``spot/persist_lag_s``."""
+        return self.staleness.lag_s()
+
+    def _watch_persisting(self) -> None:
+        """Writer only: the staleness alarm (staleness.py) and, once known, the in-region warning (region.py)."""
+        if not self.is_writer:
+            return
+        persister, records, resumed = self._persister, self._all_records(), self.resumed
+        self.staleness.observe(
+            records,
+            persister.failures if persister is not None else [],
+            persister.in_flight_step if persister is not None else None,
+            self.trigger.interval_s,
+        )
+        if self.region_check is not None:
+            size = records[-1].bytes if records else resumed.info.size_bytes if resumed else None
+            pulled = (resumed.info.size_bytes, resumed.pull_s) if resumed is not None else None
+            self.region_check.warn_once(size, pulled)
 
     def _all_records(self) -> list[PersistRecord]:
         current = self._persister.records if self._persister is not None else []

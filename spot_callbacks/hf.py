@@ -253,6 +253,7 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
                 extra={"engine": self.engine.state_dict(at_checkpoint=True)},
             )
             self._metrics["spot/stall_s"] = stall_s
+            self._metrics["spot/persist_lag_s"] = self.engine.persist_lag_s()
         if request is not None and request.reason == "preemption":
             self._after_emergency(control, request.notice)
 

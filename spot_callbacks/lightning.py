@@ -16,6 +16,8 @@ from spot_callbacks.config import SpotConfig
 from spot_callbacks.engine import STATE_FILE, SpotEngine
 from spot_callbacks.preemption import Notice, signal_grace_s
 from spot_callbacks.rng import capture_rng_state, restore_rng_state
+from spot_callbacks.sharded import DCP_METADATA_FILE
+from spot_callbacks.store import CheckpointError
 from spot_callbacks.trigger import distributed_ready
 
 log = logging.getLogger("spot_callbacks")
@@ -119,7 +121,9 @@ def build_spot_checkpoint(pl: types.ModuleType) -> type:
 
         @property
         def state_key(self) -> str:
-            return self._generate_state_key(dirpath=self.store.url)
+            # Not keyed by dirpath: a run whose checkpoints were copied to another bucket (or that
+            # moved from file:// to s3://) must still find its position, clock and ledger.
+            return self._generate_state_key()
 
         # ---------------------------------------------------------- setup
         def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -137,6 +141,15 @@ def build_spot_checkpoint(pl: types.ModuleType) -> type:
             warnings.filterwarnings(
                 "ignore", message="You're resuming from a checkpoint that ended before the epoch"
             )
+            if (local_dir / DCP_METADATA_FILE).is_file():  # sharded: the strategy loads it through DCP
+                if not compat.saves_sharded(self._trainer):
+                    raise CheckpointError(
+                        f"{self.engine.resumed.info.url} is a sharded (FSDP) checkpoint and "
+                        f"{type(self._trainer.strategy).__name__} cannot load it; resume with "
+                        "ModelParallelStrategy or FSDPStrategy(state_dict_type='sharded'), which reshard "
+                        "it onto any number of processes"
+                    )
+                return os.fspath(local_dir)
             return os.fspath(local_dir / STATE_FILE)
 
         def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
@@ -198,13 +211,23 @@ def build_spot_checkpoint(pl: types.ModuleType) -> type:
                 self._save(trainer, decision.reason)
 
         def _save(self, trainer: Any, reason: str) -> None:
+            step, epoch = trainer.global_step, trainer.current_epoch
             self._saving = True
             try:
-                checkpoint = compat.dump_checkpoint(trainer)
+                if compat.saves_sharded(trainer):  # FSDP: every rank persists its own shards
+                    sharded, meta = compat.dump_sharded_checkpoint(trainer)
+                    self._saving = False
+                    self.engine.save_sharded_state(step, epoch, sharded, reason, meta=meta)
+                else:
+                    checkpoint = compat.dump_checkpoint(trainer)
+                    self._saving = False
+                    self.engine.save_state(step, epoch, checkpoint, reason)
             finally:
                 self._saving = False
-            self.engine.save_state(trainer.global_step, trainer.current_epoch, checkpoint, reason)
-            self._log(trainer, {"spot/stall_s": self.engine.last_stall_s})
+            self._log(
+                trainer,
+                {"spot/stall_s": self.engine.last_stall_s, "spot/persist_lag_s": self.engine.persist_lag_s()},
+            )
 
         def _emergency(self, trainer: Any, notice: Notice | None) -> None:
             if self.engine.last_saved_step != trainer.global_step:
@@ -239,7 +262,9 @@ def build_spot_checkpoint(pl: types.ModuleType) -> type:
                     self.preempted = True
                     exception.code = PREEMPTED_EXIT_CODE
                 elif trainer.state.fn == states.TrainerFn.FITTING and self._between_batches(trainer):
-                    if self.engine.last_saved_step != trainer.global_step:
+                    # Behind the step it resumed from, the resume itself failed: the model is not that run's.
+                    last = self.engine.last_saved_step
+                    if last is None or trainer.global_step > last:
                         self._save(trainer, "exception")
                 else:
                     log.warning(
@@ -247,6 +272,8 @@ def build_spot_checkpoint(pl: types.ModuleType) -> type:
                         type(exception).__name__,
                     )
                 self.engine.wait_for_commit()
+                # on_train_end never runs after an exception (a preemption included): summarise here.
+                self.engine.log_cost_summary()
             finally:
                 self.engine.stop()
 

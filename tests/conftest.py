@@ -621,3 +621,33 @@ def _metadata_fixture(cloud: str) -> Any:
 aws_imds = _metadata_fixture("aws")
 gcp_metadata = _metadata_fixture("gcp")
 azure_events = _metadata_fixture("azure")
+
+
+# --------------------------------------------------------------------------------------------
+# Reliability counts (tests/reliability_counts.py): summed over xdist workers, printed at the end
+# --------------------------------------------------------------------------------------------
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    import reliability_counts
+
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: the controller sums what each worker counted
+        workeroutput[reliability_counts.WORKEROUTPUT_KEY] = reliability_counts.to_json()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    import reliability_counts
+
+    counts = getattr(node, "workeroutput", {}).get(reliability_counts.WORKEROUTPUT_KEY)
+    if counts:
+        reliability_counts.add_json(counts)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    import reliability_counts
+
+    line = reliability_counts.summary()
+    if line:
+        terminalreporter.write_sep("-", line)

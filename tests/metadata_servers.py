@@ -2,12 +2,13 @@
 
 - :class:`AwsImds`: IMDSv2 — ``PUT /latest/api/token`` (needs the TTL header), every ``GET`` needs
   the token (401 without it), ``spot/instance-action`` and ``events/recommendations/rebalance``
-  are 404 until a test sets them. ``POST /_test/announce`` sets an interruption 2 minutes ahead
-  (for a training subprocess that cannot reach the test's objects).
+  are 404 until a test sets them; ``placement/region`` answers ``region``. ``POST /_test/announce``
+  sets an interruption 2 minutes ahead (for a training subprocess that cannot reach the test's objects).
 - :class:`GcpMetadata`: ``Metadata-Flavor: Google`` required (403 without), ``instance/preempted``
-  with ETags and ``?wait_for_change=true&last_etag=...&timeout_sec=N`` long polling.
-- :class:`AzureScheduledEvents`: ``Metadata: true`` required (400 without), the VM name, the
-  ``scheduledevents`` document, and ``StartRequests`` POSTs recorded in ``acknowledged``.
+  with ETags and ``?wait_for_change=true&last_etag=...&timeout_sec=N`` long polling; ``instance/zone``
+  answers ``zone``.
+- :class:`AzureScheduledEvents`: ``Metadata: true`` required (400 without), the VM name and
+  ``location``, the ``scheduledevents`` document, and ``StartRequests`` POSTs recorded in ``acknowledged``.
 
 Each server's ``fault`` makes it misbehave: ``"500"``, ``"garbage"`` (a 200 with a body the cloud
 never sends), ``"hang"`` (no answer until :meth:`MetadataServer.reset`), ``"no-token"`` (AWS: the
@@ -160,6 +161,7 @@ class AwsImds(MetadataServer):
         self.instance_action: dict[str, str] | None = None
         self.rebalance: dict[str, str] | None = None
         self.tokens_issued = 0
+        self.region = "us-east-1"  # placement/region
 
     def announce(self, seconds_ahead: float = 120.0, action: str = "terminate") -> float:
         """Post a spot interruption; returns its time (whole seconds, as AWS gives it)."""
@@ -190,6 +192,8 @@ class AwsImds(MetadataServer):
             return _json(self.instance_action) if self.instance_action else (404, {}, b"Not Found")
         if request.path == "/latest/meta-data/events/recommendations/rebalance":
             return _json(self.rebalance) if self.rebalance else (404, {}, b"Not Found")
+        if request.path == "/latest/meta-data/placement/region":
+            return 200, {"Content-Type": "text/plain"}, self.region.encode()
         return 404, {}, b"Not Found"
 
 
@@ -199,6 +203,7 @@ class GcpMetadata(MetadataServer):
     def _reset_state(self) -> None:
         self.preempted = False
         self.version = 0
+        self.zone = "projects/123456789/zones/us-central1-a"  # instance/zone
 
     @property
     def etag(self) -> str:
@@ -216,6 +221,8 @@ class GcpMetadata(MetadataServer):
         google = {"Metadata-Flavor": "Google"}
         if request.path == "/computeMetadata/v1/":
             return 200, google, b"instance/\nproject/\n"
+        if request.path == "/computeMetadata/v1/instance/zone":
+            return 200, google, self.zone.encode()
         if request.path != self.PREEMPTED:
             return 404, google, b"Not Found"
         if request.query.get("wait_for_change") == ["true"]:
@@ -237,6 +244,7 @@ class AzureScheduledEvents(MetadataServer):
         self.acknowledged: list[dict[str, Any]] = []
         self.on_acknowledge: Callable[[], Any] | None = None
         self.seen_at_acknowledge: list[Any] = []
+        self.location = "eastus"  # compute/location
 
     def add_event(
         self, event_type: str = "Preempt", not_before_s: float = 60.0, resources: list[str] | None = None
@@ -261,6 +269,8 @@ class AzureScheduledEvents(MetadataServer):
             return 400, {}, b'{"error": "Bad request. Required metadata header not specified"}'
         if request.path == "/metadata/instance/compute/name":
             return 200, {"Content-Type": "text/plain"}, self.VM_NAME.encode()
+        if request.path == "/metadata/instance/compute/location" and "api-version" in request.query:
+            return 200, {"Content-Type": "text/plain"}, self.location.encode()
         if request.path != self.EVENTS or request.query.get("api-version") != ["2020-07-01"]:
             return 404, {}, b""
         if request.method == "POST":

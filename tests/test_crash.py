@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from crash_harness import CrashHarness
+from reliability_counts import KILLS, record
 
 KILLS_PER_BACKEND = 6  # 12 in CI over file and S3; the soak runs hundreds
 
@@ -22,6 +23,7 @@ def _report(backend: str, harness: CrashHarness) -> None:
     assert result.commits_seen >= result.kills  # the kills landed in runs that were committing
     assert result.resumes >= 1  # later runs resumed from what the killed ones committed
     assert result.completions >= 1  # and a resumed lineage trained to the end
+    record(KILLS, result.kills)
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ import logging
 import posixpath
 
 import torch
+from reliability_counts import DAMAGED, record
 
 from spot_callbacks import SpotConfig
 from spot_callbacks.engine import STATE_FILE, SpotEngine
@@ -74,6 +75,7 @@ def test_pull_latest_skips_a_checkpoint_whose_bytes_fail_their_checksums(tmp_pat
     assert local is not None and local.name == "step-000000010"
     assert torch.load(local / STATE_FILE, weights_only=True)["w"][0].item() == 10.0
     assert any("skipping" in r.message and "step-000000020" in r.message for r in caplog.records)
+    record(DAMAGED)
 
 
 def test_a_second_fit_gets_a_fresh_persister(tmp_path):

@@ -208,7 +208,9 @@ def test_nothing_committed_trains_exactly_like_a_plain_run(tmp_path: Path) -> No
     assert [(c.step, c.reason) for c in ckpt.store.committed()] == [(7, "steps"), (14, "steps"), (20, "end")]
     # save_strategy="no": local copies are cleaned once committed, the newest is kept
     assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-20"]
-    assert any("spot/stall_s" in entry for entry in trainer.state.log_history)
+    assert any(
+        "spot/stall_s" in entry and "spot/persist_lag_s" in entry for entry in trainer.state.log_history
+    )
 
 
 def test_corrupt_newest_remote_checkpoint_is_skipped_with_a_log_line(

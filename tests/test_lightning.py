@@ -51,6 +51,7 @@ def interrupted_then_resumed(tmp_path, url, options, sigterm_steps, extra=()) ->
         )
         assert done.returncode == 143, done.stdout[-2000:] + done.stderr[-4000:]
         assert "emergency checkpoint committed" in done.stderr
+        assert "checkpoint costs of" in done.stderr  # the summary of a preempted run too
         assert '"global_step"' not in done.stdout  # fit() ended the process (SystemExit 143)
         newest = CheckpointStore(url, storage_options=options).latest()
         assert newest is not None and newest.reason == "preemption" and newest.step == step + 1
@@ -187,6 +188,8 @@ def test_checkpoint_metrics_reach_the_trainer_logger(tmp_path):
         tmp_path, *args, "--out", str(tmp_path / "a.pt"), "--sigterm-at-step", "12", scratch="1"
     )
     assert first.returncode == 143
+    summary = first.stderr[first.stderr.index("checkpoint costs of") :]  # logged on the preempted run too
+    assert "1 preemption" in summary, summary[:2000]
     second = run_training(tmp_path, *args, "--out", str(tmp_path / "b.pt"), scratch="2")
     assert second.returncode == 0
     columns: set[str] = set()
@@ -198,7 +201,8 @@ def test_checkpoint_metrics_reach_the_trainer_logger(tmp_path):
             for name, value in zip(header, row, strict=False):
                 if name.startswith("spot/") and value:
                     values.setdefault(name, []).append(float(value))
-    assert {"spot/stall_s", "spot/persist_s", "spot/persist_MBps", "spot/resume_s"} <= columns
+    expected = {"spot/stall_s", "spot/persist_s", "spot/persist_MBps", "spot/resume_s", "spot/persist_lag_s"}
+    assert expected <= columns
     assert all(v >= 0 for v in values["spot/stall_s"]) and len(values["spot/stall_s"]) >= 4
     assert values["spot/persist_MBps"] and min(values["spot/persist_MBps"]) > 0
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from faultfs import FaultyFileSystem
+from reliability_counts import FAULTS, record
 
 from spot_callbacks import CheckpointStore, Persister, PersistError, PersistJob, RetryPolicy
 from spot_callbacks.persist import default_scratch_root
@@ -80,6 +81,7 @@ def test_transient_errors_are_retried_until_committed(store, tmp_path, caplog):
     assert persister.failures == [] and store.verify(5)
     assert sum("retrying" in r.message for r in caplog.records) == 3
     persister.close()
+    record(FAULTS, faulty.injected)
 
 
 def test_permanent_failure_is_reported_and_keeps_what_was_committed(store, tmp_path):
@@ -100,6 +102,7 @@ def test_permanent_failure_is_reported_and_keeps_what_was_committed(store, tmp_p
     store.fs = faulty.inner
     assert store.latest().step == 1 and store.verify(1)
     persister.close()
+    record(FAULTS, faulty.injected)
 
 
 def test_scratch_keeps_only_the_newest_committed_copy_which_pull_reuses(store, tmp_path):

@@ -9,6 +9,7 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 import torch
+from reliability_counts import DAMAGED, record
 
 from spot_callbacks import StagingArea, UnsafeCheckpointError, load_state, write_state
 from spot_callbacks.checksums import digest_local_file
@@ -150,6 +151,7 @@ def test_a_pickle_that_would_run_code_is_refused_and_nothing_runs(tmp_path):
     assert isinstance(info.value, pickle.UnpicklingError)
     assert str(path) in str(info.value)
     assert not marker.exists()
+    record(DAMAGED)
 
 
 def test_truncated_state_file_gives_a_clear_error(tmp_path):

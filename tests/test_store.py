@@ -13,6 +13,7 @@ from datetime import timezone
 from pathlib import Path
 
 import pytest
+from reliability_counts import DAMAGED, record
 
 from spot_callbacks import (
     CheckpointNotFoundError,
@@ -107,6 +108,7 @@ def test_truncated_payload_is_skipped_by_latest_and_fails_verify(store, tmp_path
     with pytest.raises(CorruptCheckpointError, match=r"state\.pt is 100 bytes but the manifest says 3000"):
         store.verify(2)
     assert [i.step for i in store.committed()] == [1, 2]  # skipped, never silently deleted
+    record(DAMAGED)
 
 
 def test_altered_payload_fails_verify_and_pull_with_checksums(store, tmp_path):
@@ -121,6 +123,7 @@ def test_altered_payload_fails_verify_and_pull_with_checksums(store, tmp_path):
     with pytest.raises(CorruptCheckpointError, match="downloaded as"):
         store.pull(7, tmp_path / "dest")
     assert not (tmp_path / "dest").exists()
+    record(DAMAGED)
 
 
 def test_missing_payload_file_is_named(store, tmp_path):
@@ -129,6 +132,7 @@ def test_missing_payload_file_is_named(store, tmp_path):
     with pytest.raises(CorruptCheckpointError, match=r"extra/rng\.bin is missing"):
         store.verify(3)
     assert store.latest() is None
+    record(DAMAGED)
 
 
 @pytest.mark.parametrize(
@@ -148,6 +152,7 @@ def test_unreadable_manifests_are_ignored_with_a_warning(store, tmp_path, caplog
     assert any(message in r.message for r in caplog.records)
     with pytest.raises(ManifestError, match=message):
         store.verify(5)
+    record(DAMAGED)
 
 
 @pytest.mark.parametrize("name", ["../escape.bin", "/etc/passwd", "s3://other/x", "a/../../b", "C:/x"])
@@ -161,6 +166,7 @@ def test_manifest_naming_a_file_outside_its_folder_is_refused(store, tmp_path, n
     with pytest.raises(ManifestError, match="not a plain relative path"):
         store.pull(6, tmp_path / "out")
     assert not (tmp_path / "escape.bin").exists()
+    record(DAMAGED)
 
 
 def test_prune_keeps_the_newest_and_deletes_manifest_first(store, tmp_path):

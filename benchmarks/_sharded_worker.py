@@ -1,0 +1,170 @@
+"""One rank of the sharded benchmark (launched by ``benchmarks/sharded.py`` through Lightning's launcher).
+
+An FSDP2 MLP (ModelParallelStrategy, gloo on CPU) trains with SpotCheckpoint every ``--every`` steps.
+Around each checkpoint it measures, on every rank: the time the training loop was blocked, the
+time until the checkpoint committed, and the peak resident memory (RSS sampled every 2 ms) over
+the RSS just before the *first* checkpoint (staging buffers that stay allocated for reuse count).
+Prints one JSON line per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import time
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader, TensorDataset
+
+from spot_callbacks.lightning import SpotCheckpoint
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--dirpath", required=True)
+parser.add_argument("--storage-options", default="{}")
+parser.add_argument("--devices", type=int, default=2)
+parser.add_argument("--hidden", type=int, default=4096)
+parser.add_argument("--layers", type=int, default=6)
+parser.add_argument("--every", type=int, default=3)
+parser.add_argument("--steps", type=int, default=9)
+parser.add_argument("--gathered", action="store_true")
+args = parser.parse_args()
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * PAGE
+
+
+class RssSampler:
+    """The highest RSS seen since the last reset, sampled by a daemon thread."""
+
+    def __init__(self) -> None:
+        self.peak = rss_bytes()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            value = rss_bytes()
+            with self._lock:
+                self.peak = max(self.peak, value)
+            time.sleep(0.002)  # a sampling period, not synchronisation
+
+    def reset(self) -> int:
+        with self._lock:
+            self.peak = rss_bytes()
+            return self.peak
+
+
+class Net(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.Sequential(
+            *[torch.nn.Linear(args.hidden, args.hidden) for _ in range(args.layers)]
+        )
+
+    def configure_model(self) -> None:
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.layers, mesh=mesh)
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        return self.layers(x).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
+class Measure(pl.Callback):
+    """Placed around SpotCheckpoint: `before` first in the callback list, `after` last."""
+
+    def __init__(self, spot: SpotCheckpoint, sampler: RssSampler) -> None:
+        self.spot, self.sampler = spot, sampler
+        self.rows: list[dict] = []
+        self._started = 0.0
+        self._rss_before = 0  # RSS just before the first checkpoint
+
+    def before(self, trainer) -> None:
+        rss = self.sampler.reset()
+        if not self.rows:  # until the first checkpoint is measured
+            self._rss_before = rss
+        self._started = time.perf_counter()
+
+    def after(self, trainer) -> None:
+        if self.spot.engine.last_saved_step != trainer.global_step or trainer.global_step == 0:
+            return
+        blocked_s = time.perf_counter() - self._started
+        self.spot.engine.wait_for_commit()
+        self.rows.append({
+            "step": trainer.global_step,
+            "blocked_s": blocked_s,
+            "committed_s": time.perf_counter() - self._started,
+            "peak_extra_bytes": self.sampler.peak - self._rss_before,
+        })  # fmt: skip
+
+
+class Before(pl.Callback):
+    def __init__(self, measure: Measure) -> None:
+        self.measure = measure
+
+    def on_train_batch_end(self, trainer, *rest) -> None:
+        self.measure.before(trainer)
+
+
+class After(pl.callbacks.Checkpoint):  # Lightning moves Checkpoint callbacks last, in their order
+    def __init__(self, measure: Measure) -> None:
+        self.measure = measure
+
+    def on_train_batch_end(self, trainer, *rest) -> None:
+        self.measure.after(trainer)
+
+
+def shard_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """This rank's share of the parameters and the optimizer state (what a sharded checkpoint stages)."""
+    total = sum(p.to_local().numel() * p.element_size() for p in module.parameters())
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                local = value.to_local() if hasattr(value, "to_local") else value
+                total += local.numel() * local.element_size()
+    return total
+
+
+def main() -> None:
+    pl.seed_everything(0)
+    sampler = RssSampler()
+    spot = SpotCheckpoint(
+        dirpath=args.dirpath, interval=None, every_n_steps=args.every, keep_last=1,
+        storage_options=json.loads(args.storage_options), preemption=[],
+    )  # fmt: skip
+    measure = Measure(spot, sampler)
+    data = TensorDataset(torch.randn(args.steps * 4 * args.devices, args.hidden))
+    trainer = pl.Trainer(
+        max_steps=args.steps, callbacks=[Before(measure), spot, After(measure)], logger=False,
+        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=args.devices,
+        strategy=ModelParallelStrategy(
+            data_parallel_size=args.devices, tensor_parallel_size=1, save_distributed_checkpoint=not args.gathered
+        ),
+    )  # fmt: skip
+    model = Net()
+    trainer.fit(model, DataLoader(data, batch_size=4))
+    print(
+        "RESULT " + json.dumps({
+            "rank": trainer.global_rank, "mode": "gathered" if args.gathered else "sharded",
+            "shard_bytes": shard_bytes(model.layers, trainer.optimizers[0]), "rows": measure.rows,
+        }),
+        flush=True,
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

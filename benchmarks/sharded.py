@@ -1,0 +1,135 @@
+"""Sharded vs gathered checkpoints of an FSDP2 model on 2 CPU processes: time and peak host memory per rank.
+
+*sharded*: ModelParallelStrategy(save_distributed_checkpoint=True): every rank stages and uploads
+its own shards through torch.distributed.checkpoint; rank 0 commits. *gathered*: the same run with
+save_distributed_checkpoint=False: the full state is gathered on rank 0, which stages and uploads
+one file (the DDP-style path). Both write to the same store (moto S3 by default) in one run.
+
+    python benchmarks/sharded.py                      # ~1.2 GB of state (100M params + AdamW), moto S3
+    python benchmarks/sharded.py --hidden 1024 --layers 4 --store file --no-record   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from _common import (
+    S3_KEY,
+    S3_SECRET,
+    append_markdown,
+    machine_line,
+    markdown_table,
+    moto_server,
+    print_rich_table,
+    versions_line,
+)
+
+WORKER = Path(__file__).with_name("_sharded_worker.py")
+HEADERS = [
+    "mode", "rank", "rank's shard", "blocked (median)", "until committed (median)",
+    "peak extra RSS", "peak extra / shard",
+]  # fmt: skip
+
+
+def run_mode(mode: str, args: argparse.Namespace, workdir: Path, url: str, options: dict) -> list[dict]:
+    command = [
+        sys.executable, str(WORKER), "--dirpath", f"{url}/{mode}", "--storage-options", json.dumps(options),
+        "--hidden", str(args.hidden), "--layers", str(args.layers), "--every", str(args.every),
+        "--steps", str(args.steps), "--devices", "2",
+    ]  # fmt: skip
+    if mode == "gathered":
+        command.append("--gathered")
+    env = {**os.environ, "SPOT_SCRATCH": str(workdir / f"scratch-{mode}"), "PYTHONUNBUFFERED": "1"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise SystemExit(f"{mode} run failed (code {done.returncode}):\n{done.stderr[-4000:]}")
+    results = [
+        json.loads(line[len("RESULT ") :]) for line in done.stdout.splitlines() if line.startswith("RESULT ")
+    ]
+    return sorted(results, key=lambda result: result["rank"])
+
+
+def row_of(result: dict) -> list[str]:
+    rows = result["rows"]
+    shard_mb = result["shard_bytes"] / 1e6
+    peak_mb = max(row["peak_extra_bytes"] for row in rows) / 1e6
+    return [
+        result["mode"],
+        str(result["rank"]),
+        f"{shard_mb:.0f} MB",
+        f"{statistics.median(row['blocked_s'] for row in rows):.2f} s",
+        f"{statistics.median(row['committed_s'] for row in rows):.2f} s",
+        f"{peak_mb:.0f} MB",
+        f"{peak_mb / shard_mb:.2f}x",
+    ]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--every", type=int, default=3, help="checkpoint every N steps")
+    parser.add_argument("--steps", type=int, default=9)
+    parser.add_argument("--store", choices=["s3", "file"], default="s3")
+    parser.add_argument("--no-record", action="store_true", help="do not append to BENCHMARKS.md")
+    args = parser.parse_args()
+
+    params = args.layers * (args.hidden * args.hidden + args.hidden)
+    state_gb = params * 4 * 3 / 1e9  # fp32 weights + AdamW's two moments
+    workdir = Path(tempfile.mkdtemp(prefix="spot-sharded-"))
+    started = time.monotonic()
+    try:
+        if args.store == "s3":
+            with moto_server(workdir) as endpoint:
+                options = {"key": S3_KEY, "secret": S3_SECRET, "endpoint_url": endpoint}
+                import s3fs
+
+                s3fs.S3FileSystem(skip_instance_cache=True, **options).mkdir("sharded")
+                results = [
+                    r
+                    for mode in ("sharded", "gathered")
+                    for r in run_mode(mode, args, workdir, "s3://sharded", options)
+                ]
+        else:
+            url = (workdir / "store").as_uri()
+            results = [r for mode in ("sharded", "gathered") for r in run_mode(mode, args, workdir, url, {})]
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    rows = [row_of(result) for result in results]
+    title = (
+        f"{params / 1e6:.0f}M parameters, {state_gb:.2f} GB of state, 2 processes (gloo, CPU), "
+        f"{args.store} store, checkpoint every {args.every} steps ({args.steps // args.every} per mode)"
+    )
+    print_rich_table(HEADERS, rows, title, left=["mode"])
+    if not args.no_record:
+        date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        lines = [
+            "## sharded: FSDP2 checkpoints, every rank persisting its shards vs the state gathered on rank 0",
+            "",
+            f"`python benchmarks/sharded.py` on {date}, {machine_line()}; {versions_line(('torch', 'lightning'))}.",
+            f"{title}; {time.monotonic() - started:.0f} s in all. *blocked*: the training loop's wait at the "
+            "step boundary; *until committed*: from the step boundary to the manifest written; *peak extra RSS*: "
+            "the highest resident memory during a checkpoint over the RSS before the first one (reused "
+            "staging buffers included).",
+            "",
+            *markdown_table(HEADERS, rows),
+            "",
+            "",
+        ]
+        print(f"appended to {append_markdown(chr(10).join(lines))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

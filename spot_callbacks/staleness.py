@@ -1,0 +1,189 @@
+"""Staleness alarm: how long since a checkpoint last committed, and a warning when that is too long.
+
+``persist_lag_s`` is the time since the newest commit of this training run, or since training
+started when nothing has committed yet (time outside training is not a lag). When it reaches
+twice the checkpoint interval, uploads are failing or too slow for the interval: one warning per
+episode (until a checkpoint commits again) says which, with the evidence and an interval that
+would keep up.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+
+from spot_callbacks.persist import PersistError, PersistRecord
+from spot_callbacks.report import format_seconds
+
+log = logging.getLogger("spot_callbacks")
+
+STALE_FACTOR = 2.0  # intervals without a commit before the alarm
+# A suggested interval leaves this much room over the persist time: uploads keep up with margin.
+PERSIST_HEADROOM = 1.5
+
+
+def duration_setting(seconds: float) -> str:
+    """``seconds`` as an ``interval`` value SpotConfig accepts, rounded up (to seconds below 2 min, else minutes).
+
+    Example:
+        >>> duration_setting(41.2), duration_setting(150), duration_setting(5400), duration_setting(7200)
+        ('42s', '3min', '1h30min', '2h')
+    """
+    if seconds < 120:
+        return f"{max(1, math.ceil(seconds))}s"
+    minutes = math.ceil(seconds / 60)
+    hours, minutes = divmod(minutes, 60)
+    if not hours:
+        return f"{minutes}min"
+    return f"{hours}h{minutes}min" if minutes else f"{hours}h"
+
+
+def suggested_interval_s(persist_s: float | None, interval_s: float) -> float:
+    """An interval that persisting keeps up with: the current one, or ``PERSIST_HEADROOM`` x the persist time.
+
+    Example:
+        >>> suggested_interval_s(100.0, 60.0), suggested_interval_s(10.0, 60.0), suggested_interval_s(None, 60.0)
+        (150.0, 60.0, 60.0)
+    """
+    if persist_s is None:
+        return interval_s
+    return max(interval_s, persist_s * PERSIST_HEADROOM)
+
+
+class StalenessMonitor:
+    """Tracks the time since the newest commit and warns once per episode when it exceeds ``factor`` intervals.
+
+    The engine calls :meth:`observe` at each step boundary with what the persister knows; tests
+    pass a ``clock`` they advance by hand.
+
+    Args:
+        store_url: named in the warning.
+        clock: seconds, monotonic (default :func:`time.monotonic`).
+        factor: intervals without a commit before the warning.
+
+    Example:
+        >>> now = [0.0]
+        >>> monitor = StalenessMonitor("s3://bucket/run", clock=lambda: now[0])
+        >>> monitor.start()
+        >>> now[0] = 50.0; monitor.observe([], [], None, interval_s=60.0) is None, monitor.lag_s()
+        (True, 50.0)
+        >>> now[0] = 125.0; print(monitor.observe([], [], None, interval_s=60.0))  # doctest: +ELLIPSIS
+        spot_callbacks: no checkpoint has committed to s3://bucket/run for 2.1 min (the interval is 1.0 min), and no upload failed: ...
+        >>> monitor.observe([], [], None, interval_s=60.0) is None  # once per episode
+        True
+    """
+
+    def __init__(
+        self, store_url: str, clock: Callable[[], float] = time.monotonic, factor: float = STALE_FACTOR
+    ) -> None:
+        self.store_url = store_url
+        self.clock = clock
+        self.factor = factor
+        self._since: float | None = None
+        self._seen_records = 0
+        self._newest_step: int | None = None
+        self._persist_s: float | None = None
+        self._in_flight_step: int | None = None
+        self._in_flight_since = 0.0
+        self._warned = False
+
+    def start(self) -> None:
+        """Training starts (again): the lag counts from now; time outside training is no lag."""
+        self._since = self.clock()
+        self._warned = False
+
+    def lag_s(self) -> float:
+        """Seconds since the newest commit of this run, or since training started (0 before)."""
+        return 0.0 if self._since is None else max(0.0, self.clock() - self._since)
+
+    def observe(
+        self,
+        records: Sequence[PersistRecord],
+        failures: Sequence[PersistError],
+        in_flight_step: int | None,
+        interval_s: float | None,
+    ) -> str | None:
+        """Take in the persister's state; log and return the warning when one is due (else None).
+
+        ``records``: every commit so far (append-only; only the new ones are read). ``failures``:
+        the persist failures so far. ``in_flight_step``: the step uploading now. ``interval_s``:
+        the checkpoint interval now (None: no time interval, no alarm).
+        """
+        now = self.clock()
+        if self._since is None:
+            self._since = now
+        fresh = records[self._seen_records :]
+        self._seen_records = len(records)
+        if fresh:
+            self._since = now
+            self._warned = False
+            self._persist_s = fresh[-1].persist_s
+            self._newest_step = max([r.info.step for r in fresh] + [self._newest_step or 0])
+        if in_flight_step != self._in_flight_step:
+            self._in_flight_step, self._in_flight_since = in_flight_step, now
+        if interval_s is None or interval_s <= 0 or self._warned:
+            return None
+        lag = now - self._since
+        if lag < self.factor * interval_s:
+            return None
+        self._warned = True
+        message = self._message(lag, interval_s, failures, now)
+        log.warning("%s", message)
+        return message
+
+    def _message(self, lag: float, interval_s: float, failures: Sequence[PersistError], now: float) -> str:
+        head = (
+            f"spot_callbacks: no checkpoint has committed to {self.store_url} for {format_seconds(lag)} "
+            f"(the interval is {format_seconds(interval_s)})"
+        )
+        resume_point = (
+            f"the newest committed checkpoint (step {self._newest_step}) is the resume point"
+            if self._newest_step is not None
+            else "nothing this run did is committed yet"
+        )
+        failure = failures[-1] if failures else None
+        if failure is not None and (self._newest_step is None or failure.step > self._newest_step):
+            persist = self._persist_s
+            suggestion = suggested_interval_s(persist, interval_s)
+            fits = (
+                f"the interval suits the last measured persist time ({format_seconds(persist)}); keep "
+                f"interval={duration_setting(suggestion)!r}"
+                if persist is not None and suggestion == interval_s
+                else f"suggested interval={duration_setting(suggestion)!r}"
+                + (f" ({PERSIST_HEADROOM:g}x the measured persist time)" if persist is not None else "")
+            )
+            return (
+                f"{head}: uploads are failing. Last error: {failure}. Fix the storage problem it names; "
+                f"{fits}. Training goes on; {resume_point}"
+            )
+        in_flight_s = now - self._in_flight_since if self._in_flight_step is not None else None
+        measured = [s for s in (self._persist_s, in_flight_s) if s is not None]
+        persist = max(measured) if measured else None
+        if persist is not None and persist > interval_s:
+            evidence = []
+            if self._persist_s is not None:
+                evidence.append(f"the last commit took {format_seconds(self._persist_s)} to persist")
+            if in_flight_s is not None:
+                evidence.append(
+                    f"the upload of step {self._in_flight_step} has run for {format_seconds(in_flight_s)}"
+                )
+            suggestion = suggested_interval_s(persist, interval_s)
+            return (
+                f"{head}: persisting is slower than the interval ({' and '.join(evidence)}), so newer "
+                f"checkpoints replace queued ones before they commit. Suggested interval="
+                f"{duration_setting(suggestion)!r} ({PERSIST_HEADROOM:g}x the measured persist time of "
+                f"{format_seconds(persist)}), or a faster or closer store; {resume_point}"
+            )
+        known = "no persist time is measured yet"
+        if persist is not None:
+            known = f"the measured persist time ({format_seconds(persist)}) fits the interval"
+        return (
+            f"{head}, and no upload failed: {known}. The checkpoints are not being taken: steps (or "
+            f"validation) may run longer than the interval, or a checkpoint is still being written; "
+            f"{resume_point}"
+        )
+
+
+__all__ = ["StalenessMonitor", "duration_setting", "suggested_interval_s"]

@@ -1,0 +1,130 @@
+"""A small FSDP2 Lightning run (ModelParallelStrategy, gloo on CPU) for the sharded-checkpoint tests.
+
+The global batch is the same for any number of processes (each takes ``--global-batch / devices``
+rows, and DistributedSampler's shuffle does not depend on the world size), so runs on 1, 2 or 4
+processes train on the same data step by step and end at the same weights up to float rounding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader, TensorDataset
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--dirpath")
+parser.add_argument("--out", required=True)
+parser.add_argument("--devices", type=int, default=2)
+parser.add_argument("--global-batch", type=int, default=32)
+parser.add_argument("--max-epochs", type=int, default=2)
+parser.add_argument("--every-n-steps", type=int, default=None)
+parser.add_argument("--sigterm-at-step", type=int, default=-1)
+parser.add_argument("--storage-options", default="{}")
+parser.add_argument("--hidden", type=int, default=64)
+parser.add_argument("--gathered", action="store_true", help="save_distributed_checkpoint=False")
+args = parser.parse_args()
+
+
+class Net(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.Sequential(
+            torch.nn.Linear(16, args.hidden), torch.nn.ReLU(), torch.nn.Linear(args.hidden, 1)
+        )
+
+    def configure_model(self) -> None:
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.layers:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.layers, mesh=mesh)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.layers(x), y)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.9)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class SelfSigterm(pl.Callback):
+    def __init__(self, step: int) -> None:
+        self.step, self.sent = step, False
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step and trainer.global_rank == 0 and not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def inject_upload_fault(setting: str) -> None:
+    """``kill:RANK:STEP`` (SIGKILL itself) or ``fail:RANK:STEP`` (access denied) on RANK's first upload at STEP+."""
+    import torch.distributed as dist
+
+    from spot_callbacks.store import CheckpointStore
+
+    action, fault_rank, from_step = setting.split(":")
+    original = CheckpointStore.upload_file
+
+    def upload_file(self, local_path, step, name):
+        if dist.get_rank() == int(fault_rank) and step >= int(from_step):
+            if action == "kill":
+                print(f"FAULT: rank {fault_rank} killed uploading {name} of step {step}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise PermissionError(f"injected: access denied uploading {name}")
+        return original(self, local_path, step, name)
+
+    CheckpointStore.upload_file = upload_file
+
+
+def main() -> int:
+    if os.environ.get("SPOT_TEST_UPLOAD_FAULT"):
+        inject_upload_fault(os.environ["SPOT_TEST_UPLOAD_FAULT"])
+    pl.seed_everything(1)
+    data_gen = torch.Generator().manual_seed(1234)
+    x = torch.randn(256, 16, generator=data_gen)
+    y = x.sum(dim=1, keepdim=True) + 0.1 * torch.randn(256, 1, generator=data_gen)
+    loader = DataLoader(TensorDataset(x, y), batch_size=args.global_batch // args.devices, shuffle=True)
+    callbacks: list = []
+    spot = None
+    if args.dirpath:
+        from spot_callbacks.lightning import SpotCheckpoint
+
+        spot = SpotCheckpoint(
+            dirpath=args.dirpath, interval=None, every_n_steps=args.every_n_steps, keep_last=2,
+            storage_options=json.loads(args.storage_options), preemption=["SIGTERM"],
+        )  # fmt: skip
+        callbacks.append(spot)
+    if args.sigterm_at_step >= 0:
+        callbacks.append(SelfSigterm(args.sigterm_at_step))
+    torch.manual_seed(0)
+    model = Net()
+    trainer = pl.Trainer(
+        max_epochs=args.max_epochs, callbacks=callbacks, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=bool(spot), accelerator="cpu", devices=args.devices,
+        strategy=ModelParallelStrategy(
+            data_parallel_size=args.devices, tensor_parallel_size=1, save_distributed_checkpoint=not args.gathered
+        ),
+        use_distributed_sampler=True,
+    )  # fmt: skip
+    trainer.fit(model, loader, ckpt_path="latest" if spot else None)
+    full = {k: v.full_tensor().clone() for k, v in model.layers.state_dict().items()}
+    if trainer.is_global_zero:
+        torch.save(full, args.out)
+    print(json.dumps({"global_step": trainer.global_step, "rank": trainer.global_rank,
+                      "preempted": bool(spot and spot.preempted)}), flush=True)  # fmt: skip
+    return 143 if spot and spot.preempted else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

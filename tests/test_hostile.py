@@ -1,0 +1,154 @@
+"""Damaged and hostile checkpoints behind a valid-looking store, resumed through a real Lightning Trainer.
+
+- a payload swapped for another file of the same size: only its checksum sees it;
+- a checkpoint written by a different model: the error names the parameter and the way out;
+- a payload whose pickle would run code, committed with a valid manifest: nothing runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.demos.boring_classes import BoringModel
+from reliability_counts import DAMAGED, record
+
+from spot_callbacks import (
+    CheckpointStore,
+    CorruptCheckpointError,
+    IncompatibleCheckpointError,
+    UnsafeCheckpointError,
+    load_state,
+)
+from spot_callbacks.engine import STATE_FILE
+from spot_callbacks.lightning import SpotCheckpoint
+from spot_callbacks.store import step_dirname
+
+
+class _Exploit:
+    """Unpickling this calls ``open(marker, "w")``: the file appears if a loader ran the pickle's code."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # noqa: ANN204
+        return (open, (self.marker, "w"))
+
+
+def fit(
+    dirpath: Path, scratch: Path, model: pl.LightningModule, max_steps: int, **fit_kwargs
+) -> SpotCheckpoint:
+    spot = SpotCheckpoint(
+        dirpath=str(dirpath), interval=None, preemption=[], keep_last=0, scratch_dir=str(scratch)
+    )
+    trainer = pl.Trainer(callbacks=[spot], logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         max_steps=max_steps)  # fmt: skip
+    trainer.fit(model, **fit_kwargs)
+    return spot
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory) -> Path:
+    """A run folder with two committed Lightning checkpoints, steps 2 and 4 (each test gets a copy)."""
+    folder = tmp_path_factory.mktemp("trained")
+    fit(folder / "run", folder / "scratch-a", BoringModel(), max_steps=2)
+    fit(folder / "run", folder / "scratch-b", BoringModel(), max_steps=4, ckpt_path="latest")
+    assert [info.step for info in CheckpointStore(str(folder / "run")).committed()] == [2, 4]
+    return folder / "run"
+
+
+@pytest.fixture
+def run(trained_run: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "run"
+    shutil.copytree(trained_run, copy)
+    return copy
+
+
+def state_path(run: Path, step: int) -> Path:
+    return run / step_dirname(step) / STATE_FILE
+
+
+def test_a_same_size_file_in_place_of_the_payload_is_caught_and_resume_falls_back(run, tmp_path, caplog):
+    # Step 2's state file, a loadable Lightning checkpoint, padded to the size step 4's manifest records.
+    expected_size = state_path(run, 4).stat().st_size
+    other = state_path(run, 2).read_bytes()
+    assert len(other) <= expected_size
+    state_path(run, 4).write_bytes(other + bytes(expected_size - len(other)))
+    store = CheckpointStore(str(run))
+    assert store.latest().step == 4 and store.verify(4, deep=False)  # sizes alone cannot see it
+    with pytest.raises(
+        CorruptCheckpointError, match=rf"{step_dirname(4)}/{STATE_FILE} does not match its manifest"
+    ):
+        store.verify(4)
+    with pytest.raises(CorruptCheckpointError, match="downloaded as"):
+        store.pull(4, tmp_path / "pulled")
+    assert not (tmp_path / "pulled").exists()
+
+    with caplog.at_level(logging.WARNING, logger="spot_callbacks"):
+        spot = fit(run, tmp_path / "scratch", BoringModel(), max_steps=6, ckpt_path="latest")
+    assert spot.engine.resumed.info.step == 2  # the previous valid checkpoint
+    assert any("skipping" in r.getMessage() and step_dirname(4) in r.getMessage() for r in caplog.records)
+    assert store.latest().step == 6 and store.verify(6)
+    assert 4 in [info.step for info in store.committed()]  # skipped, never deleted
+    record(DAMAGED)
+
+
+def test_a_checkpoint_of_a_different_model_fails_naming_the_parameter_and_the_fix(run, tmp_path):
+    class Wider(BoringModel):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(32, 3)  # BoringModel's is Linear(32, 2)
+
+    with pytest.raises(IncompatibleCheckpointError) as failure:
+        fit(run, tmp_path / "scratch", Wider(), max_steps=6, ckpt_path="latest")
+    message = str(failure.value)
+    assert "size mismatch for layer.weight" in message and "torch.Size([2, 32])" in message
+    assert str(tmp_path / "scratch") in message and step_dirname(4) in message
+    assert "ckpt_path='latest'" in message and "new dirpath" in message
+    # The failed resume left the store as it was: no checkpoint of the wrong model at step 0.
+    assert [(info.step, info.reason) for info in CheckpointStore(str(run)).committed()] == [
+        (2, "end"),
+        (4, "end"),
+    ]
+    record(DAMAGED)
+
+
+def test_a_pickle_that_would_run_code_behind_a_valid_manifest_is_refused_and_nothing_runs(
+    run, tmp_path, monkeypatch
+):
+    marker = tmp_path / "pwned"
+    checkpoint = torch.load(state_path(run, 4), weights_only=True)
+    checkpoint["hostile"] = _Exploit(str(marker))
+    hostile = tmp_path / "hostile"
+    hostile.mkdir()
+    torch.save(checkpoint, hostile / STATE_FILE)
+    store = CheckpointStore(str(run))
+    store.write_checkpoint(5, hostile, reason="manual", framework="lightning")
+    assert store.latest().step == 5 and store.verify(5)  # a valid manifest: every byte as committed
+
+    # Even where the environment makes torch.load unpickle whole by default...
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    control = tmp_path / "control"
+    torch.save({"x": _Exploit(str(control))}, tmp_path / "control.pt")
+    torch.load(tmp_path / "control.pt")
+    assert control.exists()  # (the payload is real: a default load runs it)
+
+    # ...a resume through Lightning refuses it, names the file and how to allow it.
+    with pytest.raises(UnsafeCheckpointError) as failure:
+        fit(run, tmp_path / "scratch", BoringModel(), max_steps=6, ckpt_path="latest")
+    message = str(failure.value)
+    pulled = next((tmp_path / "scratch").rglob(f"{step_dirname(5)}/{STATE_FILE}"))
+    assert str(pulled) in message and "nothing from it was executed" in message
+    assert "add_safe_globals" in message and "weights_only=False" in message
+    assert not marker.exists()
+    assert [info.step for info in store.committed()] == [2, 4, 5]  # nothing written by the failed resume
+
+    # So does spot_callbacks' own loader.
+    with pytest.raises(UnsafeCheckpointError, match="safe_globals"):
+        load_state(pulled)
+    assert not marker.exists()
+    record(DAMAGED, 2)
