@@ -4,7 +4,7 @@ An FSDP2 MLP (ModelParallelStrategy, gloo on CPU) trains with SpotCheckpoint eve
 Around each checkpoint it measures, on every rank: the time the training loop was blocked, the
 time until the checkpoint committed, and the peak resident memory (RSS sampled every 2 ms) over
 the RSS just before the *first* checkpoint (staging buffers that stay allocated for reuse count).
-Prints one JSON line per rank.
+Writes one ``rank-N.json`` per rank into ``--results``.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import json
 import os
 import threading
 import time
+from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
@@ -32,6 +33,7 @@ parser.add_argument("--layers", type=int, default=6)
 parser.add_argument("--every", type=int, default=3)
 parser.add_argument("--steps", type=int, default=9)
 parser.add_argument("--gathered", action="store_true")
+parser.add_argument("--results", required=True, help="folder for one rank-N.json per rank")
 args = parser.parse_args()
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -139,6 +141,39 @@ def shard_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> in
     return total
 
 
+def measure_resume(spot: SpotCheckpoint, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Load the newest checkpoint into the live model twice: pulled (verified) then read, and read through
+    DCP's fsspec reader straight from the store (no checksums). Every rank, timed between barriers."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    def target() -> dict:
+        return {
+            "state_dict": get_model_state_dict(module),
+            "optimizer_0": get_optimizer_state_dict(module, optimizer),
+        }
+
+    step = spot.store.latest().step
+    dist.barrier()
+    started = time.perf_counter()
+    folder = spot.engine.pull_latest(dest=lambda step: Path(args.results) / f"pulled-{step}")
+    pulled_s = time.perf_counter() - started
+    dcp.load(target(), checkpoint_id=folder)
+    dist.barrier()
+    pull_and_load_s = time.perf_counter() - started
+    started = time.perf_counter()
+    reader = FsspecReader(spot.store.step_url(step), **json.loads(args.storage_options))
+    dcp.load(target(), storage_reader=reader)
+    dist.barrier()
+    return {
+        "pull_s": pulled_s,
+        "pull_and_load_s": pull_and_load_s,
+        "fsspec_reader_s": time.perf_counter() - started,
+    }
+
+
 def main() -> None:
     pl.seed_everything(0)
     sampler = RssSampler()
@@ -157,13 +192,14 @@ def main() -> None:
     )  # fmt: skip
     model = Net()
     trainer.fit(model, DataLoader(data, batch_size=4))
-    print(
-        "RESULT " + json.dumps({
-            "rank": trainer.global_rank, "mode": "gathered" if args.gathered else "sharded",
-            "shard_bytes": shard_bytes(model.layers, trainer.optimizers[0]), "rows": measure.rows,
-        }),
-        flush=True,
-    )  # fmt: skip
+    resume = {} if args.gathered else measure_resume(spot, model, trainer.optimizers[0])
+    result = {
+        "resume": resume,
+        "rank": trainer.global_rank, "mode": "gathered" if args.gathered else "sharded",
+        "shard_bytes": shard_bytes(model.layers, trainer.optimizers[0]), "rows": measure.rows,
+    }  # fmt: skip
+    with open(os.path.join(args.results, f"rank-{trainer.global_rank}.json"), "w") as handle:
+        json.dump(result, handle)
 
 
 if __name__ == "__main__":

@@ -47,15 +47,16 @@ def run_mode(mode: str, args: argparse.Namespace, workdir: Path, url: str, optio
         "--hidden", str(args.hidden), "--layers", str(args.layers), "--every", str(args.every),
         "--steps", str(args.steps), "--devices", "2",
     ]  # fmt: skip
+    results_dir = workdir / f"results-{mode}"
+    results_dir.mkdir()
+    command += ["--results", str(results_dir)]
     if mode == "gathered":
         command.append("--gathered")
     env = {**os.environ, "SPOT_SCRATCH": str(workdir / f"scratch-{mode}"), "PYTHONUNBUFFERED": "1"}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
         raise SystemExit(f"{mode} run failed (code {done.returncode}):\n{done.stderr[-4000:]}")
-    results = [
-        json.loads(line[len("RESULT ") :]) for line in done.stdout.splitlines() if line.startswith("RESULT ")
-    ]
+    results = [json.loads(path.read_text()) for path in sorted(results_dir.glob("rank-*.json"))]
     return sorted(results, key=lambda result: result["rank"])
 
 
@@ -71,6 +72,24 @@ def row_of(result: dict) -> list[str]:
         f"{statistics.median(row['committed_s'] for row in rows):.2f} s",
         f"{peak_mb:.0f} MB",
         f"{peak_mb / shard_mb:.2f}x",
+    ]
+
+
+RESUME_HEADERS = [
+    "rank",
+    "pull (verified, once per node)",
+    "pull + DCP load",
+    "DCP load through FsspecReader",
+]
+
+
+def resume_row_of(result: dict) -> list[str]:
+    resume = result["resume"]
+    return [
+        str(result["rank"]),
+        f"{resume['pull_s']:.2f} s",
+        f"{resume['pull_and_load_s']:.2f} s",
+        f"{resume['fsspec_reader_s']:.2f} s",
     ]
 
 
@@ -112,6 +131,9 @@ def main() -> int:
         f"{args.store} store, checkpoint every {args.every} steps ({args.steps // args.every} per mode)"
     )
     print_rich_table(HEADERS, rows, title, left=["mode"])
+    resume_rows = [resume_row_of(result) for result in results if result.get("resume")]
+    resume_title = "loading the newest sharded checkpoint into the same 2 processes"
+    print_rich_table(RESUME_HEADERS, resume_rows, resume_title)
     if not args.no_record:
         date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         lines = [
@@ -124,6 +146,11 @@ def main() -> int:
             "staging buffers included).",
             "",
             *markdown_table(HEADERS, rows),
+            "",
+            f"Resume, {resume_title}: pulled (every file's xxh3 checked) then loaded from local disk, "
+            "against DCP's `FsspecReader` reading the shards straight from the store (no checksums).",
+            "",
+            *markdown_table(RESUME_HEADERS, resume_rows),
             "",
             "",
         ]

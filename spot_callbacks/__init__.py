@@ -34,11 +34,18 @@ _SNAPSHOT_NAMES = {
 }
 
 
+_SHARDED_NAMES = {"ShardedPersister", "load_sharded_state"}
+
+
 def __getattr__(name: str):  # noqa: ANN202 - PEP 562 lazy attribute
     if name in _SNAPSHOT_NAMES:
         from spot_callbacks import snapshot
 
         return getattr(snapshot, name)
+    if name in _SHARDED_NAMES:
+        from spot_callbacks import sharded
+
+        return getattr(sharded, name)
     raise AttributeError(f"module 'spot_callbacks' has no attribute {name!r}")
 
 
@@ -69,9 +76,11 @@ __all__ = [
     "RunLockedError",
     "SpotConfig",
     "StagedState",
+    "ShardedPersister",
     "StagingArea",
     "UnsafeCheckpointError",
     "UploadTimeout",
+    "load_sharded_state",
     "load_state",
     "parse_duration",
     "write_state",

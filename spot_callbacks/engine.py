@@ -4,8 +4,9 @@ An adapter translates framework hooks into these calls:
 
 - :meth:`SpotEngine.start` / :meth:`SpotEngine.stop` around training (notice sources, workers);
 - :meth:`SpotEngine.decide` at each optimizer-step boundary (one decision for all ranks);
-- :meth:`SpotEngine.save_state` (a state to snapshot) or :meth:`SpotEngine.save_folder` (a folder
-  the framework wrote) when a checkpoint is due;
+- :meth:`SpotEngine.save_state` (a state to snapshot), :meth:`SpotEngine.save_sharded_state`
+  (every rank's shards, FSDP) or :meth:`SpotEngine.save_folder` (a folder the framework wrote)
+  when a checkpoint is due;
 - :meth:`SpotEngine.wait_for_commit` in an emergency, :meth:`SpotEngine.finish` at the end;
 - :meth:`SpotEngine.pull_latest` before resuming.
 """

@@ -36,7 +36,14 @@ import torch.distributed as dist
 
 from spot_callbacks.checksums import FileDigest
 from spot_callbacks.persist import PersistError, PersistRecord
-from spot_callbacks.store import CheckpointError, CheckpointInfo, CheckpointStore, new_manifest, step_dirname
+from spot_callbacks.store import (
+    CheckpointError,
+    CheckpointInfo,
+    CheckpointStore,
+    local_payload_names,
+    new_manifest,
+    step_dirname,
+)
 
 log = logging.getLogger("spot_callbacks")
 
@@ -336,21 +343,49 @@ class ShardedPersister:
                 self._cond.notify_all()
 
     def _write(self, job: ShardedJob) -> None:
+        """Write this rank's shards (and rank 0's meta.pt) to scratch; raises on every rank if any failed.
+
+        Every step is collective or followed by an agreement, so a failure on one rank (a full
+        scratch disk) fails the checkpoint on all of them instead of leaving the others waiting
+        in a collective the failed rank never enters.
+        """
         import torch.distributed.checkpoint as dcp
 
         started = time.perf_counter()
-        shutil.rmtree(job.local_dir, ignore_errors=True)
-        job.local_dir.mkdir(parents=True, exist_ok=True)
-        # A collective of every rank: a failure on one raises on all, so all skip this checkpoint.
+        self._agree_on_write(job, "prepare its scratch folder", self._prepare_folder)
+        # DCP shares a rank's write error with every rank (CheckpointException on all).
         dcp.save(
             job.staged,
             storage_writer=dcp.FileSystemWriter(job.local_dir, sync_files=True),
             process_group=self._write_group,
         )
-        if job.meta is not None:
-            (job.local_dir / META_FILE).write_bytes(job.meta)
+        self._agree_on_write(job, f"write {META_FILE}", self._write_meta)
         job.write_s = time.perf_counter() - started
         job.metrics["write_s"] = round(job.write_s, 6)
+
+    @staticmethod
+    def _prepare_folder(job: ShardedJob) -> None:
+        shutil.rmtree(job.local_dir, ignore_errors=True)
+        job.local_dir.mkdir(parents=True, exist_ok=True)
+
+    @staticmethod
+    def _write_meta(job: ShardedJob) -> None:
+        if job.meta is not None:
+            (job.local_dir / META_FILE).write_bytes(job.meta)
+
+    def _agree_on_write(self, job: ShardedJob, what: str, action: Any) -> None:
+        """Run ``action`` here, then learn from every rank whether theirs worked (one all-reduce)."""
+        error: BaseException | None = None
+        try:
+            action(job)
+        except Exception as err:  # noqa: BLE001 - shared with the other ranks first
+            error = err
+        failed = torch.tensor([0 if error is None else 1])
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self._write_group)
+        if error is not None:
+            raise OSError(f"rank {self.rank} could not {what} in {job.local_dir}: {error}") from error
+        if failed.item():
+            raise CheckpointError(f"another rank could not {what} for step {job.step}")
 
     # ----------------------------------------------------------- uploading
     def _upload_loop(self) -> None:
@@ -361,14 +396,13 @@ class ShardedPersister:
                 if not self._written:
                     return
             try:
-                if not self._upload_next():
-                    return
+                self._upload_next()
             except Exception as err:  # noqa: BLE001 - a collective failed: a peer died or timed out
                 self._abandon(err)
                 return
 
-    def _upload_next(self) -> bool:
-        """Agree on the checkpoint to upload, upload this rank's files, commit on rank 0. False: stop."""
+    def _upload_next(self) -> None:
+        """Agree on the checkpoint to upload, upload this rank's files, commit on rank 0."""
         if self.rank == 0:
             with self._cond:
                 chosen = max(job.step for job in self._written)
@@ -378,27 +412,27 @@ class ShardedPersister:
             decision = _broadcast([None, None], self._upload_group)
         step, begin_error = decision
         job = self._take_written(step)
-        if job is None:  # cannot happen while every rank writes the same checkpoints
-            log.error(
-                "spot_callbacks: rank %d has no written checkpoint of step %d to upload", self.rank, step
-            )
-            return False
         started = time.perf_counter()
         report: tuple[str, Any]
-        if begin_error is not None:
+        if job is None:  # every rank writes the same checkpoints, so this is a bug: fail it on all
+            report = ("failed", f"rank {self.rank} has no written checkpoint of step {step}")
+        elif begin_error is not None:
             report = ("failed", begin_error)
         else:
             try:
-                report = ("ok", self.store.upload_files(step, job.local_dir, _written_files(job.local_dir)))
+                report = (
+                    "ok",
+                    self.store.upload_files(step, job.local_dir, local_payload_names(job.local_dir)),
+                )
             except Exception as err:  # noqa: BLE001 - reported to rank 0, which decides for all
                 report = ("failed", f"rank {self.rank}: {type(err).__name__}: {err}")
         upload_s = time.perf_counter() - started
         reports: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
         dist.gather_object(report, reports, dst=0, group=self._upload_group)
-        outcome = self._commit(job, reports, upload_s) if self.rank == 0 else None
+        outcome = self._commit(step, job, reports, upload_s) if self.rank == 0 else None
         outcome = _broadcast([outcome], self._upload_group)[0]
-        self._settle(job, outcome, upload_s)
-        return True
+        if job is not None:
+            self._settle(job, outcome, upload_s)
 
     def _abandon(self, err: BaseException) -> None:
         """The upload group is broken (a rank is gone): nothing more can commit; fail what is left."""
@@ -443,12 +477,14 @@ class ShardedPersister:
                 self._busy_uploading = job
             return job
 
-    def _commit(self, job: ShardedJob, reports: list[Any] | None, upload_s: float) -> tuple[str, Any]:
+    def _commit(
+        self, step: int, job: ShardedJob | None, reports: list[Any] | None, upload_s: float
+    ) -> tuple[str, Any]:
         """Rank 0: commit only when every rank's files are durable; name each rank's failure otherwise."""
         assert reports is not None
         failed = [detail for status, detail in reports if status != "ok"]
-        if failed:
-            return ("failed", "; ".join(failed))
+        if failed or job is None:
+            return ("failed", "; ".join(failed) or f"rank 0 has no written checkpoint of step {step}")
         files: dict[str, FileDigest] = {}
         for rank, (_, rank_files) in enumerate(reports):
             for name, digest in rank_files.items():
@@ -516,15 +552,6 @@ class ShardedPersister:
             self.failures.append(error)
             self._outcomes[job.step] = "failed"
             self._cond.notify_all()
-
-
-def _written_files(folder: Path) -> list[str]:
-    """Every file DCP (and meta.pt) left in a rank's folder; DCP's ``.tmp`` files are gone after a save."""
-    return sorted(
-        path.relative_to(folder).as_posix()
-        for path in folder.rglob("*")
-        if path.is_file() and not path.name.endswith(".tmp")
-    )
 
 
 def _tensor_bytes(state: Any) -> int:

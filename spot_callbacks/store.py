@@ -39,6 +39,7 @@ from spot_callbacks.retry import RetryPolicy, UploadTimeout, call_with_timeout
 log = logging.getLogger("spot_callbacks")
 
 MANIFEST_NAME = "manifest.json"
+DCP_METADATA_NAME = ".metadata"  # torch.distributed.checkpoint's index of every shard: hidden, yet payload
 MANIFEST_FORMAT = "spot_callbacks.checkpoint"
 FORMAT_VERSION = 1
 REASONS = ("interval", "steps", "preemption", "exception", "end", "manual")
@@ -237,7 +238,9 @@ class CheckpointStore:
         upload_timeout: UploadTimeout | None = None,
     ) -> None:
         self.dirpath = os.fspath(dirpath)
-        self.fs, root = fsspec.core.url_to_fs(self.dirpath, **(storage_options or {}))
+        self.fs, root = fsspec.core.url_to_fs(
+            self.dirpath, **_with_upload_defaults(self.dirpath, storage_options)
+        )
         self.root = root.rstrip("/") or root
         protocol, _ = fsspec.core.split_protocol(self.dirpath)
         # adlfs names itself "abfs"; report URLs in the protocol the user wrote (az://).
@@ -676,10 +679,33 @@ def local_payload_names(folder: Path) -> list[str]:
     for path in sorted(folder.rglob("*")):
         if path.is_file():
             name = path.relative_to(folder).as_posix()
-            # Hidden files are writers' temporaries (ours and frameworks'), never payload.
-            if name != MANIFEST_NAME and not any(part.startswith(".") for part in name.split("/")):
+            if name != MANIFEST_NAME and not _is_temporary(name):
                 names.append(name)
     return names
+
+
+def _is_temporary(name: str) -> bool:
+    # Hidden files are writers' temporaries (ours and frameworks'), never payload, except DCP's
+    # `.metadata` (HF/accelerate FSDP SHARDED_STATE_DICT, Lightning's sharded save): without it the
+    # shards next to it cannot be loaded. DCP writes it as `.metadata.tmp` first, which stays out.
+    *folders, base = name.split("/")
+    return any(part.startswith(".") for part in folders) or (
+        base.startswith(".") and base != DCP_METADATA_NAME
+    )
+
+
+# s3fs uploads a file's parts max_concurrency at a time, each held twice in RAM (the part and
+# botocore's copy): 10 (its default) x 50 MiB x 2 is ~1 GB per file in flight, beside the staged
+# checkpoint itself. 4 keeps it near 420 MB; storage_options={"max_concurrency": N} overrides.
+S3_UPLOAD_CONCURRENCY = 4
+
+
+def _with_upload_defaults(url: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:
+    options = dict(storage_options or {})
+    protocol, _ = fsspec.core.split_protocol(url)
+    if protocol in ("s3", "s3a"):
+        options.setdefault("max_concurrency", S3_UPLOAD_CONCURRENCY)
+    return options
 
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:

@@ -22,7 +22,7 @@ from spot_callbacks import (
     ManifestError,
     RetryPolicy,
 )
-from spot_callbacks.store import MANIFEST_NAME, step_dirname
+from spot_callbacks.store import MANIFEST_NAME, local_payload_names, step_dirname
 
 FAST_RETRY = RetryPolicy(attempts=2, initial_backoff_s=0.01, max_backoff_s=0.05)
 
@@ -78,6 +78,29 @@ def test_round_trip_commit_list_verify_pull(store, store_url, tmp_path):
         assert (dest / name).read_bytes() == data
     assert json.loads((dest / MANIFEST_NAME).read_text())["step"] == 1200
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".pulled")]  # no staging left
+
+
+def test_dcp_metadata_is_payload_while_hidden_temporaries_are_not(store, tmp_path):
+    # HF/accelerate FSDP (SHARDED_STATE_DICT) writes torch.distributed.checkpoint folders into
+    # checkpoint-N: `.metadata` is hidden, and the shards beside it cannot be loaded without it.
+    source = tmp_path / "checkpoint-7"
+    payload = make_payload(source, 7, sizes={
+        "pytorch_model_fsdp_0/.metadata": 900, "pytorch_model_fsdp_0/__0_0.distcp": 4000,
+        "pytorch_model_fsdp_0/__1_0.distcp": 4000, "optimizer_0/.metadata": 700,
+        "optimizer_0/__0_0.distcp": 8000, "optimizer_0/__1_0.distcp": 8000, "trainer_state.json": 50,
+    })  # fmt: skip
+    make_payload(source, 7, sizes={
+        "optimizer_0/.metadata.tmp": 10, ".manifest.json.1a2b3c4d.tmp": 10, ".cache/.metadata": 10,
+        "pytorch_model_fsdp_0/.partial": 10,
+    })  # fmt: skip
+    assert local_payload_names(source) == sorted(payload)
+
+    info = store.write_checkpoint(7, source, reason="steps", framework="hf")
+    assert sorted(info.files) == sorted(payload)
+    assert store.verify(7, deep=True) is True
+    pulled = store.pull(7, tmp_path / "pulled")
+    assert {name: (pulled / name).read_bytes() for name in payload} == payload
+    assert local_payload_names(pulled) == sorted(payload)
 
 
 def test_checkpoint_without_manifest_is_invisible(store, tmp_path):
@@ -322,3 +345,15 @@ def test_persister_killed_mid_upload_leaves_previous_latest_intact(store, store_
         child.wait()
     assert store.latest().step == 1 and store.verify(1)
     assert [i.step for i in store.committed()] == [1]
+
+
+def test_s3_uploads_hold_a_bounded_number_of_parts_in_ram_unless_the_user_says_otherwise():
+    # s3fs's default (10 parts of 50 MiB in flight per file, each held twice) costs ~1 GB of RAM
+    # per file uploading, on top of the staged checkpoint (benchmarks/sharded.py measured it).
+    from spot_callbacks.store import S3_UPLOAD_CONCURRENCY
+
+    assert CheckpointStore("s3://bucket/run", storage_options={"anon": True}).fs.max_concurrency == (
+        S3_UPLOAD_CONCURRENCY
+    )
+    chosen = CheckpointStore("s3://bucket/run", storage_options={"anon": True, "max_concurrency": 16})
+    assert chosen.fs.max_concurrency == 16

@@ -68,12 +68,26 @@ class SelfSigterm(pl.Callback):
 
 
 def inject_upload_fault(setting: str) -> None:
-    """``kill:RANK:STEP`` (SIGKILL itself) or ``fail:RANK:STEP`` (access denied) on RANK's first upload at STEP+."""
+    """``kill:RANK:STEP`` (SIGKILL itself) or ``fail:RANK:STEP`` (access denied) on RANK's first upload at
+    STEP+; ``scratch:RANK:STEP``: RANK's scratch disk is full when it prepares the folder of STEP only."""
+    import errno
+
     import torch.distributed as dist
 
+    from spot_callbacks.sharded import ShardedPersister
     from spot_callbacks.store import CheckpointStore
 
     action, fault_rank, from_step = setting.split(":")
+    if action == "scratch":
+        prepare = ShardedPersister._prepare_folder
+
+        def prepare_folder(job):
+            if dist.get_rank() == int(fault_rank) and job.step == int(from_step):
+                raise OSError(errno.ENOSPC, "No space left on device (injected)", str(job.local_dir))
+            return prepare(job)
+
+        ShardedPersister._prepare_folder = staticmethod(prepare_folder)
+        return
     original = CheckpointStore.upload_file
 
     def upload_file(self, local_path, step, name):

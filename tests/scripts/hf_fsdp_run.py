@@ -1,0 +1,123 @@
+"""hf_run.py's Trainer run under accelerate's FSDP2 plugin with SHARDED_STATE_DICT (run under torchrun).
+
+Same model, data and schedule as hf_run.py. accelerate 1.15 turns its FSDP plugin on only for
+accelerator device types (``AcceleratorState.__init__`` sets ``DistributedType.FSDP`` in the
+``MULTI_GPU``/``MULTI_XPU``/... branch and leaves ``MULTI_CPU`` alone), so on a CPU box the Trainer
+would silently train plain DDP and write single-file checkpoints. :func:`enable_fsdp_on_cpu` takes
+that one branch for ``MULTI_CPU`` too; everything after it (``fully_shard`` on gloo, DCP shard files
+and ``.metadata`` in ``checkpoint-N``, their loading on resume) is accelerate's and torch's own code.
+Writes the full (unsharded) weights to ``--out`` (may contain ``{rank}``) and one JSON line; exits
+143 when the callback stopped training for a preemption.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import hf_run  # noqa: E402  (the sibling script: model, data, SIGTERM and save-recording callbacks)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dirpath")
+    parser.add_argument("--storage-options", default="{}")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--output-dir", required=True, help="the Trainer's local output_dir")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--sigterm-at-step", type=int, default=-1)
+    parser.add_argument("--sigterm-rank", type=int, default=0)
+    parser.add_argument("--max-steps", type=int, default=20)
+    parser.add_argument("--every-n-steps", type=int, default=None)
+    parser.add_argument("--batch-size", type=int, default=8, help="per process")
+    parser.add_argument("--dropout", type=float, default=0.1)
+    return parser.parse_args(argv)
+
+
+def enable_fsdp_on_cpu() -> None:
+    import accelerate.state
+    from accelerate.utils import DistributedType
+
+    original_init = accelerate.state.AcceleratorState.__init__
+
+    def init(self, *args, fsdp_plugin=None, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        original_init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.FSDP
+            self.fsdp_plugin = fsdp_plugin
+
+    accelerate.state.AcceleratorState.__init__ = init
+
+
+def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded weights; a collective (every rank calls it) since FSDP2 parameters are DTensors."""
+    weights = {}
+    for name, value in model.state_dict().items():
+        full = value.full_tensor() if hasattr(value, "full_tensor") else value
+        weights[name] = full.detach().clone()
+    return weights
+
+
+def main() -> int:
+    args = parse_args()
+    enable_fsdp_on_cpu()
+    model = hf_run.build_model()
+    if args.dropout != model.config.resid_pdrop:
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = args.dropout
+    training_args = transformers.TrainingArguments(
+        output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
+        learning_rate=5e-3, lr_scheduler_type="linear", warmup_steps=3, seed=args.seed, data_seed=7,
+        save_strategy="no", logging_steps=5, report_to=[], use_cpu=True, dataloader_num_workers=0,
+        disable_tqdm=True, fsdp=True,
+        fsdp_config={"version": 2, "state_dict_type": "SHARDED_STATE_DICT",
+                     "transformer_layer_cls_to_wrap": ["GPT2Block"]},
+    )  # fmt: skip
+    callbacks: list = [hf_run.RecordSaves()]
+    spot = None
+    if args.dirpath:
+        from spot_callbacks.hf import PREEMPTED_EXIT_CODE, SpotCheckpointCallback
+
+        spot = SpotCheckpointCallback(
+            dirpath=args.dirpath, interval=None, every_n_steps=args.every_n_steps, keep_last=0,
+            storage_options=json.loads(args.storage_options), preemption=["SIGTERM"],
+        )  # fmt: skip
+        callbacks.append(spot)
+    if args.sigterm_at_step >= 0:
+        callbacks.append(hf_run.SelfSigterm(args.sigterm_at_step, args.sigterm_rank))
+    trainer = transformers.Trainer(
+        model=model, args=training_args, train_dataset=hf_run.TokenData(), callbacks=callbacks
+    )
+    resume = spot.latest() if spot is not None else None
+    trainer.train(resume_from_checkpoint=resume)
+
+    weights = full_weights(model)
+    rank = training_args.process_index
+    out = args.out.format(rank=rank)
+    torch.save(weights, out)
+    result = {
+        "rank": rank,
+        "world_size": training_args.world_size,
+        "fsdp": trainer.is_fsdp_enabled,
+        "wrapped": type(trainer.model_wrapped).__name__,
+        "global_step": trainer.state.global_step,
+        "preempted": bool(spot and spot.preempted),
+        "resumed_from": resume,
+        "saves": callbacks[0].steps,
+    }
+    print(json.dumps(result), flush=True)
+    Path(f"{out}.json").write_text(json.dumps(result))
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # every rank has written its result before any exits
+    return PREEMPTED_EXIT_CODE if spot and spot.preempted else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
