@@ -42,7 +42,7 @@ from spot_callbacks.store import (
     ManifestError,
     step_dirname,
 )
-from spot_callbacks.trigger import CheckpointTrigger, agree, distributed_ready
+from spot_callbacks.trigger import CheckpointTrigger, agree, distributed_ready, gather_from_ranks
 
 log = logging.getLogger("spot_callbacks")
 
@@ -106,6 +106,7 @@ class SpotEngine:
         self._emergency_committed: int | None = None  # its checkpoint's step, once committed
         self.staging = StagingArea()
         self._persister: Persister | ShardedPersister | None = None
+        self._spans_nodes: bool | None = None  # several nodes (local main processes); see spans_nodes()
         self._lock: RunLock | None = None
         self.last_saved_step: int | None = None
         self.last_stall_s: float | None = None
@@ -158,6 +159,15 @@ class SpotEngine:
                 "this run saves single-file checkpoints (save_state); it cannot mix in sharded ones"
             )
         return self._persister
+
+    def spans_nodes(self) -> bool:
+        """True when the run has more than one node (local main process); one all-gather, then cached.
+
+        Collective on its first call: every rank calls it at the same point.
+        """
+        if self._spans_nodes is None:
+            self._spans_nodes = sum(gather_from_ranks(self.local_rank == 0)) > 1
+        return self._spans_nodes
 
     def barrier(self) -> None:
         if distributed_ready():
@@ -343,10 +353,32 @@ class SpotEngine:
         """Persist a checkpoint folder the framework has already written (for example HF's ``checkpoint-N``).
 
         Call it on every rank: each rank may have written files into the folder (HF's
-        ``rng_state_{rank}.pth``), so the writer submits only after every rank got here.
+        ``rng_state_{rank}.pth``), so the writer submits only after every rank got here. On
+        several nodes ``folder`` may be node-local: each node's local main process then uploads
+        its copy's files and rank 0 commits once every node's are durable (see sharded.py).
         """
         self.barrier()
-        if self.is_writer:
+        if self.spans_nodes():
+            persister = self.sharded_persister
+            persister.submit(
+                persister.folder_job(
+                    step,
+                    reason,
+                    self.framework,
+                    Path(folder),
+                    lists_folder=self.local_rank == 0,
+                    owns_folder=owns_folder,
+                    epoch=epoch,
+                    metrics=self._account(reason, stall_s) if self.is_writer else {},
+                    extra={
+                        **(extra or {}),
+                        "ledger": self.ledger.to_json(),
+                        **self._preemption_extra(reason),
+                    },
+                    deadline=self._commit_deadline(reason),
+                )
+            )
+        elif self.is_writer:
             self.persister.submit(
                 PersistJob(
                     step=step,
@@ -442,7 +474,7 @@ class SpotEngine:
             self._start_training_clock(self.ledger.train_s)
             lost = format_seconds(record.lost_work_s)
             lost = lost if record.lost_work_measured else f"<= {lost} (estimated: no emergency checkpoint)"
-            log.info(
+            (log.info if self.is_writer else log.debug)(
                 "spot_callbacks: resumed from step %d (%s): pull %s, load %s%s",
                 info.step, info.reason, format_seconds(record.pull_s), format_seconds(record.load_s),
                 f", lost work {lost}, downtime {format_seconds(record.downtime_s)}" if record.interrupted else "",
@@ -584,8 +616,9 @@ class SpotEngine:
 
         info = self._pull_newest_valid(folder_for) if self.rank == 0 else None
         info = _broadcast_object(info)
+        say = log.info if self.is_writer else log.debug  # once per run, not once per rank
         if info is None:
-            log.info("spot_callbacks: no committed checkpoint in %s; starting from scratch", self.store.url)
+            say("spot_callbacks: no committed checkpoint in %s; starting from scratch", self.store.url)
             return None
         local_dir = folder_for(info.step)
         if self.local_rank == 0 and self.rank != 0:  # the other nodes pull what rank 0 chose
@@ -597,7 +630,7 @@ class SpotEngine:
         # That step is committed already: a run resumed at its very end must not rewrite it.
         self.last_saved_step = info.step
         self._resume_recorded = False
-        log.info(
+        say(
             "spot_callbacks: resuming from %s (step %d, %s) pulled in %.1fs",
             info.url, info.step, info.reason, self.resumed.pull_s,
         )  # fmt: skip

@@ -18,6 +18,7 @@ from spot_callbacks.config import SpotConfig
 from spot_callbacks.engine import SpotEngine
 from spot_callbacks.preemption import Notice
 from spot_callbacks.store import CheckpointStore
+from spot_callbacks.trigger import gather_from_ranks
 
 log = logging.getLogger("spot_callbacks")
 
@@ -312,12 +313,11 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
             return
         step = state.global_step
         folder = self._checkpoint_dir(step)
-        if (
-            step < state.max_steps
-            and self.engine.last_saved_step != step
-            and folder.is_dir()
-            and not (folder / JIT_INCOMPLETE_MARKER).exists()
-        ):
+        if step >= state.max_steps or self.engine.last_saved_step == step:
+            return
+        # Every rank gets here together; with node-local output dirs each node sees its own copy,
+        # and the checkpoint is whole only if every node's is (else one node would wait forever).
+        if all(gather_from_ranks(folder.is_dir() and not (folder / JIT_INCOMPLETE_MARKER).exists())):
             log.warning("spot_callbacks: persisting the Trainer's JIT checkpoint %s", folder)
             self.engine.save_folder(
                 step, math.floor(state.epoch or 0), folder, "preemption",

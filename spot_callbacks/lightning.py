@@ -18,20 +18,12 @@ from spot_callbacks.preemption import Notice, signal_grace_s
 from spot_callbacks.rng import capture_rng_state, restore_rng_state
 from spot_callbacks.sharded import DCP_METADATA_FILE
 from spot_callbacks.store import CheckpointError
-from spot_callbacks.trigger import distributed_ready
+from spot_callbacks.trigger import distributed_ready, gather_from_ranks
 
 log = logging.getLogger("spot_callbacks")
 
 STATE_FORMAT = 1
 PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM: "stopped to be resumed", as launchers expect
-
-
-def _gather(value: Any) -> list[Any]:
-    if not distributed_ready():
-        return [value]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
-    return gathered
 
 
 def _mine(per_rank: list[Any]) -> Any:
@@ -287,8 +279,8 @@ def build_spot_checkpoint(pl: types.ModuleType) -> type:
                 "format": STATE_FORMAT,
                 # Inside our own save the clock restarts with this checkpoint; in anyone else's it runs on.
                 "engine": self.engine.state_dict(at_checkpoint=self._saving),
-                "rng": _gather(capture_rng_state()),
-                "epoch_start_rng": _gather(self._epoch_start_rng),
+                "rng": gather_from_ranks(capture_rng_state()),
+                "epoch_start_rng": gather_from_ranks(self._epoch_start_rng),
                 "batches_done_in_epoch": self._batches_done_in_epoch,
                 "seed_environment": compat.seed_environment(),
             }

@@ -16,6 +16,11 @@ their own so a slow upload never stalls a training collective, the ranks then:
 
 The folder is an ordinary DCP checkpoint (plus ``meta.pt``, the layout Lightning's
 ``ModelParallelStrategy`` reads), so a resume loads it through DCP, which reshards onto any world size.
+
+The same machinery persists a folder a framework has already written on several nodes (HF's
+``checkpoint-N`` in a node-local ``output_dir``, see :meth:`ShardedPersister.folder_job`): nothing
+is written, each node's local main process uploads its copy's files, and a file every node sees
+(a shared filesystem) is uploaded once, by the lowest rank that lists it.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import io
 import logging
 import os
 import shutil
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -113,6 +119,9 @@ class ShardedJob:
     deadline: float | None = None
     submitted_at: float = field(default_factory=time.monotonic)
     write_s: float = 0.0
+    ready: bool = False  # local_dir holds the files already (a framework's folder): nothing to write
+    lists_folder: bool = True  # this rank uploads files of local_dir (a folder job: each node's local main)
+    owns_local_dir: bool = True  # False: the framework's folder, never deleted here
 
 
 def serialize_meta(meta: dict[str, Any]) -> bytes:
@@ -185,6 +194,7 @@ class ShardedPersister:
         self._outcomes: dict[int, str] = {}
         self._closed = False
         self._broken: BaseException | None = None  # set when the upload group failed (a rank died)
+        self._local_committed: Path | None = None  # the newest committed folder job's own folder
         self._writer = threading.Thread(target=self._write_loop, name="spot-shard-writer", daemon=True)
         self._uploader = threading.Thread(target=self._upload_loop, name="spot-shard-uploader", daemon=True)
         self._writer.start()
@@ -251,6 +261,41 @@ class ShardedPersister:
             metrics=dict(metrics or {}),
             extra=dict(extra or {}),
             deadline=deadline,
+        )
+
+    def folder_job(
+        self,
+        step: int,
+        reason: str,
+        framework: str,
+        folder: Path,
+        *,
+        lists_folder: bool,
+        owns_folder: bool = False,
+        epoch: int | None = None,
+        metrics: dict[str, Any] | None = None,
+        extra: dict[str, Any] | None = None,
+        deadline: float | None = None,
+    ) -> ShardedJob:
+        """The job of a folder already written, on every rank; ``lists_folder`` on one process per node.
+
+        Each listing rank uploads the files of its ``folder`` (node-local or shared); a name more
+        than one rank lists is uploaded by the lowest of them only. ``owns_folder``: keep only the
+        newest committed folder, as :class:`~spot_callbacks.persist.Persister` does.
+        """
+        return ShardedJob(
+            step=step,
+            reason=reason,
+            framework=framework,
+            staged={},
+            local_dir=Path(folder),
+            epoch=epoch,
+            metrics=dict(metrics or {}),
+            extra=dict(extra or {}),
+            deadline=deadline,
+            ready=True,
+            lists_folder=lists_folder,
+            owns_local_dir=owns_folder and lists_folder,
         )
 
     def wait_written(self, timeout: float | None = None) -> bool:
@@ -330,7 +375,8 @@ class ShardedPersister:
                     raise RuntimeError(
                         "the sharded upload group is broken (a rank is gone)"
                     ) from self._broken
-                self._write(job)
+                if not job.ready:
+                    self._write(job)
                 written = True
             except BaseException as err:  # noqa: BLE001 - reported, never raised in a worker
                 written = False
@@ -405,27 +451,28 @@ class ShardedPersister:
         """Agree on the checkpoint to upload, upload this rank's files, commit on rank 0."""
         if self.rank == 0:
             with self._cond:
-                chosen = max(job.step for job in self._written)
+                newest = max(self._written, key=lambda job: job.step)
+            chosen, ready = newest.step, newest.ready
             begin_error = self._begin(chosen)
-            decision = _broadcast([chosen, begin_error], self._upload_group)
+            decision = _broadcast([chosen, begin_error, ready], self._upload_group)
         else:
-            decision = _broadcast([None, None], self._upload_group)
-        step, begin_error = decision
+            decision = _broadcast([None, None, None], self._upload_group)
+        step, begin_error, ready = decision
         job = self._take_written(step)
         started = time.perf_counter()
+        names, list_error = self._names_to_upload(job, ready)
         report: tuple[str, Any]
         if job is None:  # every rank writes the same checkpoints, so this is a bug: fail it on all
-            report = ("failed", f"rank {self.rank} has no written checkpoint of step {step}")
+            report = ("failed", f"rank {self.rank} has no written checkpoint of step {step} ({self._node()})")
         elif begin_error is not None:
             report = ("failed", begin_error)
+        elif list_error is not None:
+            report = ("failed", list_error)
         else:
             try:
-                report = (
-                    "ok",
-                    self.store.upload_files(step, job.local_dir, local_payload_names(job.local_dir)),
-                )
+                report = ("ok", self.store.upload_files(step, job.local_dir, names))
             except Exception as err:  # noqa: BLE001 - reported to rank 0, which decides for all
-                report = ("failed", f"rank {self.rank}: {type(err).__name__}: {err}")
+                report = ("failed", f"rank {self.rank}: {type(err).__name__}: {err} ({self._node()})")
         upload_s = time.perf_counter() - started
         reports: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
         dist.gather_object(report, reports, dst=0, group=self._upload_group)
@@ -433,6 +480,34 @@ class ShardedPersister:
         outcome = _broadcast([outcome], self._upload_group)[0]
         if job is not None:
             self._settle(job, outcome, upload_s)
+
+    def _names_to_upload(self, job: ShardedJob | None, ready: bool) -> tuple[list[str], str | None]:
+        """This rank's files of the checkpoint, and why it could not list them (None when it could).
+
+        A rank's scratch folder is its own. A framework's folder (``ready``) may be node-local or
+        shared: after one all-gather of the listings, a name goes to the lowest rank that lists it,
+        so a file every node sees is uploaded once.
+        """
+        names: list[str] = []
+        error: str | None = None
+        try:
+            if job is not None and job.lists_folder:
+                names = local_payload_names(job.local_dir)
+        except Exception as err:  # noqa: BLE001 - reported to rank 0 with the upload reports
+            where = f"rank {self.rank} could not list {job.local_dir}"
+            error = f"{where}: {type(err).__name__}: {err} ({self._node()})"
+        if not ready:
+            return names, error
+        listings: list[Any] = [None] * self.world_size
+        dist.all_gather_object(listings, names, group=self._upload_group)
+        claimed = set().union(*(listing or [] for listing in listings[: self.rank]))
+        return [name for name in names if name not in claimed], error
+
+    @staticmethod
+    def _node() -> str:
+        """Where this rank runs, for an error: torchrun's node rank and the host name."""
+        node = os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK"))
+        return f"{f'node {node}, ' if node is not None else ''}host {socket.gethostname()}"
 
     def _abandon(self, err: BaseException) -> None:
         """The upload group is broken (a rank is gone): nothing more can commit; fail what is left."""
@@ -446,7 +521,7 @@ class ShardedPersister:
             self._busy_uploading, self._written = None, []
             self._broken = err
         for job in jobs:
-            shutil.rmtree(job.local_dir, ignore_errors=True)
+            _discard_local(job)
             self._fail(job, err)
 
     def _begin(self, step: int) -> str | None:
@@ -471,7 +546,7 @@ class ShardedPersister:
                 )  # fmt: skip
                 self._written.remove(older)
                 self._outcomes[older.step] = "dropped"
-                shutil.rmtree(older.local_dir, ignore_errors=True)
+                _discard_local(older)
             if job is not None:
                 self._written.remove(job)
                 self._busy_uploading = job
@@ -485,6 +560,8 @@ class ShardedPersister:
         failed = [detail for status, detail in reports if status != "ok"]
         if failed or job is None:
             return ("failed", "; ".join(failed) or f"rank 0 has no written checkpoint of step {step}")
+        if not any(rank_files for _, rank_files in reports):
+            return ("failed", f"no rank has files for step {step} (listed {job.local_dir} on each node)")
         files: dict[str, FileDigest] = {}
         for rank, (_, rank_files) in enumerate(reports):
             for name, digest in rank_files.items():
@@ -492,10 +569,9 @@ class ShardedPersister:
                     return ("failed", f"ranks wrote the same file {name!r} (rank {rank} and another)")
                 files[name] = digest
         metrics = {**job.metrics, "upload_s": round(upload_s, 6)}
-        extra = {
-            **job.extra,
-            "sharded": {"world_size": self.world_size, "format": "torch.distributed.checkpoint"},
-        }
+        extra = dict(job.extra)
+        if not job.ready:
+            extra["sharded"] = {"world_size": self.world_size, "format": "torch.distributed.checkpoint"}
         manifest = new_manifest(
             job.step,
             files,
@@ -527,7 +603,11 @@ class ShardedPersister:
 
     def _settle(self, job: ShardedJob, outcome: tuple[str, Any], upload_s: float) -> None:
         status, detail = outcome
-        shutil.rmtree(job.local_dir, ignore_errors=True)
+        if not job.ready:
+            _discard_local(job)
+        elif status == "committed":
+            self._keep_local(job)
+        # A framework's folder that failed stays, as the Persister leaves it: the local copy is kept.
         with self._cond:
             self._busy_uploading = None
             if status == "committed":
@@ -543,8 +623,17 @@ class ShardedPersister:
         if status != "committed":
             self._fail(job, CheckpointError(str(detail)))
 
+    def _keep_local(self, job: ShardedJob) -> None:
+        """A committed folder of the framework's that is ours: keep it, drop the one kept before."""
+        if not job.owns_local_dir:
+            return
+        previous, self._local_committed = self._local_committed, job.local_dir
+        if previous is not None and previous != job.local_dir:
+            shutil.rmtree(previous, ignore_errors=True)
+
     def _fail(self, job: ShardedJob, err: BaseException) -> None:
-        error = PersistError(job.step, self.store.step_url(job.step), err, None)
+        kept = job.local_dir if job.ready and job.lists_folder else None
+        error = PersistError(job.step, self.store.step_url(job.step), err, kept)
         error.__cause__ = err
         if self.rank == 0:
             log.error("spot_callbacks: %s", error)
@@ -552,6 +641,11 @@ class ShardedPersister:
             self.failures.append(error)
             self._outcomes[job.step] = "failed"
             self._cond.notify_all()
+
+
+def _discard_local(job: ShardedJob) -> None:
+    if job.owns_local_dir:
+        shutil.rmtree(job.local_dir, ignore_errors=True)
 
 
 def _tensor_bytes(state: Any) -> int:

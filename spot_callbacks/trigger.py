@@ -153,3 +153,12 @@ def agree(rank0_interval_due: bool, steps_due: bool, notice_seen: bool) -> tuple
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     interval, steps, notice = (bool(v) for v in flags.tolist())
     return interval, steps, notice
+
+
+def gather_from_ranks(value: Any) -> list[Any]:
+    """``value`` from every rank, in rank order (just this one's without torch.distributed)."""
+    if not distributed_ready():
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered

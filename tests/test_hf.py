@@ -12,6 +12,7 @@ import inspect
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 import uuid
@@ -188,6 +189,134 @@ def test_two_processes_agree_on_saves_and_stop_at_the_same_step(tmp_path: Path) 
     info = CheckpointStore(url).latest()
     assert (info.step, info.reason) == (26, "preemption")
     assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(info.files)  # every rank's files were in the folder
+
+
+def run_two_nodes(logs: Path, *args: Any) -> list[subprocess.CompletedProcess]:
+    """hf_run.py as two torchrun "nodes" on this machine (one process each), both run to the end."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+              "--master-addr", "127.0.0.1", "--master-port", str(port)]  # fmt: skip
+    logs.mkdir(parents=True, exist_ok=True)
+    nodes = []
+    for node in (0, 1):  # output to files: a full pipe would block a node inside a collective
+        with open(logs / f"node-{node}.out", "w") as stdout, open(logs / f"node-{node}.err", "w") as stderr:
+            command = [*launch, "--node-rank", str(node), str(SCRIPT), *(str(a) for a in args)]
+            nodes.append(
+                subprocess.Popen(command, stdout=stdout, stderr=stderr, text=True, env=env, cwd=REPO_ROOT)
+            )
+    done = []
+    for node, proc in enumerate(nodes):
+        proc.wait(timeout=300)
+        output = (logs / f"node-{node}.out").read_text(), (logs / f"node-{node}.err").read_text()
+        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, *output))
+    return done
+
+
+def explain(procs: list[subprocess.CompletedProcess]) -> str:
+    return "\n".join(
+        f"--- node {node}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
+        for node, proc in enumerate(procs)
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.remote_store
+def test_two_nodes_with_node_local_output_dirs_commit_every_ranks_files(tmp_path: Path, s3_server) -> None:
+    url = f"s3://{s3_server.bucket}/{uuid.uuid4().hex}"
+    common = ("--dirpath", url, "--storage-options", json.dumps(s3_server.storage_options),
+              "--every-n-steps", 10, "--max-steps", 20, "--record-uploads")  # fmt: skip
+    procs = run_two_nodes(
+        tmp_path / "logs", *common, "--out", tmp_path / "w{rank}.pt", "--output-dir", tmp_path / "node-{node}"
+    )
+    assert [proc.returncode for proc in procs] == [0, 0], explain(procs)
+    store = CheckpointStore(url, storage_options=s3_server.storage_options)
+    assert [(info.step, info.reason) for info in store.committed()] == [(10, "steps"), (20, "steps")]
+    info = store.latest()
+    assert {"rng_state_0.pth", "rng_state_1.pth", "model.safetensors", "optimizer.pt"} <= set(info.files)
+    # rng_state_1.pth exists only on node 1's disk: node 1 uploaded it, rank 0 committed it.
+    node0, node1 = tmp_path / "node-0" / "checkpoint-20", tmp_path / "node-1" / "checkpoint-20"
+    assert sorted(p.name for p in node1.iterdir()) == ["rng_state_1.pth"]
+    assert not (node0 / "rng_state_1.pth").exists()
+    assert store.verify(20, deep=True)
+    rank0, rank1 = (result_of(tmp_path / f"w{rank}.pt") for rank in (0, 1))
+    assert rank1["uploaded"] == ["10/rng_state_1.pth", "20/rng_state_1.pth"]
+    assert sorted(rank0["uploaded"]) == sorted(
+        f"{step}/{name}" for step in (10, 20) for name in store.read_manifest(step).files
+        if name != "rng_state_1.pth"
+    )  # fmt: skip
+    # Each node keeps only its newest committed folder (save_strategy="no": the folders are ours).
+    assert sorted(p.name for p in (tmp_path / "node-1").glob("checkpoint-*")) == ["checkpoint-20"]
+
+
+@pytest.mark.slow
+@pytest.mark.remote_store
+def test_two_nodes_on_a_shared_output_dir_upload_each_file_once(tmp_path: Path, s3_server) -> None:
+    url = f"s3://{s3_server.bucket}/{uuid.uuid4().hex}"
+    procs = run_two_nodes(
+        tmp_path / "logs", "--dirpath", url, "--storage-options", json.dumps(s3_server.storage_options), "--every-n-steps", 10,
+        "--max-steps", 10, "--record-uploads", "--out", tmp_path / "w{rank}.pt", "--output-dir", tmp_path / "shared",
+    )  # fmt: skip
+    assert [proc.returncode for proc in procs] == [0, 0], explain(procs)
+    store = CheckpointStore(url, storage_options=s3_server.storage_options)
+    info = store.latest()
+    assert info.step == 10 and {"rng_state_0.pth", "rng_state_1.pth"} <= set(info.files)
+    uploads = [name for rank in (0, 1) for name in result_of(tmp_path / f"w{rank}.pt")["uploaded"]]
+    assert sorted(uploads) == sorted(f"10/{name}" for name in info.files)  # each file once
+    assert result_of(tmp_path / "w1.pt")["uploaded"] == []  # rank 0 lists every file first
+    assert store.verify(10, deep=True)
+
+
+@pytest.mark.slow
+@pytest.mark.remote_store
+def test_two_nodes_a_failed_node_commits_nothing_and_is_named(tmp_path: Path, s3_server) -> None:
+    url = f"s3://{s3_server.bucket}/{uuid.uuid4().hex}"
+    procs = run_two_nodes(
+        tmp_path / "logs", "--dirpath", url, "--storage-options", json.dumps(s3_server.storage_options),
+        "--every-n-steps", 10, "--max-steps", 10, "--refuse-uploads-rank", 1,
+        "--out", tmp_path / "w{rank}.pt", "--output-dir", tmp_path / "node-{node}",
+    )  # fmt: skip
+    assert procs[0].returncode != 0 and procs[1].returncode != 0, explain(procs)
+    errors = procs[0].stderr
+    assert "PersistError: checkpoint of step 10 could not be persisted" in errors, explain(procs)
+    assert (
+        "rank 1: PermissionError: injected: access denied uploading rng_state_1.pth (node 1, host " in errors
+    )
+    store = CheckpointStore(url, storage_options=s3_server.storage_options)
+    assert store.committed() == []  # node 0's files are up, node 1's are not: nothing commits
+    assert (tmp_path / "node-1" / "checkpoint-10" / "rng_state_1.pth").exists()  # a failed folder is kept
+
+
+@pytest.mark.slow
+@pytest.mark.remote_store
+def test_two_nodes_sigterm_then_resume_on_fresh_disks_is_bit_identical(tmp_path: Path, s3_server) -> None:
+    procs = run_two_nodes(
+        tmp_path / "logs-plain", "--out", tmp_path / "plain{rank}.pt", "--output-dir", tmp_path / "plain-{node}",
+        "--resume", "none",
+    )  # fmt: skip
+    assert [proc.returncode for proc in procs] == [0, 0], explain(procs)
+    url = f"s3://{s3_server.bucket}/{uuid.uuid4().hex}"
+    remote = ("--dirpath", url, "--storage-options", json.dumps(s3_server.storage_options))
+    procs = run_two_nodes(
+        tmp_path / "logs-a", *remote, "--out", tmp_path / "a{rank}.pt", "--output-dir", tmp_path / "a-{node}",
+        "--sigterm-at-step", SIGTERM_AT, "--sigterm-rank", 1,
+    )  # fmt: skip
+    assert all(result_of(tmp_path / f"a{rank}.pt")["preempted"] for rank in (0, 1)), explain(procs)
+    store = CheckpointStore(url, storage_options=s3_server.storage_options)
+    info = store.latest()
+    assert (info.step, info.reason) == (SIGTERM_AT + 1, "preemption")
+    assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(info.files) and store.verify(info.step, deep=True)
+    procs = run_two_nodes(
+        tmp_path / "logs-b", *remote, "--out", tmp_path / "b{rank}.pt", "--output-dir", tmp_path / "b-{node}"
+    )
+    assert [proc.returncode for proc in procs] == [0, 0], explain(procs)
+    resumed = result_of(tmp_path / "b1.pt")
+    assert resumed["resumed_from"] == str(tmp_path / "b-1" / f"checkpoint-{SIGTERM_AT + 1}")
+    assert resumed["global_step"] == MAX_STEPS
+    for rank in (0, 1):
+        assert_same_weights(torch.load(tmp_path / f"b{rank}.pt"), torch.load(tmp_path / f"plain{rank}.pt"))
 
 
 # ------------------------------------------------------------------------------ in process

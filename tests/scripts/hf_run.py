@@ -2,7 +2,8 @@
 
 A tiny GPT-2 (dropout on) built from a config, a shuffled synthetic token data set and a linear
 LR schedule: everything that breaks a naive resume. Sends itself SIGTERM at ``--sigterm-at-step``
-(a real signal, arriving inside a step, like a real notice). ``--out`` may contain ``{rank}``.
+(a real signal, arriving inside a step, like a real notice). ``--out`` may contain ``{rank}``,
+``--output-dir`` ``{node}`` (torchrun's GROUP_RANK: a node-local output_dir per node).
 Prints one JSON line; exits 143 when the callback stopped training for a preemption.
 """
 
@@ -36,6 +37,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--save-strategy", default="no")
     parser.add_argument("--jit", action="store_true", help="TrainingArguments(enable_jit_checkpoint=True)")
     parser.add_argument("--storage-options", default="{}")
+    parser.add_argument(
+        "--record-uploads", action="store_true", help="list this rank's file uploads in the result"
+    )
+    parser.add_argument("--refuse-uploads-rank", type=int, default=-1, help="this rank's uploads are denied")
     return parser.parse_args(argv)
 
 
@@ -80,11 +85,39 @@ def build_model() -> transformers.GPT2LMHeadModel:
     return transformers.GPT2LMHeadModel(config)
 
 
+def refuse_uploads() -> None:
+    """Every upload of this process fails as a store denying access would (not retryable)."""
+    from spot_callbacks.store import CheckpointStore
+
+    def refusing(self, local_path, step, name):  # noqa: ANN001, ANN202
+        raise PermissionError(f"injected: access denied uploading {name}")
+
+    CheckpointStore.upload_file = refusing
+
+
+def record_uploads() -> list[str]:
+    """Every file this process uploads into the store, as ``step/name``."""
+    from spot_callbacks.store import CheckpointStore
+
+    uploaded: list[str] = []
+    upload_file = CheckpointStore.upload_file
+
+    def recording(self, local_path, step, name):  # noqa: ANN001, ANN202
+        upload_file(self, local_path, step, name)
+        uploaded.append(f"{step}/{name}")
+
+    CheckpointStore.upload_file = recording
+    return uploaded
+
+
 def main() -> int:
     args = parse_args()
+    uploaded = record_uploads() if args.record_uploads else None
+    if int(os.environ.get("RANK", "0")) == args.refuse_uploads_rank:
+        refuse_uploads()
     model = build_model()
     training_args = transformers.TrainingArguments(
-        output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=8,
+        output_dir=args.output_dir.format(node=os.environ.get("GROUP_RANK", "0")), max_steps=args.max_steps, per_device_train_batch_size=8,
         learning_rate=5e-3, lr_scheduler_type="linear", warmup_steps=3, seed=args.seed, data_seed=7,
         save_strategy=args.save_strategy, save_steps=10, logging_steps=5, report_to=[], use_cpu=True,
         dataloader_num_workers=0, disable_tqdm=True, enable_jit_checkpoint=args.jit,
@@ -128,6 +161,7 @@ def main() -> int:
         "saves": callbacks[0].steps,
         "jit_fired": jit_fired,
         "log_keys": sorted({key for entry in trainer.state.log_history for key in entry}),
+        "uploaded": uploaded,
     }
     print(json.dumps(result), flush=True)
     with open(f"{out}.json", "w") as handle:
