@@ -28,7 +28,7 @@ def run_fsdp(tmp_path: Path, *args: str, scratch: str, torchrun: bool = False, e
     environ = {**os.environ, "SPOT_SCRATCH": str(tmp_path / f"scratch-{scratch}"), "PYTHONUNBUFFERED": "1"}
     environ.update(env or {})
     launcher = (
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
         if torchrun
         else [sys.executable]
     )
