@@ -1,0 +1,82 @@
+"""ShardedPersister in one process (a world of one gloo rank): newest wins, failures, a round trip.
+
+The multi-process behaviour (every rank uploading, rank 0 committing, resharding) is covered by
+tests/test_sharded.py with real FSDP runs; these pin the pipeline's rules cheaply.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+from faultfs import FaultyFileSystem
+from torch.distributed.tensor import DeviceMesh, Shard, distribute_tensor
+
+from spot_callbacks import CheckpointStore, PersistError, RetryPolicy, ShardedPersister, load_sharded_state
+
+FAST_RETRY = RetryPolicy(attempts=2, initial_backoff_s=0.001, max_backoff_s=0.01)
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    dist.init_process_group("gloo", init_method=(tmp_path / "pg").as_uri(), rank=0, world_size=1)
+    try:
+        yield DeviceMesh("cpu", [0])
+    finally:
+        dist.destroy_process_group()
+
+
+def sharded_state(mesh: DeviceMesh, value: float) -> dict:
+    return {"model": {"w": distribute_tensor(torch.full((8, 4), value), mesh, [Shard(0)])}, "step": value}
+
+
+def test_the_newest_written_checkpoint_wins_and_round_trips_through_dcp(one_rank, tmp_path, caplog):
+    store = CheckpointStore((tmp_path / "store").as_uri(), retry=FAST_RETRY)
+    faulty = FaultyFileSystem(store.fs)
+    faulty.gate = threading.Event()
+    store.fs = faulty
+    persister = ShardedPersister(store, scratch_root=tmp_path / "scratch", keep_last=0)
+    caplog.set_level(logging.INFO, logger="spot_callbacks")
+    for step in (1, 2, 3):
+        persister.submit_state(
+            step, "steps", "test", sharded_state(one_rank, float(step)), meta={"epoch": step}
+        )
+        if step == 1:
+            assert faulty.held.wait(timeout=60)  # step 1 is uploading, held at the gate
+    assert persister.wait_written(timeout=60)  # 2 and 3 are on scratch, waiting for the uploader
+    faulty.gate.set()
+    assert persister.wait(timeout=60)
+    assert [info.step for info in store.committed()] == [1, 3]
+    assert any("dropping sharded checkpoint of step 2" in r.message for r in caplog.records)
+    assert not any("step-000000002" in path for _, path in faulty.calls)
+    latest = store.latest()
+    assert {".metadata", "__0_0.distcp", "meta.pt"} == set(latest.files)
+    assert latest.extra["sharded"]["world_size"] == 1 and store.verify(3, deep=True)
+    # The staged copy was taken at submit: the values are step 3's, not a later state's.
+    target = sharded_state(one_rank, 0.0)
+    meta = load_sharded_state(store.pull(3, tmp_path / "pulled"), target)
+    assert torch.equal(target["model"]["w"].full_tensor(), torch.full((8, 4), 3.0)) and target["step"] == 3.0
+    assert meta == {"epoch": 3}
+    assert persister.close(timeout=60)
+    assert not list((tmp_path / "scratch").rglob("*.distcp"))  # scratch copies go once settled
+
+
+def test_a_failed_upload_commits_nothing_and_names_the_rank(one_rank, tmp_path):
+    store = CheckpointStore((tmp_path / "store").as_uri(), retry=FAST_RETRY)
+    persister = ShardedPersister(store, scratch_root=tmp_path / "scratch")
+    persister.submit_state(5, "steps", "test", sharded_state(one_rank, 5.0))
+    assert persister.wait_for_step(5, timeout=60)
+    faulty = FaultyFileSystem(store.fs)
+    faulty.permanent = True
+    store.fs = faulty
+    persister.submit_state(6, "steps", "test", sharded_state(one_rank, 6.0))
+    assert not persister.wait_for_step(6, timeout=60)
+    [failure] = persister.new_failures()
+    assert isinstance(failure, PersistError) and failure.step == 6
+    assert "rank 0: PermissionError" in str(failure) and "step-000000006" in str(failure)
+    store.fs = faulty.inner
+    assert [info.step for info in store.committed()] == [5] and store.verify(5, deep=True)
+    assert persister.close(timeout=60)
