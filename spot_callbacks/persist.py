@@ -197,7 +197,69 @@ def default_scratch_root(store_url: str, scratch_dir: str | None = None) -> Path
     return Path(base).expanduser() / run_key
 
 
-class Persister:
+class PersistQueue:
+    """What every persister shares: settled steps, failures, and waiting on them under one condition.
+
+    Subclasses define ``_idle()`` (nothing queued, writing or uploading) and keep the job being
+    uploaded in ``_busy_uploading``.
+    """
+
+    def __init__(self) -> None:
+        self.records: list[PersistRecord] = []
+        self.failures: list[PersistError] = []
+        self.last_committed: CheckpointInfo | None = None
+        self._unreported = 0
+        self._cond = threading.Condition()
+        self._outcomes: dict[int, str] = {}  # step -> "committed", "failed" or "dropped"
+        self._busy_uploading: Any = None
+
+    def _idle(self) -> bool:
+        raise NotImplementedError
+
+    def _wait_until(self, done: Callable[[], bool], timeout: float | None) -> bool:
+        """Wait (lock held while checking) until ``done()``; False if ``timeout`` ran out first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while not done():
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+        return True
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every submitted checkpoint is committed, failed or dropped; False if ``timeout`` ran out."""
+        return self._wait_until(self._idle, timeout)
+
+    def wait_for_step(self, step: int, timeout: float | None = None) -> bool:
+        """Block until the checkpoint of ``step`` settled; True if it committed.
+
+        Unlike :meth:`wait`, uploads of older checkpoints still in flight are not waited for.
+        """
+        self._wait_until(lambda: step in self._outcomes or self._idle(), timeout)
+        with self._cond:
+            return self._outcomes.get(step) == "committed"
+
+    @property
+    def idle(self) -> bool:
+        with self._cond:
+            return self._idle()
+
+    @property
+    def in_flight_step(self) -> int | None:
+        """The step being uploaded now, if any."""
+        with self._cond:
+            return self._busy_uploading.step if self._busy_uploading else None
+
+    def new_failures(self) -> list[PersistError]:
+        """Failures not yet returned by this method (the adapters report them at the next step)."""
+        with self._cond:
+            fresh = self.failures[self._unreported :]
+            self._unreported = len(self.failures)
+        return fresh
+
+
+class Persister(PersistQueue):
     """Makes checkpoint folders durable in a :class:`CheckpointStore`, off the training loop.
 
     Args:
@@ -221,14 +283,10 @@ class Persister:
     """
 
     def __init__(self, store: CheckpointStore, keep_last: int = 3, keep_local_copy: bool = True) -> None:
+        super().__init__()
         self.store = store
         self.keep_last = keep_last
         self.keep_local_copy = keep_local_copy
-        self.records: list[PersistRecord] = []
-        self.failures: list[PersistError] = []
-        self.last_committed: CheckpointInfo | None = None
-        self._unreported = 0
-        self._cond = threading.Condition()
         self._to_write: deque[PersistJob] = deque()
         self._to_upload: PersistJob | None = None
         self._busy_writing: PersistJob | None = None
@@ -237,7 +295,6 @@ class Persister:
         self._busy_bytes = 0
         self._urgent: PersistJob | None = None  # the emergency checkpoint, until it settles
         self._alongside: dict[int, threading.Thread] = {}  # step -> emergency upload beside the uploader
-        self._outcomes: dict[int, str] = {}  # step -> "committed", "failed" or "dropped"
         self._write_times: dict[int, float] = {}
         self._local_committed: Path | None = None
         self._closed = False
@@ -272,53 +329,10 @@ class Persister:
             self._make_urgent(job)
             self._cond.notify_all()
 
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until every submitted checkpoint is committed or failed; False if ``timeout`` ran out."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while not self._idle():
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                self._cond.wait(remaining)
-        return True
-
-    def wait_for_step(self, step: int, timeout: float | None = None) -> bool:
-        """Block until the checkpoint of ``step`` settled; True if it committed.
-
-        Unlike :meth:`wait`, uploads of older checkpoints still in flight are not waited for.
-        """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while step not in self._outcomes and not self._idle():
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                self._cond.wait(remaining)
-            return self._outcomes.get(step) == "committed"
-
-    @property
-    def idle(self) -> bool:
-        with self._cond:
-            return self._idle()
-
     def _idle(self) -> bool:
         return not (
             self._to_write or self._busy_writing or self._to_upload or self._busy_uploading or self._alongside
         )
-
-    @property
-    def in_flight_step(self) -> int | None:
-        """The step being uploaded now, if any."""
-        with self._cond:
-            return self._busy_uploading.step if self._busy_uploading else None
-
-    def new_failures(self) -> list[PersistError]:
-        """Failures not yet returned by this method (the adapters report them at the next step)."""
-        with self._cond:
-            fresh = self.failures[self._unreported :]
-            self._unreported = len(self.failures)
-        return fresh
 
     def close(self, timeout: float | None = None) -> bool:
         """Finish pending work (up to ``timeout``) and stop the workers; True if all finished."""

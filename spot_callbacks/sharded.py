@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from spot_callbacks.checksums import FileDigest
-from spot_callbacks.persist import PersistError, PersistRecord
+from spot_callbacks.persist import PersistError, PersistQueue, PersistRecord
 from spot_callbacks.store import (
     CheckpointError,
     CheckpointInfo,
@@ -131,7 +131,7 @@ def serialize_meta(meta: dict[str, Any]) -> bytes:
     return buffer.getvalue()
 
 
-class ShardedPersister:
+class ShardedPersister(PersistQueue):
     """Makes sharded checkpoints durable with every rank uploading its own files; rank 0 commits.
 
     Create it on every rank at the same point (it makes two gloo process groups, a collective);
@@ -164,6 +164,7 @@ class ShardedPersister:
     def __init__(self, store: CheckpointStore, scratch_root: Path, keep_last: int = 3) -> None:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+        super().__init__()
         self.store = store
         self.keep_last = keep_last
         self.rank = dist.get_rank()
@@ -182,16 +183,10 @@ class ShardedPersister:
         timeout = timedelta(seconds=GROUP_TIMEOUT_S)
         self._write_group = dist.new_group(backend="gloo", timeout=timeout)
         self._upload_group = dist.new_group(backend="gloo", timeout=timeout)
-        self.records: list[PersistRecord] = []
-        self.failures: list[PersistError] = []
-        self.last_committed: CheckpointInfo | None = None
-        self._unreported = 0
-        self._cond = threading.Condition()
         self._to_write: list[ShardedJob] = []
         self._written: list[ShardedJob] = []
         self._busy_writing: ShardedJob | None = None
         self._busy_uploading: ShardedJob | None = None
-        self._outcomes: dict[int, str] = {}
         self._closed = False
         self._broken: BaseException | None = None  # set when the upload group failed (a rank died)
         self._local_committed: Path | None = None  # the newest committed folder job's own folder
@@ -308,31 +303,9 @@ class ShardedPersister:
         An upload in flight cannot be overtaken (every rank takes part in each one, in order).
         """
 
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until every submitted checkpoint is committed, failed or dropped."""
-        return self._wait_until(self._idle, timeout)
-
-    def wait_for_step(self, step: int, timeout: float | None = None) -> bool:
-        """Block until the checkpoint of ``step`` settled; True if it committed."""
-        self._wait_until(lambda: step in self._outcomes or self._idle(), timeout)
-        with self._cond:
-            return self._outcomes.get(step) == "committed"
-
-    @property
-    def idle(self) -> bool:
-        with self._cond:
-            return self._idle()
-
-    @property
-    def in_flight_step(self) -> int | None:
-        with self._cond:
-            return self._busy_uploading.step if self._busy_uploading else None
-
     def new_failures(self) -> list[PersistError]:
         """Failures not yet returned (on rank 0 only: one report per checkpoint, not one per rank)."""
-        with self._cond:
-            fresh = self.failures[self._unreported :]
-            self._unreported = len(self.failures)
+        fresh = super().new_failures()
         return fresh if self.rank == 0 else []
 
     def close(self, timeout: float | None = None) -> bool:
@@ -349,16 +322,6 @@ class ShardedPersister:
 
     def _idle(self) -> bool:
         return not (self._to_write or self._busy_writing or self._written or self._busy_uploading)
-
-    def _wait_until(self, done: Any, timeout: float | None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while not done():
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                self._cond.wait(remaining)
-        return True
 
     # ------------------------------------------------------------- writing
     def _write_loop(self) -> None:
@@ -517,12 +480,14 @@ class ShardedPersister:
             self.rank, type(err).__name__, err,
         )  # fmt: skip
         with self._cond:
-            jobs = [job for job in (self._busy_uploading, *self._written) if job is not None]
-            self._busy_uploading, self._written = None, []
             self._broken = err
+            jobs = [job for job in (self._busy_uploading, *self._written) if job is not None]
         for job in jobs:
             _discard_local(job)
             self._fail(job, err)
+        with self._cond:  # only now idle: a waiter sees the failures
+            self._busy_uploading, self._written = None, []
+            self._cond.notify_all()
 
     def _begin(self, step: int) -> str | None:
         try:
@@ -608,6 +573,8 @@ class ShardedPersister:
         elif status == "committed":
             self._keep_local(job)
         # A framework's folder that failed stays, as the Persister leaves it: the local copy is kept.
+        if status != "committed":  # recorded before the job stops being busy: a waiter then sees it
+            self._fail(job, CheckpointError(str(detail)))
         with self._cond:
             self._busy_uploading = None
             if status == "committed":
@@ -620,8 +587,6 @@ class ShardedPersister:
                     self.last_committed = info
                 self._outcomes[job.step] = "committed"
             self._cond.notify_all()
-        if status != "committed":
-            self._fail(job, CheckpointError(str(detail)))
 
     def _keep_local(self, job: ShardedJob) -> None:
         """A committed folder of the framework's that is ours: keep it, drop the one kept before."""
