@@ -212,9 +212,24 @@ class PersistQueue:
         self._cond = threading.Condition()
         self._outcomes: dict[int, str] = {}  # step -> "committed", "failed" or "dropped"
         self._busy_uploading: Any = None
+        self._closed = False
 
     def _idle(self) -> bool:
         raise NotImplementedError
+
+    def _join_workers(self) -> None:
+        """Join the worker threads once they have stopped (after :meth:`close` finished the work)."""
+        raise NotImplementedError
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Finish pending work (up to ``timeout``) and stop the workers; True if all finished."""
+        finished = self.wait(timeout)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if finished:
+            self._join_workers()
+        return finished
 
     def _wait_until(self, done: Callable[[], bool], timeout: float | None) -> bool:
         """Wait (lock held while checking) until ``done()``; False if ``timeout`` ran out first."""
@@ -297,7 +312,6 @@ class Persister(PersistQueue):
         self._alongside: dict[int, threading.Thread] = {}  # step -> emergency upload beside the uploader
         self._write_times: dict[int, float] = {}
         self._local_committed: Path | None = None
-        self._closed = False
         self._writer = threading.Thread(target=self._write_loop, name="spot-writer", daemon=True)
         self._uploader = threading.Thread(target=self._upload_loop, name="spot-uploader", daemon=True)
         self._writer.start()
@@ -334,18 +348,11 @@ class Persister(PersistQueue):
             self._to_write or self._busy_writing or self._to_upload or self._busy_uploading or self._alongside
         )
 
-    def close(self, timeout: float | None = None) -> bool:
-        """Finish pending work (up to ``timeout``) and stop the workers; True if all finished."""
-        finished = self.wait(timeout)
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        if finished:
-            self._writer.join()
-            self._uploader.join()
-            for thread in list(self._alongside.values()):
-                thread.join()
-        return finished
+    def _join_workers(self) -> None:
+        self._writer.join()
+        self._uploader.join()
+        for thread in list(self._alongside.values()):
+            thread.join()
 
     # ------------------------------------------------------------- workers
     def _write_loop(self) -> None:

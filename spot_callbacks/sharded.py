@@ -187,7 +187,6 @@ class ShardedPersister(PersistQueue):
         self._written: list[ShardedJob] = []
         self._busy_writing: ShardedJob | None = None
         self._busy_uploading: ShardedJob | None = None
-        self._closed = False
         self._broken: BaseException | None = None  # set when the upload group failed (a rank died)
         self._local_committed: Path | None = None  # the newest committed folder job's own folder
         self._writer = threading.Thread(target=self._write_loop, name="spot-shard-writer", daemon=True)
@@ -308,17 +307,10 @@ class ShardedPersister(PersistQueue):
         fresh = super().new_failures()
         return fresh if self.rank == 0 else []
 
-    def close(self, timeout: float | None = None) -> bool:
-        """Finish pending work (up to ``timeout``), stop the workers, free the staging buffers."""
-        finished = self.wait(timeout)
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        if finished:
-            self._writer.join()
-            self._uploader.join()
-            self.stager.close()
-        return finished
+    def _join_workers(self) -> None:
+        self._writer.join()
+        self._uploader.join()
+        self.stager.close()  # the staging buffers go with the workers
 
     def _idle(self) -> bool:
         return not (self._to_write or self._busy_writing or self._written or self._busy_uploading)
