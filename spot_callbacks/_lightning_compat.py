@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -193,8 +194,45 @@ def seed_environment() -> dict[str, str]:
     return {name: os.environ[name] for name in SEED_ENV_VARS if name in os.environ}
 
 
-def restore_seed_environment(saved: dict[str, str]) -> None:
-    for name, value in saved.items():
+_SEED_ENV_PATTERNS = {
+    # Lightning's seed range (seed_everything accepts 0 .. 2**32-1) and its 0/1 flag, nothing else.
+    "PL_GLOBAL_SEED": re.compile(r"[0-9]{1,10}"),
+    "PL_SEED_WORKERS": re.compile(r"[01]"),
+}
+_MAX_SEED = 2**32 - 1
+
+
+def restore_seed_environment(saved: Any) -> None:
+    """Put back the seed variables :func:`seed_environment` saved, and nothing else.
+
+    The dict comes from a checkpoint, so it is untrusted: a name outside :data:`SEED_ENV_VARS`
+    (``LD_PRELOAD``, ``HTTPS_PROXY``, ``AWS_ENDPOINT_URL`` ...) or a value that is not what
+    Lightning writes is ignored with a warning and never reaches ``os.environ``.
+    """
+    if not isinstance(saved, dict):
+        log.warning(
+            "spot_callbacks: ignoring the checkpoint's seed environment: not a dict (%s)",
+            type(saved).__name__,
+        )
+        return
+    ignored = sorted(repr(name)[:80] for name in saved if name not in _SEED_ENV_PATTERNS)
+    if ignored:
+        log.warning(
+            "spot_callbacks: ignoring %d environment variable(s) in the checkpoint that spot_callbacks never "
+            "saves: %s; only %s are restored",
+            len(ignored), ", ".join(ignored), ", ".join(SEED_ENV_VARS),
+        )  # fmt: skip
+    for name, pattern in _SEED_ENV_PATTERNS.items():
+        if name not in saved:
+            continue
+        value = saved[name]
+        if not isinstance(value, str) or not pattern.fullmatch(value) or int(value) > _MAX_SEED:
+            log.warning(
+                "spot_callbacks: ignoring %s=%s from the checkpoint: not a value Lightning writes",
+                name,
+                repr(value)[:80],
+            )
+            continue
         if os.environ.get(name) != value:
             log.info(
                 "spot_callbacks: %s=%s restored from the checkpoint (was %s)",

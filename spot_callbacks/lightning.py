@@ -295,7 +295,12 @@ def build_spot_checkpoint(pl: types.ModuleType) -> type:
             if compat.loaders_are_stateful(trainer):  # Lightning restored their position itself
                 restore_rng_state(current)
                 return
-            batches_done = int(state.get("batches_done_in_epoch", 0))
+            batches_done = state.get("batches_done_in_epoch", 0)
+            if isinstance(batches_done, bool) or not isinstance(batches_done, int) or batches_done < 0:
+                log.warning(
+                    "spot_callbacks: ignoring batches_done_in_epoch=%r from the checkpoint", batches_done
+                )
+                batches_done = trainer.num_training_batches  # resume at the next epoch boundary
             epoch_start = _mine(state["epoch_start_rng"])
             if batches_done >= trainer.num_training_batches or epoch_start is None:
                 # Saved after an epoch's last batch: Lightning runs the next epoch on the iterator

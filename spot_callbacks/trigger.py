@@ -14,6 +14,7 @@ import torch.distributed as dist
 from spot_callbacks.costs import (
     PRIOR_INTERRUPTIONS_PER_HOUR,
     daly_interval_s,
+    finite_number,
     posterior_interruptions_per_hour,
 )
 from spot_callbacks.report import format_seconds
@@ -122,10 +123,20 @@ class CheckpointTrigger:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._last_checkpoint_at = self._clock() - float(state.get("elapsed_s", 0.0))
+        """Continue a checkpoint's clock. The values come from a store, so each is checked: a
+        non-finite, negative or out-of-range number is dropped (the default stays), never used."""
+        elapsed_s = finite_number(state.get("elapsed_s"))
+        self._last_checkpoint_at = self._clock() - (
+            elapsed_s if elapsed_s is not None and elapsed_s >= 0 else 0.0
+        )
         if self.auto:
-            self.interval_s = state.get("interval_s") or self.interval_s
-            self._checkpoint_costs_s = list(state.get("costs_s", []))
+            interval_s = finite_number(state.get("interval_s"))
+            if interval_s is not None and AUTO_MIN_INTERVAL_S <= interval_s <= AUTO_MAX_INTERVAL_S:
+                self.interval_s = interval_s
+            costs = state.get("costs_s")
+            if isinstance(costs, (list, tuple)):
+                valid = [float(c) for c in costs[-AUTO_RECENT_COSTS:] if (finite_number(c) or -1.0) >= 0]
+                self._checkpoint_costs_s = valid
 
 
 def distributed_ready() -> bool:

@@ -8,7 +8,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -152,3 +155,46 @@ def test_a_pickle_that_would_run_code_behind_a_valid_manifest_is_refused_and_not
         load_state(pulled)
     assert not marker.exists()
     record(DAMAGED, 2)
+
+
+def test_a_checkpoint_cannot_set_environment_variables_on_resume(run, tmp_path, monkeypatch, caplog):
+    """The attack: a committed checkpoint whose seed environment carries LD_PRELOAD and friends."""
+    for name in ("LD_PRELOAD", "HTTPS_PROXY", "AWS_ENDPOINT_URL", "PL_GLOBAL_SEED", "PL_SEED_WORKERS"):
+        monkeypatch.delenv(name, raising=False)
+    planted = tmp_path / "evil.so"
+    planted.write_bytes(b"\x7fELF")
+    checkpoint = torch.load(state_path(run, 4), weights_only=True)
+    (spot_state,) = [s for s in checkpoint["callbacks"].values() if "seed_environment" in s]
+    spot_state["seed_environment"] = {
+        "LD_PRELOAD": str(planted),
+        "HTTPS_PROXY": "http://attacker.invalid:8080",
+        "AWS_ENDPOINT_URL": "http://attacker.invalid",
+        "PL_GLOBAL_SEED": "7; rm -rf ~",  # a seed name with a value Lightning never writes
+        "PL_SEED_WORKERS": "1",  # the one legitimate entry: restored
+    }
+    spot_state["engine"]["trigger"] = {"elapsed_s": float("inf"), "interval_s": -1.0, "costs_s": ["x"]}
+    hostile = tmp_path / "hostile"
+    hostile.mkdir()
+    torch.save(checkpoint, hostile / STATE_FILE)
+    store = CheckpointStore(str(run))
+    store.write_checkpoint(5, hostile, reason="interval", framework="lightning")
+    assert store.latest().step == 5 and store.verify(5)  # committed with a valid manifest
+
+    with caplog.at_level(logging.WARNING, logger="spot_callbacks"):
+        spot = fit(run, tmp_path / "scratch", BoringModel(), max_steps=7, ckpt_path="latest")
+    assert spot.engine.resumed.info.step == 5
+    for name in ("LD_PRELOAD", "HTTPS_PROXY", "AWS_ENDPOINT_URL", "PL_GLOBAL_SEED"):
+        assert name not in os.environ, name
+    assert os.environ.get("PL_SEED_WORKERS") == "1"
+    child = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.environ.get('LD_PRELOAD'), os.environ.get('HTTPS_PROXY'))"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert child.stdout.strip() == "None None"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any("'LD_PRELOAD'" in w and "'HTTPS_PROXY'" in w and "'AWS_ENDPOINT_URL'" in w for w in warnings)
+    assert any("PL_GLOBAL_SEED" in w and "not a value Lightning writes" in w for w in warnings)
+    assert not any(str(planted) in w for w in warnings if "restored" in w)
+    # The damaged clock values were dropped, not used: the run trained and ended with a checkpoint.
+    assert store.latest().step == 7
+    record(DAMAGED)
