@@ -39,9 +39,9 @@ from typing import Any
 
 import fsspec
 
-from spot_callbacks.checksums import digest_local_file
 from spot_callbacks.persist import Persister, PersistJob
 from spot_callbacks.store import CheckpointStore
+from spot_callbacks.store.checksums import digest_local_file
 
 try:  # ``python benchmarks/persist.py`` puts this folder on sys.path
     from _common import (

@@ -74,7 +74,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from spot_callbacks import snapshot
+from spot_callbacks import staging as snapshot
 from spot_callbacks.lightning import SpotCheckpoint
 
 try:  # ``python benchmarks/stall.py`` puts this folder on sys.path

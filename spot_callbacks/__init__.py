@@ -2,60 +2,45 @@
 
 Add one callback (``spot_callbacks.lightning.SpotCheckpoint`` or
 ``spot_callbacks.hf.SpotCheckpointCallback``) and resume with ``ckpt_path="latest"``.
-The names below are the shared core the adapters stand on.
+This module holds the public contract only: the configuration, the view of a run's committed
+checkpoints, the loaders, and the error classes. Internals stay importable from their own
+modules (see docs/architecture.md).
+
+The library logs to the ``spot_callbacks`` logger and configures no logging at import; see
+:func:`spot_callbacks.log.show_info_lines` for what the callbacks do when the application has
+configured none.
 """
 
-import logging as _logging
-
-from spot_callbacks.checksums import FileDigest
-from spot_callbacks.config import ConfigError, SpotConfig, parse_duration
-from spot_callbacks.persist import Persister, PersistError, PersistJob, PersistRecord
-from spot_callbacks.retry import AttemptTimeoutError, RetryPolicy, UploadTimeout
-from spot_callbacks.runlock import RunLockedError
-from spot_callbacks.store import (
+from spot_callbacks.config import SpotConfig, parse_duration
+from spot_callbacks.errors import (
+    AttemptTimeoutError,
     CheckpointError,
-    CheckpointInfo,
     CheckpointNotFoundError,
-    CheckpointStore,
+    ConfigError,
     CorruptCheckpointError,
+    IncompatibleCheckpointError,
     ManifestError,
+    PersistError,
+    RunLockedError,
+    UnsafeCheckpointError,
 )
+from spot_callbacks.store import CheckpointInfo, CheckpointStore
 
 __version__ = "0.1.0"
 
-# Imported on first use: they need torch, which the command line and the store do not.
-_SNAPSHOT_NAMES = {
-    "IncompatibleCheckpointError",
-    "StagedState",
-    "StagingArea",
-    "UnsafeCheckpointError",
-    "load_state",
-    "write_state",
-}
-
-
-_SHARDED_NAMES = {"ShardedPersister", "load_sharded_state"}
-
 
 def __getattr__(name: str):  # noqa: ANN202 - PEP 562 lazy attribute
-    if name in _SNAPSHOT_NAMES:
-        from spot_callbacks import snapshot
+    # Imported on first use: they need torch, which the command line and the store do not.
+    if name == "load_state":
+        from spot_callbacks.staging import load_state
 
-        return getattr(snapshot, name)
-    if name in _SHARDED_NAMES:
-        from spot_callbacks import sharded
+        return load_state
+    if name == "load_sharded_state":
+        from spot_callbacks.persist.sharded import load_sharded_state
 
-        return getattr(sharded, name)
+        return load_sharded_state
     raise AttributeError(f"module 'spot_callbacks' has no attribute {name!r}")
 
-
-# As Lightning does for its own logger: info lines (resumed from, committed, skipped) are shown
-# unless the application configured logging itself.
-_logger = _logging.getLogger(__name__)
-_logger.setLevel(_logging.INFO)
-if not _logging.getLogger().hasHandlers():
-    _logger.addHandler(_logging.StreamHandler())
-    _logger.propagate = False
 
 __all__ = [
     "AttemptTimeoutError",
@@ -65,23 +50,13 @@ __all__ = [
     "CheckpointStore",
     "ConfigError",
     "CorruptCheckpointError",
-    "FileDigest",
     "IncompatibleCheckpointError",
     "ManifestError",
     "PersistError",
-    "PersistJob",
-    "PersistRecord",
-    "Persister",
-    "RetryPolicy",
     "RunLockedError",
     "SpotConfig",
-    "StagedState",
-    "ShardedPersister",
-    "StagingArea",
     "UnsafeCheckpointError",
-    "UploadTimeout",
     "load_sharded_state",
     "load_state",
     "parse_duration",
-    "write_state",
 ]

@@ -32,9 +32,8 @@ from typing import Any, TextIO
 from urllib.parse import urlsplit
 
 from spot_callbacks import __version__
-from spot_callbacks.config import ConfigError, parse_duration
-from spot_callbacks.costs import plan_job
-from spot_callbacks.report import (
+from spot_callbacks.accounting.costs import plan_job
+from spot_callbacks.accounting.report import (
     RESUME_HEADERS,
     RunHistory,
     format_rows,
@@ -44,14 +43,15 @@ from spot_callbacks.report import (
     resume_rows,
     write_plan_plot,
 )
-from spot_callbacks.store import (
+from spot_callbacks.config import parse_duration
+from spot_callbacks.errors import (
     CheckpointError,
-    CheckpointInfo,
     CheckpointNotFoundError,
-    CheckpointStore,
+    ConfigError,
     CorruptCheckpointError,
     ManifestError,
 )
+from spot_callbacks.store import CheckpointInfo, CheckpointStore
 
 log = logging.getLogger("spot_callbacks")
 
@@ -181,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan_help = (
         "expected cost and time of a job on spot and on demand, the optimal checkpoint interval "
-        "and the break-even interruption rate (Daly's model; see spot_callbacks.costs)"
+        "and the break-even interruption rate (Daly's model; see spot_callbacks.accounting.costs)"
     )
     plan = commands.add_parser("plan", help=plan_help, description=plan_help)
     plan.add_argument("--work-hours", type=_positive, required=True, metavar="W", help="hours of training")

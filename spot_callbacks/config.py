@@ -14,6 +14,8 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from spot_callbacks.errors import ConfigError
+
 PREEMPTION_SOURCES = ("SIGTERM", "SIGUSR1", "aws", "gcp", "azure")
 ON_PREEMPTION_CHOICES = ("stop", "continue")
 
@@ -25,10 +27,6 @@ _DURATION_UNITS_S = {
 }  # fmt: skip
 _DURATION_PART = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]+)\s*")
 _DURATION_HELP = "use e.g. '90s', '15min', '1h', '1h30min', a number of seconds, 'auto' or None (off)"
-
-
-class ConfigError(ValueError):
-    """A configuration key has a value spot_callbacks cannot use; the message names the key and the fix."""
 
 
 def parse_duration(value: str | float | int | None, key: str = "interval") -> float | None:

@@ -24,24 +24,20 @@ from typing import Any
 
 import torch.distributed as dist
 
-from spot_callbacks.checksums import FileDigest
+from spot_callbacks.accounting.costs import RunLedger, SlowdownMeter, finite_number, ledger_after_resume
+from spot_callbacks.accounting.region import RegionCheck
+from spot_callbacks.accounting.report import RunHistory, format_rows, format_seconds, history_rows
+from spot_callbacks.accounting.staleness import StalenessMonitor
 from spot_callbacks.config import SpotConfig
-from spot_callbacks.costs import RunLedger, SlowdownMeter, finite_number, ledger_after_resume
-from spot_callbacks.persist import Persister, PersistError, PersistJob, PersistRecord, default_scratch_root
-from spot_callbacks.preemption import Notice, PreemptionWatcher
-from spot_callbacks.region import RegionCheck
-from spot_callbacks.report import RunHistory, format_rows, format_seconds, history_rows
-from spot_callbacks.runlock import RunLock, RunLockedError
-from spot_callbacks.sharded import ShardedPersister
-from spot_callbacks.snapshot import StagingArea, write_state
-from spot_callbacks.staleness import StalenessMonitor
-from spot_callbacks.store import (
-    CheckpointInfo,
-    CheckpointStore,
-    CorruptCheckpointError,
-    ManifestError,
-    step_dirname,
-)
+from spot_callbacks.errors import CorruptCheckpointError, ManifestError, PersistError, RunLockedError
+from spot_callbacks.log import show_info_lines
+from spot_callbacks.notices import Notice, PreemptionWatcher
+from spot_callbacks.persist import Persister, PersistJob, PersistRecord, default_scratch_root
+from spot_callbacks.persist.sharded import ShardedPersister
+from spot_callbacks.staging import StagingArea, write_state
+from spot_callbacks.store import CheckpointInfo, CheckpointStore, step_dirname
+from spot_callbacks.store.checksums import FileDigest
+from spot_callbacks.store.runlock import RunLock
 from spot_callbacks.trigger import CheckpointTrigger, agree, distributed_ready, gather_from_ranks
 
 log = logging.getLogger("spot_callbacks")
@@ -91,6 +87,7 @@ class SpotEngine:
     """
 
     def __init__(self, config: SpotConfig, framework: str) -> None:
+        show_info_lines()
         self.config = config
         self.framework = framework
         self.store = CheckpointStore(config.dirpath, storage_options=config.storage_options)

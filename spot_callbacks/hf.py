@@ -16,7 +16,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from spot_callbacks.config import SpotConfig
 from spot_callbacks.engine import SpotEngine
-from spot_callbacks.preemption import Notice
+from spot_callbacks.notices import Notice
 from spot_callbacks.store import CheckpointStore
 from spot_callbacks.trigger import gather_from_ranks
 

@@ -11,13 +11,13 @@ from typing import Any, Literal, Union
 
 import torch.distributed as dist
 
-from spot_callbacks import _lightning_compat as compat
+from spot_callbacks._compat import lightning as compat
 from spot_callbacks.config import SpotConfig
 from spot_callbacks.engine import STATE_FILE, SpotEngine
-from spot_callbacks.preemption import Notice, signal_grace_s
-from spot_callbacks.rng import capture_rng_state, restore_rng_state
-from spot_callbacks.sharded import DCP_METADATA_FILE
-from spot_callbacks.store import CheckpointError
+from spot_callbacks.errors import CheckpointError
+from spot_callbacks.notices import Notice, signal_grace_s
+from spot_callbacks.persist.sharded import DCP_METADATA_FILE
+from spot_callbacks.staging import capture_rng_state, restore_rng_state
 from spot_callbacks.trigger import distributed_ready, gather_from_ranks
 
 log = logging.getLogger("spot_callbacks")

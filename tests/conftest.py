@@ -568,7 +568,7 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StoreT
 
 @pytest.fixture(scope="session")
 def _metadata_servers() -> Iterator[dict[str, Any]]:
-    from metadata_servers import AwsImds, AzureScheduledEvents, GcpMetadata
+    from helpers.metadata_servers import AwsImds, AzureScheduledEvents, GcpMetadata
 
     servers = {"aws": AwsImds(), "gcp": GcpMetadata(), "azure": AzureScheduledEvents()}
     try:
@@ -629,7 +629,7 @@ azure_events = _metadata_fixture("azure")
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    import reliability_counts
+    from helpers import reliability_counts
 
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:  # an xdist worker: the controller sums what each worker counted
@@ -638,7 +638,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node: Any, error: Any) -> None:
-    import reliability_counts
+    from helpers import reliability_counts
 
     counts = getattr(node, "workeroutput", {}).get(reliability_counts.WORKEROUTPUT_KEY)
     if counts:
@@ -646,7 +646,7 @@ def pytest_testnodedown(node: Any, error: Any) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    import reliability_counts
+    from helpers import reliability_counts
 
     line = reliability_counts.summary()
     if line:

@@ -15,16 +15,18 @@ from pathlib import Path
 
 import pytest
 
-from spot_callbacks import CheckpointStore, RetryPolicy, cli, report
-from spot_callbacks.cli import main
-from spot_callbacks.costs import (
+from spot_callbacks import CheckpointStore, cli
+from spot_callbacks.accounting import report
+from spot_callbacks.accounting.costs import (
     RunLedger,
     break_even_interruptions_per_hour,
     daly_interval_s,
     measure_resume,
     plan_job,
 )
+from spot_callbacks.cli import main
 from spot_callbacks.store import MANIFEST_NAME, step_dirname
+from spot_callbacks.store.retry import RetryPolicy
 
 FAST_RETRY = RetryPolicy(attempts=2, initial_backoff_s=0.01, max_backoff_s=0.05)
 FAKE_SECRET = "FAKE-SECRET-d3adb33f-spot-cli"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from spot_callbacks import SpotConfig
-from spot_callbacks.costs import (
+from spot_callbacks.accounting.costs import (
     PRIOR_HOURS,
     PRIOR_INTERRUPTIONS_PER_HOUR,
     ResumeRecord,
@@ -27,8 +27,8 @@ from spot_callbacks.costs import (
     posterior_interruptions_per_hour,
     young_interval_s,
 )
+from spot_callbacks.accounting.report import RunHistory, history_rows
 from spot_callbacks.engine import SpotEngine
-from spot_callbacks.report import RunHistory, history_rows
 from spot_callbacks.trigger import AUTO_MAX_INTERVAL_S, AUTO_MIN_INTERVAL_S, CheckpointTrigger
 
 HOUR = 3600.0

@@ -9,8 +9,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from crash_harness import CrashHarness
-from reliability_counts import KILLS, record
+from helpers.crash_harness import CrashHarness
+from helpers.reliability_counts import KILLS, record
 
 KILLS_PER_BACKEND = 6  # 12 in CI over file and S3; the soak runs hundreds
 

@@ -6,11 +6,11 @@ import logging
 import posixpath
 
 import torch
-from reliability_counts import DAMAGED, record
+from helpers.reliability_counts import DAMAGED, record
 
 from spot_callbacks import SpotConfig
 from spot_callbacks.engine import STATE_FILE, SpotEngine
-from spot_callbacks.preemption import Notice
+from spot_callbacks.notices import Notice
 from spot_callbacks.trigger import CheckpointTrigger
 
 

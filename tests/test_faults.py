@@ -10,14 +10,15 @@ import threading
 import lightning.pytorch as pl
 import pytest
 import torch
-from faultfs import FaultyFileSystem
+from helpers.faultfs import FaultyFileSystem
+from helpers.reliability_counts import FAULTS, record
 from lightning.pytorch.demos.boring_classes import BoringModel
-from reliability_counts import FAULTS, record
 
-from spot_callbacks import CheckpointStore, PersistError, RetryPolicy, SpotConfig, UploadTimeout, load_state
+from spot_callbacks import CheckpointStore, PersistError, SpotConfig, load_state
 from spot_callbacks.engine import STATE_FILE, SpotEngine
 from spot_callbacks.lightning import SpotCheckpoint
 from spot_callbacks.store import MANIFEST_NAME, step_dirname
+from spot_callbacks.store.retry import RetryPolicy, UploadTimeout
 
 # 0.3**10: one operation in ~170,000 exhausts its retries; the test makes ~100.
 PATIENT_RETRY = RetryPolicy(attempts=10, initial_backoff_s=0.001, max_backoff_s=0.01)

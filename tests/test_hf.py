@@ -25,8 +25,8 @@ import torch
 import transformers
 
 from spot_callbacks import CheckpointStore, ConfigError, SpotConfig
+from spot_callbacks.accounting.report import RunHistory
 from spot_callbacks.hf import SpotCheckpointCallback
-from spot_callbacks.report import RunHistory
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = REPO_ROOT / "tests" / "scripts" / "hf_run.py"

@@ -17,8 +17,8 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from helpers.reliability_counts import DAMAGED, record
 from lightning.pytorch.demos.boring_classes import BoringModel
-from reliability_counts import DAMAGED, record
 
 from spot_callbacks import (
     CheckpointStore,

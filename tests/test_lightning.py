@@ -15,8 +15,8 @@ import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from spot_callbacks import CheckpointStore, ConfigError, PersistError
+from spot_callbacks.accounting.report import RunHistory
 from spot_callbacks.lightning import SpotCheckpoint
-from spot_callbacks.report import RunHistory
 
 SCRIPT = Path(__file__).parent / "scripts" / "lightning_run.py"
 RUN_TIMEOUT_S = 240

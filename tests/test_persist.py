@@ -7,12 +7,13 @@ import threading
 from pathlib import Path
 
 import pytest
-from faultfs import FaultyFileSystem
-from reliability_counts import FAULTS, record
+from helpers.faultfs import FaultyFileSystem
+from helpers.reliability_counts import FAULTS, record
 
-from spot_callbacks import CheckpointStore, Persister, PersistError, PersistJob, RetryPolicy
-from spot_callbacks.persist import default_scratch_root
+from spot_callbacks import CheckpointStore, PersistError
+from spot_callbacks.persist import Persister, PersistJob, default_scratch_root
 from spot_callbacks.store import MANIFEST_NAME
+from spot_callbacks.store.retry import RetryPolicy
 
 FAST_RETRY = RetryPolicy(attempts=4, initial_backoff_s=0.001, max_backoff_s=0.01)
 

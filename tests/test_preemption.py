@@ -24,16 +24,16 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import transformers
-from faultfs import FaultyFileSystem
+from helpers.faultfs import FaultyFileSystem
+from helpers.metadata_servers import AwsImds, iso_utc
 from lightning.pytorch.demos.boring_classes import BoringModel
-from metadata_servers import AwsImds, iso_utc
 
-from spot_callbacks import CheckpointStore, Persister, PersistJob, SpotConfig
+from spot_callbacks import CheckpointStore, SpotConfig
 from spot_callbacks.engine import SpotEngine
 from spot_callbacks.hf import SpotCheckpointCallback
 from spot_callbacks.lightning import SpotCheckpoint
-from spot_callbacks.persist import plan_emergency
-from spot_callbacks.preemption import PreemptionWatcher
+from spot_callbacks.notices import PreemptionWatcher
+from spot_callbacks.persist import Persister, PersistJob, plan_emergency
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO_ROOT / "tests" / "scripts"

@@ -15,15 +15,15 @@ import torch
 from conftest import ServerInfo
 
 from spot_callbacks import SpotConfig
-from spot_callbacks.engine import SpotEngine
-from spot_callbacks.region import (
+from spot_callbacks.accounting.region import (
     ASSUMED_CROSS_REGION_BYTES_PER_S,
     Mismatch,
     Placement,
     RegionCheck,
     instance_placement,
 )
-from spot_callbacks.report import format_seconds
+from spot_callbacks.accounting.report import format_seconds
+from spot_callbacks.engine import SpotEngine
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import torch
 
 from spot_callbacks import CheckpointStore, RunLockedError, SpotConfig
 from spot_callbacks.engine import SpotEngine
-from spot_callbacks.runlock import LOCK_NAME, RunLock
+from spot_callbacks.store.runlock import LOCK_NAME, RunLock
 
 
 @pytest.fixture(params=["file", "s3"])

@@ -12,10 +12,12 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
-from faultfs import FaultyFileSystem
+from helpers.faultfs import FaultyFileSystem
 from torch.distributed.tensor import DeviceMesh, Shard, distribute_tensor
 
-from spot_callbacks import CheckpointStore, PersistError, RetryPolicy, ShardedPersister, load_sharded_state
+from spot_callbacks import CheckpointStore, PersistError, load_sharded_state
+from spot_callbacks.persist.sharded import ShardedPersister
+from spot_callbacks.store.retry import RetryPolicy
 
 FAST_RETRY = RetryPolicy(attempts=2, initial_backoff_s=0.001, max_backoff_s=0.01)
 

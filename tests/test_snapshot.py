@@ -9,10 +9,11 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 import torch
-from reliability_counts import DAMAGED, record
+from helpers.reliability_counts import DAMAGED, record
 
-from spot_callbacks import StagingArea, UnsafeCheckpointError, load_state, write_state
-from spot_callbacks.checksums import digest_local_file
+from spot_callbacks import UnsafeCheckpointError, load_state
+from spot_callbacks.staging import StagingArea, write_state
+from spot_callbacks.store.checksums import digest_local_file
 
 
 def training_state(seed: int = 0):

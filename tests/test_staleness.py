@@ -9,15 +9,15 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from faultfs import FaultyFileSystem
+from helpers.faultfs import FaultyFileSystem
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loggers import CSVLogger
 
 from spot_callbacks import SpotConfig
+from spot_callbacks.accounting.staleness import StalenessMonitor, duration_setting
 from spot_callbacks.engine import SpotEngine
+from spot_callbacks.errors import PersistError
 from spot_callbacks.lightning import SpotCheckpoint
-from spot_callbacks.persist import PersistError
-from spot_callbacks.staleness import StalenessMonitor, duration_setting
 
 INTERVAL_S = 60.0
 

@@ -13,16 +13,16 @@ from datetime import timezone
 from pathlib import Path
 
 import pytest
-from reliability_counts import DAMAGED, record
+from helpers.reliability_counts import DAMAGED, record
 
 from spot_callbacks import (
     CheckpointNotFoundError,
     CheckpointStore,
     CorruptCheckpointError,
     ManifestError,
-    RetryPolicy,
 )
 from spot_callbacks.store import MANIFEST_NAME, local_payload_names, step_dirname
+from spot_callbacks.store.retry import RetryPolicy
 
 FAST_RETRY = RetryPolicy(attempts=2, initial_backoff_s=0.01, max_backoff_s=0.05)
 
@@ -306,7 +306,8 @@ KILL_CHILD = textwrap.dedent(
     """
     import json, sys
     from pathlib import Path
-    from spot_callbacks import CheckpointStore, Persister, PersistJob
+    from spot_callbacks import CheckpointStore
+    from spot_callbacks.persist import Persister, PersistJob
 
     url, options, src = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3])
     store = CheckpointStore(url, storage_options=options)

@@ -74,7 +74,7 @@ def inject_upload_fault(setting: str) -> None:
 
     import torch.distributed as dist
 
-    from spot_callbacks.sharded import ShardedPersister
+    from spot_callbacks.persist.sharded import ShardedPersister
     from spot_callbacks.store import CheckpointStore
 
     action, fault_rank, from_step = setting.split(":")

@@ -1,7 +1,7 @@
 """A run's checkpoint and interruption costs as people read them: ``spot-callbacks report``,
 ``spot-callbacks plan`` and the summary the adapters log at the end of training.
 
-The numbers come from :mod:`spot_callbacks.costs` (the ledger in the manifests, the model); this
+The numbers come from :mod:`spot_callbacks.accounting.costs` (the ledger in the manifests, the model); this
 module only arranges them into (label, value) rows that the command line renders as a table.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from spot_callbacks.costs import (
+from spot_callbacks.accounting.costs import (
     EMERGENCY_REASONS,
     SECONDS_PER_HOUR,
     RunLedger,

@@ -11,13 +11,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from spot_callbacks.costs import (
+from spot_callbacks.accounting.costs import (
     PRIOR_INTERRUPTIONS_PER_HOUR,
     daly_interval_s,
     finite_number,
     posterior_interruptions_per_hour,
 )
-from spot_callbacks.report import format_seconds
+from spot_callbacks.accounting.report import format_seconds
 
 log = logging.getLogger("spot_callbacks")
 

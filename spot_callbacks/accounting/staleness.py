@@ -14,8 +14,9 @@ import math
 import time
 from collections.abc import Callable, Sequence
 
-from spot_callbacks.persist import PersistError, PersistRecord
-from spot_callbacks.report import format_seconds
+from spot_callbacks.accounting.report import format_seconds
+from spot_callbacks.errors import PersistError
+from spot_callbacks.persist import PersistRecord
 
 log = logging.getLogger("spot_callbacks")
 

@@ -40,16 +40,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from spot_callbacks.checksums import FileDigest
-from spot_callbacks.persist import PersistError, PersistQueue, PersistRecord
+from spot_callbacks.errors import CheckpointError, PersistError
+from spot_callbacks.persist import PersistQueue, PersistRecord
 from spot_callbacks.store import (
-    CheckpointError,
     CheckpointInfo,
     CheckpointStore,
     local_payload_names,
     new_manifest,
     step_dirname,
 )
+from spot_callbacks.store.checksums import FileDigest
 
 log = logging.getLogger("spot_callbacks")
 

@@ -41,7 +41,8 @@ from email.message import Message
 from typing import Any, ClassVar
 from urllib.parse import urlencode, urlsplit
 
-from spot_callbacks.preemption import Notice
+from spot_callbacks.errors import MetadataError
+from spot_callbacks.notices import Notice
 
 log = logging.getLogger("spot_callbacks")
 
@@ -73,17 +74,6 @@ def default_poll_interval_s() -> float:
         )  # fmt: skip
         return DEFAULT_POLL_INTERVAL_S
     return value
-
-
-class MetadataError(Exception):
-    """The metadata service gave no usable answer: refused, timed out, 5xx, or a body it does not document.
-
-    ``unreachable`` is True when no connection could be made at all (nothing listens there).
-    """
-
-    def __init__(self, message: str, unreachable: bool = False) -> None:
-        super().__init__(message)
-        self.unreachable = unreachable
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from spot_callbacks.snapshot import IncompatibleCheckpointError, unsafe_checkpoint_error
+from spot_callbacks.errors import IncompatibleCheckpointError
+from spot_callbacks.staging import unsafe_checkpoint_error
 
 log = logging.getLogger("spot_callbacks")
 

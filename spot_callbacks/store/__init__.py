@@ -26,7 +26,13 @@ from typing import Any
 
 import fsspec
 
-from spot_callbacks.checksums import (
+from spot_callbacks.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    ManifestError,
+)
+from spot_callbacks.store.checksums import (
     CHECKSUM_ALGORITHM,
     FileDigest,
     checksum_algorithm,
@@ -34,7 +40,7 @@ from spot_callbacks.checksums import (
     digest_local_file,
     read_blocks,
 )
-from spot_callbacks.retry import RetryPolicy, UploadTimeout, call_with_timeout
+from spot_callbacks.store.retry import RetryPolicy, UploadTimeout, call_with_timeout
 
 log = logging.getLogger("spot_callbacks")
 
@@ -45,22 +51,6 @@ FORMAT_VERSION = 1
 REASONS = ("interval", "steps", "preemption", "exception", "end", "manual")
 _STEP_DIR = re.compile(r"^step-(\d{9,})$")
 _TRANSFER_THREADS = 8
-
-
-class CheckpointError(Exception):
-    """Base class of the errors about a checkpoint in a store."""
-
-
-class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-    """No committed checkpoint at that step (the folder is missing or has no manifest)."""
-
-
-class ManifestError(CheckpointError):
-    """A manifest exists but cannot be trusted: not JSON, wrong fields, unsafe names, newer format."""
-
-
-class CorruptCheckpointError(CheckpointError):
-    """A committed checkpoint's files do not match its manifest (missing, truncated, altered)."""
 
 
 def step_dirname(step: int) -> str:

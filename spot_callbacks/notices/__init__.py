@@ -2,7 +2,7 @@
 
 Signals (``SIGTERM``: Kubernetes, SLURM preemption, a cloud's shutdown; ``SIGUSR1``: SLURM's
 ``--signal``) are caught by handlers that chain to the ones installed before. The clouds' notices
-(``aws``, ``gcp``, ``azure``) are polled in one background thread (:mod:`spot_callbacks.cloud_notices`).
+(``aws``, ``gcp``, ``azure``) are polled in one background thread (:mod:`spot_callbacks.notices.clouds`).
 ``"auto"`` watches SIGTERM, SIGUSR1 too inside a SLURM job, and the cloud this machine runs on.
 """
 
@@ -190,7 +190,7 @@ class PreemptionWatcher:
                 self._install_signal(getattr(signal, name))
         clouds = [name for name in self.sources if name in CLOUD_SOURCES]
         if clouds and not self.polling:
-            from spot_callbacks.cloud_notices import POLLERS, REQUEST_TIMEOUT_S, CloudNoticeThread
+            from spot_callbacks.notices.clouds import POLLERS, REQUEST_TIMEOUT_S, CloudNoticeThread
 
             timeout_s = self.request_timeout_s or REQUEST_TIMEOUT_S
             pollers = []

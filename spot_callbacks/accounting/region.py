@@ -4,7 +4,7 @@ A resume pulls the whole checkpoint; across regions that is slower (and billed a
 98 GB checkpoint can add minutes to every resume. At start the writer asks, off the training thread:
 
 - the **instance's region**, from the cloud's metadata service, with the endpoints and variables
-  of :mod:`spot_callbacks.cloud_notices` (``$AWS_EC2_METADATA_SERVICE_ENDPOINT``,
+  of :mod:`spot_callbacks.notices.clouds` (``$AWS_EC2_METADATA_SERVICE_ENDPOINT``,
   ``$GCE_METADATA_HOST``, ``$SPOT_AZURE_METADATA_ENDPOINT``) and its short detection timeout:
   AWS IMDSv2 ``placement/region``, GCP ``instance/zone`` (``us-central1-a`` -> ``us-central1``),
   Azure IMDS ``compute/location``;
@@ -27,15 +27,9 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from spot_callbacks.cloud_notices import (
-    DETECT_TIMEOUT_S,
-    AwsPoller,
-    AzurePoller,
-    GcpPoller,
-    MetadataClient,
-    MetadataError,
-)
-from spot_callbacks.report import format_seconds
+from spot_callbacks.accounting.report import format_seconds
+from spot_callbacks.errors import MetadataError
+from spot_callbacks.notices.clouds import DETECT_TIMEOUT_S, AwsPoller, AzurePoller, GcpPoller, MetadataClient
 
 log = logging.getLogger("spot_callbacks")
 

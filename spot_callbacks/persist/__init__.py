@@ -13,7 +13,6 @@ checkpoint is uploaded alongside it, at once.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import logging
 import os
@@ -27,8 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spot_callbacks.checksums import FileDigest
+from spot_callbacks.errors import PersistError
 from spot_callbacks.store import MANIFEST_NAME, CheckpointInfo, CheckpointStore, local_payload_names
+from spot_callbacks.store.checksums import FileDigest
 
 log = logging.getLogger("spot_callbacks")
 
@@ -37,35 +37,6 @@ log = logging.getLogger("spot_callbacks")
 STALL_FACTOR = 3.0
 STALL_GRACE_S = 1.0
 SPEED_RECORDS = 3  # the upload speed is measured over the newest few commits
-
-
-class PersistError(RuntimeError):
-    """A checkpoint could not be made durable; ``url`` names where it was going, ``__cause__`` why."""
-
-    def __init__(self, step: int, url: str, cause: BaseException, local_dir: Path | None) -> None:
-        kept = ""
-        if local_dir and local_dir.is_dir() and local_payload_names(local_dir):
-            kept = f"; the local copy is kept in {local_dir}"
-        super().__init__(
-            f"checkpoint of step {step} could not be persisted to {url}: {type(cause).__name__}: {cause}"
-            f"{kept}{_no_space_hint(cause, local_dir)}"
-        )
-        self.step = step
-        self.url = url
-        self.cause = cause
-        self.local_dir = local_dir
-
-
-def _no_space_hint(cause: BaseException, local_dir: Path | None) -> str:
-    if not (isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT)):
-        return ""
-    written = os.fspath(cause.filename) if cause.filename else ""
-    if local_dir is not None and written.startswith(os.fspath(local_dir)):
-        return (
-            f"; no space left in the scratch folder {local_dir.parent}: free space there, or set "
-            f"scratch_dir (or $SPOT_SCRATCH) to a bigger disk"
-        )
-    return f"; no space left on the device that holds {written or 'the destination'}"
 
 
 @dataclass

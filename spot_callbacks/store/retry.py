@@ -13,6 +13,8 @@ from typing import Any, TypeVar
 
 import tenacity
 
+from spot_callbacks.errors import AttemptTimeoutError
+
 log = logging.getLogger("spot_callbacks")
 T = TypeVar("T")
 
@@ -84,10 +86,6 @@ class RetryPolicy:
 
 UPLOAD_TIMEOUT_ENV = "SPOT_UPLOAD_TIMEOUT_S"
 UPLOAD_MIN_SPEED_ENV = "SPOT_UPLOAD_MIN_MBPS"
-
-
-class AttemptTimeoutError(TimeoutError):
-    """One attempt of a storage call ran past its timeout and was abandoned (retried as transient)."""
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ Timestamps of two machines are compared, so clock skew enters downtime and the e
 **The model** (:func:`expected_wall_time_s`): Daly's complete model for Poisson interruptions,
 the one his higher-order interval optimizes. See its docstring for the formula and assumptions.
 :func:`plan_job` and :func:`break_even_interruptions_per_hour` answer "is spot worth it";
-:mod:`spot_callbacks.report` turns all of it into what people read.
+:mod:`spot_callbacks.accounting.report` turns all of it into what people read.
 """
 
 from __future__ import annotations

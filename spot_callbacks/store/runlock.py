@@ -27,7 +27,8 @@ import uuid
 from datetime import datetime, timezone
 from typing import Any
 
-from spot_callbacks.store import CheckpointError, CheckpointStore
+from spot_callbacks.errors import RunLockedError
+from spot_callbacks.store import CheckpointStore
 
 log = logging.getLogger("spot_callbacks")
 
@@ -36,10 +37,6 @@ FORCE_ENV = "SPOT_FORCE_LOCK"
 STALE_ENV = "SPOT_LOCK_STALE_S"
 DEFAULT_STALE_S = 120.0
 HEARTBEATS_PER_STALE = 4  # a live owner refreshes several times before its lock could look stale
-
-
-class RunLockedError(CheckpointError):
-    """Another live run holds the lock of this ``dirpath``."""
 
 
 def stale_after_s() -> float:

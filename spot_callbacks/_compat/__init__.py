@@ -1,0 +1,1 @@
+"""Every private Lightning and Transformers API spot_callbacks touches."""

@@ -1,0 +1,1 @@
+"""Accounting: what checkpoints, interruptions and resumes cost; staleness; the in-region check."""

@@ -1,0 +1,112 @@
+"""Every exception spot_callbacks raises, in one place.
+
+Each message says what was wrong, with the value, and what to do. The classes keep the
+builtin bases callers already catch (``ValueError`` for configuration, ``FileNotFoundError``
+for a missing checkpoint, ``TimeoutError`` for an abandoned attempt).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import pickle
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """A configuration key has a value spot_callbacks cannot use; the message names the key and the fix."""
+
+
+class CheckpointError(Exception):
+    """Base class of the errors about a checkpoint in a store."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No committed checkpoint at that step (the folder is missing or has no manifest)."""
+
+
+class ManifestError(CheckpointError):
+    """A manifest exists but cannot be trusted: not JSON, wrong fields, unsafe names, newer format."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A committed checkpoint's files do not match its manifest (missing, truncated, altered)."""
+
+
+class RunLockedError(CheckpointError):
+    """Another live run holds the lock of this ``dirpath``."""
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A state file holds objects that safe (``weights_only``) loading refuses to construct."""
+
+
+class IncompatibleCheckpointError(RuntimeError):
+    """A checkpoint's tensors do not fit the model resuming from it (another model, or a changed one)."""
+
+
+class AttemptTimeoutError(TimeoutError):
+    """One attempt of a storage call ran past its timeout and was abandoned (retried as transient)."""
+
+
+class MetadataError(Exception):
+    """The metadata service gave no usable answer: refused, timed out, 5xx, or a body it does not document.
+
+    ``unreachable`` is True when no connection could be made at all (nothing listens there).
+    """
+
+    def __init__(self, message: str, unreachable: bool = False) -> None:
+        super().__init__(message)
+        self.unreachable = unreachable
+
+
+class PersistError(RuntimeError):
+    """A checkpoint could not be made durable; ``url`` names where it was going, ``__cause__`` why."""
+
+    def __init__(self, step: int, url: str, cause: BaseException, local_dir: Path | None) -> None:
+        kept = ""
+        if local_dir and _holds_payload(local_dir):
+            kept = f"; the local copy is kept in {local_dir}"
+        super().__init__(
+            f"checkpoint of step {step} could not be persisted to {url}: {type(cause).__name__}: {cause}"
+            f"{kept}{_no_space_hint(cause, local_dir)}"
+        )
+        self.step = step
+        self.url = url
+        self.cause = cause
+        self.local_dir = local_dir
+
+
+def _holds_payload(folder: Path) -> bool:
+    # Any visible file but the manifest (writers' temporaries are hidden).
+    return folder.is_dir() and any(
+        path.is_file() and path.name != "manifest.json" and not path.name.startswith(".")
+        for path in folder.rglob("*")
+    )
+
+
+def _no_space_hint(cause: BaseException, local_dir: Path | None) -> str:
+    if not (isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT)):
+        return ""
+    written = os.fspath(cause.filename) if cause.filename else ""
+    if local_dir is not None and written.startswith(os.fspath(local_dir)):
+        return (
+            f"; no space left in the scratch folder {local_dir.parent}: free space there, or set "
+            f"scratch_dir (or $SPOT_SCRATCH) to a bigger disk"
+        )
+    return f"; no space left on the device that holds {written or 'the destination'}"
+
+
+__all__ = [
+    "AttemptTimeoutError",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "ConfigError",
+    "CorruptCheckpointError",
+    "IncompatibleCheckpointError",
+    "ManifestError",
+    "MetadataError",
+    "PersistError",
+    "RunLockedError",
+    "UnsafeCheckpointError",
+]

@@ -1,0 +1,1 @@
+"""Test harnesses: fault-injecting filesystem, crash harness, loopback metadata servers, reliability counts."""
