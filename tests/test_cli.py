@@ -211,7 +211,7 @@ def test_rm_asks_on_a_terminal_and_requires_yes_otherwise(store, store_url, run,
 def test_rm_removes_an_uncommitted_folder(store, store_url, run, tmp_path):
     commit(store, tmp_path, 1)
     (tmp_path / "partial.bin").write_bytes(b"x" * 100)
-    store.begin(5)
+    store.clear_stale_step(5)
     store.upload_file(tmp_path / "partial.bin", 5, "state.pt")  # never committed
     code, out, err = run("rm", store_url.url, "--step", "5", "--yes")
     assert code == 0, err

@@ -108,7 +108,7 @@ def test_checkpoint_without_manifest_is_invisible(store, tmp_path):
     folder = tmp_path / "partial"
     folder.mkdir()
     make_payload(folder, 20)
-    store.begin(20)
+    store.clear_stale_step(20)
     store.upload_file(folder / "state.pt", 20, "state.pt")  # payload durable, never committed
 
     assert [info.step for info in store.committed()] == [10]
@@ -246,7 +246,7 @@ def test_prune_racing_a_commit_never_touches_the_new_checkpoint(store, tmp_path)
 
 def test_rewriting_an_existing_step_drops_its_manifest_before_any_payload(store, tmp_path):
     commit_step(store, tmp_path, 50)
-    store.begin(50)
+    store.clear_stale_step(50)
     assert store.committed() == []
     folder = tmp_path / "again"
     folder.mkdir()

@@ -29,6 +29,7 @@ from typing import Any
 from spot_callbacks.errors import PersistError
 from spot_callbacks.store import MANIFEST_NAME, CheckpointInfo, CheckpointStore, local_payload_names
 from spot_callbacks.store.checksums import FileDigest
+from spot_callbacks.store.commit import settle_commit
 
 log = logging.getLogger("spot_callbacks")
 
@@ -477,30 +478,17 @@ class Persister(PersistQueue):
                 self.last_committed = info
             self._settle(job, "committed")
             self._cond.notify_all()
-        if job.deadline is not None and time.time() > job.deadline:
-            log.warning(
-                "spot_callbacks: the emergency checkpoint of step %d committed %.1fs after its deadline",
-                job.step, time.time() - job.deadline,
-            )  # fmt: skip
         log.info(
             "spot_callbacks: committed %s (%s, %.1f MB in %.2fs, %.0f MB/s)",
             info.url, job.reason, info.size_bytes / 1e6, upload_s, record.mb_per_s,
         )  # fmt: skip
         if not newest:
             self._discard_local(job)
+            if job.deadline is not None:
+                settle_commit(self.store, info, self.keep_last, job.deadline)  # only says it was late
             return
         self._keep_local(job)
-        if job.deadline is not None:
-            # Seconds count now: retention waits for the next commit (the next run's first).
-            return
-        try:
-            self.store.prune(self.keep_last)
-        except Exception as err:  # noqa: BLE001 - retention failing must not fail the commit
-            log.warning(
-                "spot_callbacks: retention in %s failed, will retry after the next commit: %s",
-                self.store.url,
-                err,
-            )
+        settle_commit(self.store, info, self.keep_last, job.deadline)
 
     def _keep_local(self, job: PersistJob) -> None:
         if not job.owns_local_dir:

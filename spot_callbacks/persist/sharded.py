@@ -50,6 +50,7 @@ from spot_callbacks.store import (
     step_dirname,
 )
 from spot_callbacks.store.checksums import FileDigest
+from spot_callbacks.store.commit import settle_commit
 
 log = logging.getLogger("spot_callbacks")
 
@@ -483,7 +484,7 @@ class ShardedPersister(PersistQueue):
 
     def _begin(self, step: int) -> str | None:
         try:
-            self.store.begin(step)
+            self.store.clear_stale_step(step)
             return None
         except Exception as err:  # noqa: BLE001
             return f"rank 0: {type(err).__name__}: {err}"
@@ -546,16 +547,7 @@ class ShardedPersister(PersistQueue):
             "spot_callbacks: committed %s (%s, %d ranks, %.1f MB in %.2fs)",
             info.url, job.reason, self.world_size, info.size_bytes / 1e6, upload_s,
         )  # fmt: skip
-        if job.deadline is not None and time.time() > job.deadline:
-            log.warning(
-                "spot_callbacks: the emergency checkpoint of step %d committed %.1fs after its deadline",
-                job.step, time.time() - job.deadline,
-            )  # fmt: skip
-        if job.deadline is None:  # an emergency's seconds count: retention waits for the next commit
-            try:
-                self.store.prune(self.keep_last)
-            except Exception as err:  # noqa: BLE001 - retention failing must not fail the commit
-                log.warning("spot_callbacks: retention in %s failed: %s", self.store.url, err)
+        settle_commit(self.store, info, self.keep_last, job.deadline)
         return ("committed", info)
 
     def _settle(self, job: ShardedJob, outcome: tuple[str, Any], upload_s: float) -> None:

@@ -477,7 +477,7 @@ class CheckpointStore:
     # ---------------------------------------------------------------- writing
     # fs.rm, never fs.rm_file: adlfs and gcsfs inherit a sync rm_file that creates a coroutine
     # and never awaits it, so the object silently stays.
-    def begin(self, step: int) -> None:
+    def clear_stale_step(self, step: int) -> None:
         """Prepare the folder of ``step`` for a new checkpoint.
 
         A folder that already exists (a run that resumed from an older checkpoint reached this
@@ -601,7 +601,7 @@ class CheckpointStore:
         if not names:
             raise CheckpointError(f"{local_root} holds no files to checkpoint")
         upload_started = time.perf_counter()
-        self.begin(step)
+        self.clear_stale_step(step)
         files = self.upload_files(step, local_root, names, digests)
         # Known only now, and recorded with the rest: the manifest is the run's cost record (costs.py).
         metrics = {**(metrics or {}), "upload_s": round(time.perf_counter() - upload_started, 6)}
