@@ -38,7 +38,8 @@ from spot_callbacks.staging import StagingArea, write_state
 from spot_callbacks.store import CheckpointInfo, CheckpointStore, step_dirname
 from spot_callbacks.store.checksums import FileDigest
 from spot_callbacks.store.runlock import RunLock
-from spot_callbacks.trigger import CheckpointTrigger, agree, distributed_ready, gather_from_ranks
+from spot_callbacks.trigger import CheckpointTrigger
+from spot_callbacks.trigger.collectives import agree, broadcast_object, distributed_ready, gather_from_ranks
 
 log = logging.getLogger("spot_callbacks")
 
@@ -204,7 +205,7 @@ class SpotEngine:
                     "spot_callbacks: could not take the run lock of %s, training without it: %s: %s",
                     self.store.url, type(err).__name__, err,
                 )  # fmt: skip
-        refusal = _broadcast_object(refusal)
+        refusal = broadcast_object(refusal)
         if refusal is not None:
             raise RunLockedError(refusal)
 
@@ -536,7 +537,7 @@ class SpotEngine:
                 finished = self._persister.wait(timeout=timeout)
         self.barrier()
         if notice is not None:
-            finished = bool(_broadcast_object(finished))
+            finished = bool(broadcast_object(finished))
             if finished and self.config.on_preemption == "stop":
                 self.watcher.acknowledge()
         return finished
@@ -612,7 +613,7 @@ class SpotEngine:
             return Path(dest(step)) if dest is not None else self.scratch_root / step_dirname(step)
 
         info = self._pull_newest_valid(folder_for) if self.rank == 0 else None
-        info = _broadcast_object(info)
+        info = broadcast_object(info)
         say = log.info if self.is_writer else log.debug  # once per run, not once per rank
         if info is None:
             say("spot_callbacks: no committed checkpoint in %s; starting from scratch", self.store.url)
@@ -701,11 +702,3 @@ def _log_emergency(step: int, notice: Notice, committed: bool, waited_s: float) 
 
 def _utc(epoch_s: float) -> str:
     return datetime.fromtimestamp(epoch_s, tz=timezone.utc).isoformat()
-
-
-def _broadcast_object(value: Any) -> Any:
-    if not distributed_ready():
-        return value
-    holder = [value]
-    dist.broadcast_object_list(holder, src=0)
-    return holder[0]

@@ -16,13 +16,12 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from spot_callbacks.config import SpotConfig
 from spot_callbacks.engine import SpotEngine
-from spot_callbacks.notices import Notice
+from spot_callbacks.notices import PREEMPTED_EXIT_CODE, Notice
 from spot_callbacks.store import CheckpointStore
-from spot_callbacks.trigger import gather_from_ranks
+from spot_callbacks.trigger.collectives import gather_from_ranks
 
 log = logging.getLogger("spot_callbacks")
 
-PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM: "stopped to be resumed", as launchers expect
 # Where on_init_end moves local checkpoint-N folders newer than the newest committed checkpoint,
 # so that train(resume_from_checkpoint=True) cannot pick a half-written one (HF issues 35525, 35782).
 UNCOMMITTED_PREFIX = ".spot-uncommitted-"

@@ -15,15 +15,14 @@ from spot_callbacks._compat import lightning as compat
 from spot_callbacks.config import SpotConfig
 from spot_callbacks.engine import STATE_FILE, SpotEngine
 from spot_callbacks.errors import CheckpointError
-from spot_callbacks.notices import Notice, signal_grace_s
-from spot_callbacks.persist.sharded import DCP_METADATA_FILE
+from spot_callbacks.notices import PREEMPTED_EXIT_CODE, Notice, signal_grace_s
 from spot_callbacks.staging import capture_rng_state, restore_rng_state
-from spot_callbacks.trigger import distributed_ready, gather_from_ranks
+from spot_callbacks.store.layout import DCP_METADATA_FILE
+from spot_callbacks.trigger.collectives import distributed_ready, gather_from_ranks
 
 log = logging.getLogger("spot_callbacks")
 
 STATE_FORMAT = 1
-PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM: "stopped to be resumed", as launchers expect
 
 
 def _mine(per_rank: list[Any]) -> Any:

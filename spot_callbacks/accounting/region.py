@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 from spot_callbacks.accounting.report import format_seconds
 from spot_callbacks.errors import MetadataError
 from spot_callbacks.notices.clouds import DETECT_TIMEOUT_S, AwsPoller, AzurePoller, GcpPoller, MetadataClient
+from spot_callbacks.store.layout import fs_protocols
 
 log = logging.getLogger("spot_callbacks")
 
@@ -167,11 +168,6 @@ def _text(body: bytes) -> str:
 # -------------------------------------------------------------------- bucket
 
 
-def _protocols(fs: Any) -> set[str]:
-    protocol = fs.protocol
-    return set(protocol) if isinstance(protocol, (tuple, list)) else {protocol}
-
-
 def s3_location(constraint: str | None) -> str:
     """The region of a ``GetBucketLocation`` answer: none is us-east-1, the legacy ``EU`` is eu-west-1.
 
@@ -209,7 +205,7 @@ def gcs_placement(bucket: dict[str, Any]) -> Placement | None:
 def bucket_placement(fs: Any, path: str) -> Placement | None:
     """The region of the bucket holding ``path`` on ``fs`` (s3fs or gcsfs); None when unknown or not allowed."""
     bucket = path.split("/", 1)[0]
-    protocols = _protocols(fs)
+    protocols = set(fs_protocols(fs))
     if {"s3", "s3a"} & protocols and hasattr(fs, "call_s3"):
         answer = fs.call_s3("get_bucket_location", Bucket=bucket)
         return Placement("aws", s3_location(answer.get("LocationConstraint")))
@@ -323,7 +319,7 @@ class RegionCheck:
 
     def compare(self) -> Mismatch | None:
         """Ask both sides; a :class:`Mismatch` when both are known and differ."""
-        if not ({"s3", "s3a", "gs", "gcs"} & _protocols(self.fs)):
+        if not ({"s3", "s3a", "gs", "gcs"} & set(fs_protocols(self.fs))):
             return None  # local, memory, Azure (no location on the data plane): nothing to compare
         instance = instance_placement(self.timeout_s)
         if instance is None:

@@ -24,6 +24,7 @@ log = logging.getLogger("spot_callbacks")
 DEFAULT_SIGNAL_GRACE_S = 30.0
 SIGNAL_SOURCES = ("SIGTERM", "SIGUSR1")
 CLOUD_SOURCES = ("aws", "gcp", "azure")
+PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM: "stopped to be resumed", as launchers expect
 
 
 @dataclass(frozen=True)

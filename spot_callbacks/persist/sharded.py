@@ -51,11 +51,11 @@ from spot_callbacks.store import (
 )
 from spot_callbacks.store.checksums import FileDigest
 from spot_callbacks.store.commit import settle_commit
+from spot_callbacks.trigger.collectives import broadcast_object
 
 log = logging.getLogger("spot_callbacks")
 
 META_FILE = "meta.pt"  # the non-tensor rest of the checkpoint (Lightning's _METADATA_FILENAME)
-DCP_METADATA_FILE = ".metadata"
 # Collectives of the checkpoint groups wait for the slowest rank's upload, which can take long.
 GROUP_TIMEOUT_S = float(os.environ.get("SPOT_SHARDED_TIMEOUT_S", "7200"))
 
@@ -410,9 +410,9 @@ class ShardedPersister(PersistQueue):
                 newest = max(self._written, key=lambda job: job.step)
             chosen, ready = newest.step, newest.ready
             begin_error = self._begin(chosen)
-            decision = _broadcast([chosen, begin_error, ready], self._upload_group)
+            decision = broadcast_object([chosen, begin_error, ready], self._upload_group)
         else:
-            decision = _broadcast([None, None, None], self._upload_group)
+            decision = broadcast_object([None, None, None], self._upload_group)
         step, begin_error, ready = decision
         job = self._take_written(step)
         started = time.perf_counter()
@@ -433,7 +433,7 @@ class ShardedPersister(PersistQueue):
         reports: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
         dist.gather_object(report, reports, dst=0, group=self._upload_group)
         outcome = self._commit(step, job, reports, upload_s) if self.rank == 0 else None
-        outcome = _broadcast([outcome], self._upload_group)[0]
+        outcome = broadcast_object([outcome], self._upload_group)[0]
         if job is not None:
             self._settle(job, outcome, upload_s)
 
@@ -609,8 +609,3 @@ def _tensor_bytes(state: Any) -> int:
     if isinstance(state, (list, tuple)):
         return sum(_tensor_bytes(value) for value in state)
     return 0
-
-
-def _broadcast(values: list[Any], group: Any) -> list[Any]:
-    dist.broadcast_object_list(values, src=0, group=group)
-    return values

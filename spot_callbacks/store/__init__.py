@@ -40,12 +40,12 @@ from spot_callbacks.store.checksums import (
     digest_local_file,
     read_blocks,
 )
+from spot_callbacks.store.layout import DCP_METADATA_FILE, fs_protocols
 from spot_callbacks.store.retry import RetryPolicy, UploadTimeout, call_with_timeout
 
 log = logging.getLogger("spot_callbacks")
 
 MANIFEST_NAME = "manifest.json"
-DCP_METADATA_NAME = ".metadata"  # torch.distributed.checkpoint's index of every shard: hidden, yet payload
 MANIFEST_FORMAT = "spot_callbacks.checkpoint"
 FORMAT_VERSION = 1
 REASONS = ("interval", "steps", "preemption", "exception", "end", "manual")
@@ -234,7 +234,7 @@ class CheckpointStore:
         self.root = root.rstrip("/") or root
         protocol, _ = fsspec.core.split_protocol(self.dirpath)
         # adlfs names itself "abfs"; report URLs in the protocol the user wrote (az://).
-        self._protocol = protocol if protocol in _protocols(self.fs) else None
+        self._protocol = protocol if protocol in fs_protocols(self.fs) else None
         self.retry = retry or RetryPolicy()
         self.upload_timeout = upload_timeout or UploadTimeout.from_env()
         self._warned: set[tuple[int, str]] = set()
@@ -254,7 +254,7 @@ class CheckpointStore:
 
     @property
     def is_local(self) -> bool:
-        return bool({"file", "local"} & set(_protocols(self.fs)))
+        return bool({"file", "local"} & set(fs_protocols(self.fs)))
 
     def step_path(self, step: int) -> str:
         return posixpath.join(self.root, step_dirname(step))
@@ -680,7 +680,7 @@ def _is_temporary(name: str) -> bool:
     # shards next to it cannot be loaded. DCP writes it as `.metadata.tmp` first, which stays out.
     *folders, base = name.split("/")
     return any(part.startswith(".") for part in folders) or (
-        base.startswith(".") and base != DCP_METADATA_NAME
+        base.startswith(".") and base != DCP_METADATA_FILE
     )
 
 
@@ -696,10 +696,6 @@ def _with_upload_defaults(url: str, storage_options: dict[str, Any] | None) -> d
     if protocol in ("s3", "s3a"):
         options.setdefault("max_concurrency", S3_UPLOAD_CONCURRENCY)
     return options
-
-
-def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
-    return (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
 
 
 def _run_parallel(fn: Any, items: Iterable[Any]) -> list[Any]:
