@@ -1,6 +1,6 @@
 """Preemption notices: signals, the clouds' metadata services, cross-rank agreement, the emergency path.
 
-The clouds are loopback servers that implement the documented endpoints (tests/metadata_servers.py);
+The clouds are loopback servers that implement the documented endpoints (tests/helpers/metadata_servers.py);
 the endpoint variables point the pollers at them, and at a closed port for the clouds a test does
 not use, so nothing here ever talks to a real metadata service.
 """

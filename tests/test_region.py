@@ -1,4 +1,4 @@
-"""The in-region check (spot_callbacks/region.py) against loopback metadata services, moto S3 and fake GCS."""
+"""The in-region check (spot_callbacks/accounting/region.py) against loopback metadata services, moto S3 and fake GCS."""
 
 from __future__ import annotations
 

@@ -3,11 +3,11 @@
 A resume pulls the whole checkpoint; across regions that is slower (and billed as transfer), so a
 98 GB checkpoint can add minutes to every resume. At start the writer asks, off the training thread:
 
-- the **instance's region**, from the cloud's metadata service, with the endpoints and variables
-  of :mod:`spot_callbacks.notices.clouds` (``$AWS_EC2_METADATA_SERVICE_ENDPOINT``,
-  ``$GCE_METADATA_HOST``, ``$SPOT_AZURE_METADATA_ENDPOINT``) and its short detection timeout:
-  AWS IMDSv2 ``placement/region``, GCP ``instance/zone`` (``us-central1-a`` -> ``us-central1``),
-  Azure IMDS ``compute/location``;
+- the **instance's region**, from the cloud's metadata service, through the lookup each cloud's
+  module of :mod:`spot_callbacks.notices` has (same endpoints and variables as its notices,
+  ``$AWS_EC2_METADATA_SERVICE_ENDPOINT``, ``$GCE_METADATA_HOST``, ``$SPOT_AZURE_METADATA_ENDPOINT``)
+  and the short detection timeout: AWS IMDSv2 ``placement/region``, GCP ``instance/zone``
+  (``us-central1-a`` -> ``us-central1``), Azure IMDS ``compute/location``;
 - the **bucket's region**: S3 ``GetBucketLocation``, the GCS bucket's ``location``. Azure's
   data plane does not tell a storage account's location, so an ``az://`` store is never compared.
 
@@ -22,14 +22,13 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 from spot_callbacks.accounting.report import format_seconds
-from spot_callbacks.errors import MetadataError
-from spot_callbacks.notices.clouds import DETECT_TIMEOUT_S, AwsPoller, AzurePoller, GcpPoller, MetadataClient
+from spot_callbacks.notices.clouds import CLOUDS, ask_each
+from spot_callbacks.notices.metadata import DETECT_TIMEOUT_S
 from spot_callbacks.store.layout import fs_protocols
 
 log = logging.getLogger("spot_callbacks")
@@ -84,85 +83,13 @@ class Placement:
 # ------------------------------------------------------------------ instance
 
 
-def _client(poller: type[Any]) -> MetadataClient:
-    return MetadataClient(os.environ.get(poller.env_var) or poller.default_endpoint)
-
-
-def aws_region(timeout_s: float) -> str | None:
-    """The EC2 instance's region through IMDSv2 (token, then ``placement/region``)."""
-    client = _client(AwsPoller)
-    token = client.request(
-        "PUT", "/latest/api/token", timeout_s, headers={"X-aws-ec2-metadata-token-ttl-seconds": "60"}
-    )
-    if token.status != 200 or not token.body.strip():
-        return None
-    response = client.request(
-        "GET", "/latest/meta-data/placement/region", timeout_s,
-        headers={"X-aws-ec2-metadata-token": token.body.decode("ascii", "replace").strip()},
-    )  # fmt: skip
-    return _text(response.body) if response.status == 200 else None
-
-
-def gcp_region(timeout_s: float) -> str | None:
-    """The GCE instance's region: ``instance/zone`` is ``projects/N/zones/us-central1-a``."""
-    response = _client(GcpPoller).request(
-        "GET", "/computeMetadata/v1/instance/zone", timeout_s, headers=GcpPoller.HEADERS
-    )
-    if response.status != 200 or response.headers.get("Metadata-Flavor") != "Google":
-        return None
-    return zone_to_region(_text(response.body).rsplit("/", 1)[-1])
-
-
-def azure_region(timeout_s: float) -> str | None:
-    """The Azure VM's location (``eastus``) from IMDS."""
-    response = _client(AzurePoller).request(
-        "GET", "/metadata/instance/compute/location?api-version=2021-02-01&format=text", timeout_s,
-        headers=AzurePoller.HEADERS,
-    )  # fmt: skip
-    return _text(response.body) if response.status == 200 else None
-
-
-INSTANCE_REGION: dict[str, Callable[[float], str | None]] = {
-    "aws": aws_region,
-    "gcp": gcp_region,
-    "azure": azure_region,
-}
-
-
 def instance_placement(timeout_s: float = DETECT_TIMEOUT_S) -> Placement | None:
-    """The cloud and region this machine runs in; None off-cloud (each service asked once, ``timeout_s`` each).
-
-    The three clouds share one link-local address: when nothing listens there, it is asked only once.
-    """
-    unreachable: set[tuple[str, int]] = set()
-    pollers = {"aws": AwsPoller, "gcp": GcpPoller, "azure": AzurePoller}
-    for cloud, ask in INSTANCE_REGION.items():
-        address = _client(pollers[cloud]).address
-        if address in unreachable:
-            continue
-        try:
-            region = ask(timeout_s)
-        except MetadataError as err:
-            if err.unreachable:
-                unreachable.add(address)
-            continue
+    """The cloud and region this machine runs in; None off-cloud (each service asked once, ``timeout_s`` each)."""
+    services = (cloud(request_timeout_s=timeout_s) for cloud in CLOUDS.values())
+    for service, region in ask_each(services, lambda service: service.region(timeout_s)):
         if region:
-            return Placement(cloud, region.lower())
+            return Placement(service.name, region.lower())
     return None
-
-
-def zone_to_region(zone: str) -> str:
-    """``us-central1-a`` -> ``us-central1``.
-
-    Example:
-        >>> zone_to_region("europe-west4-b")
-        'europe-west4'
-    """
-    return zone.rsplit("-", 1)[0] if zone.count("-") >= 2 else zone
-
-
-def _text(body: bytes) -> str:
-    return body.decode("utf-8", "replace").strip()
 
 
 # -------------------------------------------------------------------- bucket

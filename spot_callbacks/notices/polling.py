@@ -1,0 +1,152 @@
+"""The clouds' notices, polled in one daemon thread.
+
+A timeout, a 5xx, a body that is not what the cloud documents or a missing token is "no notice",
+logged once per poller. With ``detect=True`` (``preemption="auto"``) the thread first asks each
+service, with short timeouts and no logging, whether this machine runs on that cloud, and ends
+when none answers. ``$SPOT_METADATA_POLL_S`` sets the poll interval (default 5 s).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from spot_callbacks.errors import MetadataError
+from spot_callbacks.notices.clouds import ask_each
+from spot_callbacks.notices.metadata import DETECT_TIMEOUT_S
+from spot_callbacks.notices.notice import Notice
+from spot_callbacks.notices.poller import CloudPoller
+
+log = logging.getLogger("spot_callbacks")
+
+DEFAULT_POLL_INTERVAL_S = 5.0
+
+
+def default_poll_interval_s() -> float:
+    """Seconds between polls: ``$SPOT_METADATA_POLL_S``, else 5."""
+    raw = os.environ.get("SPOT_METADATA_POLL_S")
+    try:
+        value = float(raw) if raw else DEFAULT_POLL_INTERVAL_S
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        log.warning(
+            "spot_callbacks: SPOT_METADATA_POLL_S=%r is not a positive number; polling every %.0fs",
+            raw, DEFAULT_POLL_INTERVAL_S,
+        )  # fmt: skip
+        return DEFAULT_POLL_INTERVAL_S
+    return value
+
+
+class CloudNoticeThread:
+    """Runs cloud pollers in one daemon thread and hands what they find to callbacks.
+
+    Args:
+        pollers: the clouds to watch.
+        on_notice: called (in the thread) with each new :class:`Notice`.
+        on_hint: called (in the thread) with the description of each early hint.
+        detect: first keep only the clouds this machine runs on (short timeouts, no log lines);
+            end at once when there is none.
+        poll_interval_s: seconds between polls (default ``$SPOT_METADATA_POLL_S``, else 5).
+        detect_timeout_s: timeout of one detection request.
+
+    Example:
+        >>> from spot_callbacks.notices.aws import AwsPoller
+        >>> thread = CloudNoticeThread([AwsPoller("http://127.0.0.1:9")], print, print, detect=True)
+        >>> thread.start(); thread.detected.wait(5), thread.watched  # nothing listens there
+        (True, [])
+        >>> thread.stop()
+        True
+    """
+
+    def __init__(
+        self,
+        pollers: Sequence[CloudPoller],
+        on_notice: Callable[[Notice], None],
+        on_hint: Callable[[str], None],
+        detect: bool = False,
+        poll_interval_s: float | None = None,
+        detect_timeout_s: float = DETECT_TIMEOUT_S,
+    ) -> None:
+        self.pollers = list(pollers)
+        self.on_notice = on_notice
+        self.on_hint = on_hint
+        self.detect = detect
+        self.poll_interval_s = poll_interval_s if poll_interval_s is not None else default_poll_interval_s()
+        self.detect_timeout_s = detect_timeout_s
+        self.watched: list[CloudPoller] = []
+        self.detected = threading.Event()  # set once the clouds to watch are known
+        self._stop = threading.Event()
+        self._failing: set[str] = set()
+        self._thread = threading.Thread(target=self._run, name="spot-notices", daemon=True)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> bool:
+        """Stop polling (a long poll in flight is aborted); True when the thread has ended."""
+        self._stop.set()
+        for poller in self.pollers:
+            poller.abort()
+        if self._thread.ident is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        try:
+            self.watched = self._detect() if self.detect else list(self.pollers)
+        finally:
+            self.detected.set()
+        if not self.watched:
+            log.debug("spot_callbacks: no cloud metadata service answered; watching signals only")
+            return
+        log.info(
+            "spot_callbacks: watching preemption notices from %s, every %gs",
+            ", ".join(p.describe() for p in self.watched), self.poll_interval_s,
+        )  # fmt: skip
+        while not self._stop.is_set():
+            started = time.monotonic()
+            for poller in self.watched:
+                if self._stop.is_set():
+                    return
+                self._poll_one(poller)
+            # A long poll (GCP) already spent the interval waiting for a change.
+            self._stop.wait(max(0.0, self.poll_interval_s - (time.monotonic() - started)))
+
+    def _detect(self) -> list[CloudPoller]:
+        not_stopped = (poller for poller in self.pollers if not self._stop.is_set())
+        return [poller for poller, here in ask_each(not_stopped, self._runs_on) if here]
+
+    def _runs_on(self, poller: CloudPoller) -> bool:
+        try:
+            return poller.detect(self.detect_timeout_s)
+        except MetadataError:
+            raise  # ask_each's: an unreachable address is not asked again
+        except Exception as err:  # noqa: BLE001 - detection must never end the thread noisily
+            log.debug("spot_callbacks: %s: detection failed: %s", poller.describe(), err)
+            return False
+
+    def _poll_one(self, poller: CloudPoller) -> None:
+        try:
+            result = poller.poll(self.poll_interval_s)
+        except Exception as err:  # noqa: BLE001 - a poller must never end the thread or reach training
+            if self._stop.is_set():
+                return
+            if poller.name not in self._failing:
+                self._failing.add(poller.name)
+                log.warning(
+                    "spot_callbacks: %s gave no usable answer (%s); treating it as no notice and "
+                    "polling on (further problems with it are not logged)", poller.describe(), err,
+                )  # fmt: skip
+            return
+        if result.notice is not None:
+            self.on_notice(result.notice)
+        if result.hint is not None:
+            self.on_hint(result.hint)

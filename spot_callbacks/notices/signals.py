@@ -1,0 +1,97 @@
+"""Termination signals as notices: handlers that chain to the ones installed before, and the grace period.
+
+``SIGTERM`` comes from Kubernetes, SLURM's preemption and a cloud's shutdown; ``SIGUSR1`` from
+SLURM's ``--signal`` before a time limit. Either leaves :func:`signal_grace_s` before SIGKILL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+from spot_callbacks.notices.notice import Notice
+
+log = logging.getLogger("spot_callbacks")
+
+# Kubernetes' default terminationGracePeriodSeconds; SLURM and clouds give as much or more.
+DEFAULT_SIGNAL_GRACE_S = 30.0
+SIGNAL_SOURCES = ("SIGTERM", "SIGUSR1")
+
+
+def signal_grace_s() -> float:
+    """Seconds between a termination signal and SIGKILL: ``$SPOT_SIGNAL_GRACE_S``, else 30 (Kubernetes)."""
+    raw = os.environ.get("SPOT_SIGNAL_GRACE_S")
+    try:
+        return float(raw) if raw else DEFAULT_SIGNAL_GRACE_S
+    except ValueError:
+        log.warning(
+            "spot_callbacks: SPOT_SIGNAL_GRACE_S=%r is not a number; using %.0fs", raw, DEFAULT_SIGNAL_GRACE_S
+        )
+        return DEFAULT_SIGNAL_GRACE_S
+
+
+class ChainedSignalHandlers:
+    """Signal handlers that report a :class:`Notice`, then call the handler that was installed before.
+
+    Signal handlers can only be set on the main thread; elsewhere a signal is not watched (logged).
+
+    Args:
+        on_notice: called (in the handler) with the notice of each signal received.
+
+    Example:
+        >>> notices, before = [], signal.getsignal(signal.SIGUSR1)
+        >>> handlers = ChainedSignalHandlers(notices.append); handlers.install(signal.SIGUSR1)
+        >>> os.kill(os.getpid(), signal.SIGUSR1)
+        >>> notices[0].source, notices[0].detail
+        ('SIGUSR1', 'signal')
+        >>> handlers.restore(); signal.getsignal(signal.SIGUSR1) is before
+        True
+    """
+
+    def __init__(self, on_notice: Callable[[Notice], None]) -> None:
+        self.on_notice = on_notice
+        self._previous: dict[int, Any] = {}
+        self._handlers: dict[int, Any] = {}
+
+    def install(self, signum: int) -> None:
+        """Put our handler for ``signum`` in front of the current one."""
+        if threading.current_thread() is not threading.main_thread():
+            log.info("spot_callbacks: not on the main thread; %s is not watched", signal.Signals(signum).name)
+            return
+        if signum in self._previous:  # installed twice: keep chaining to the original handler
+            return
+        previous = signal.getsignal(signum)
+        self._previous[signum] = previous
+
+        def handler(received: int, frame: FrameType | None) -> None:
+            self.on_notice(Notice(signal.Signals(received).name, time.time() + signal_grace_s(), "signal"))
+            if callable(previous):
+                previous(received, frame)
+
+        self._handlers[signum] = handler
+        signal.signal(signum, handler)
+
+    def reassert(self) -> None:
+        """Put our handlers back in front after a framework replaced them with its own.
+
+        They still chain to whatever was installed before :meth:`install`.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum, handler in self._handlers.items():
+            signal.signal(signum, handler)
+
+    def restore(self) -> None:
+        """Put back the handlers that were installed before."""
+        for signum, previous in self._previous.items():
+            with contextlib.suppress(ValueError, OSError):  # not the main thread any more
+                signal.signal(signum, previous)
+        self._previous.clear()
+        self._handlers.clear()

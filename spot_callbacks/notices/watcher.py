@@ -1,0 +1,195 @@
+"""What happens on a preemption notice: every source (signals, the clouds) -> the first :class:`Notice`.
+
+:class:`PreemptionWatcher` installs the signal handlers (:mod:`~spot_callbacks.notices.signals`)
+and starts the clouds' polling thread (:mod:`~spot_callbacks.notices.polling`); the first notice
+is kept for the engine, an early hint (AWS rebalance) apart from it, and once the emergency
+checkpoint has committed, the clouds that ask for it (Azure) are told. ``"auto"`` watches SIGTERM,
+SIGUSR1 too inside a SLURM job, and the cloud this machine runs on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from typing import Any
+
+from spot_callbacks.notices.clouds import CLOUD_SOURCES, CLOUDS
+from spot_callbacks.notices.metadata import REQUEST_TIMEOUT_S
+from spot_callbacks.notices.notice import Notice
+from spot_callbacks.notices.poller import CloudPoller
+from spot_callbacks.notices.polling import CloudNoticeThread
+from spot_callbacks.notices.signals import SIGNAL_SOURCES, ChainedSignalHandlers
+
+log = logging.getLogger("spot_callbacks")
+
+
+def resolve_sources(preemption: str | list[str]) -> list[str]:
+    """The notice sources a ``SpotConfig.preemption`` value may watch.
+
+    With ``"auto"``, the clouds are candidates: only the one this machine runs on is polled.
+
+    Example:
+        >>> resolve_sources(["SIGUSR1", "gcp"])
+        ['SIGUSR1', 'gcp']
+        >>> resolve_sources("auto")[-3:]
+        ['aws', 'gcp', 'azure']
+    """
+    if preemption == "auto":
+        # SLURM sends the signal chosen with --signal (SIGUSR1 by convention) before its time limit.
+        signals = ["SIGTERM", "SIGUSR1"] if os.environ.get("SLURM_JOB_ID") else ["SIGTERM"]
+        return [*signals, *CLOUD_SOURCES]
+    return list(preemption)
+
+
+class PreemptionWatcher:
+    """Watches the configured notice sources and keeps the first notice seen.
+
+    Signal handlers chain to the handler that was installed before (a framework's own), and
+    are restored by :meth:`stop`. Cloud sources are polled in one daemon thread that
+    :meth:`stop` ends; an early hint (AWS rebalance recommendation) is kept apart from notices,
+    for :meth:`take_hint`.
+
+    Args:
+        sources: signal names and clouds (see :func:`resolve_sources`).
+        detect_cloud: poll only the cloud this machine runs on, found with short timeouts in the
+            polling thread (``preemption="auto"``); off-cloud that thread ends after the probes.
+        poll_interval_s: seconds between polls (default ``$SPOT_METADATA_POLL_S``, else 5).
+        request_timeout_s: timeout of one metadata request.
+
+    Example:
+        >>> watcher = PreemptionWatcher(["SIGUSR1"]); watcher.start()
+        >>> os.kill(os.getpid(), signal.SIGUSR1)
+        >>> watcher.wait(timeout=5).source
+        'SIGUSR1'
+        >>> watcher.stop()
+    """
+
+    def __init__(
+        self,
+        sources: list[str],
+        detect_cloud: bool = False,
+        poll_interval_s: float | None = None,
+        request_timeout_s: float | None = None,
+    ) -> None:
+        self.sources = list(sources)
+        self.detect_cloud = detect_cloud
+        self.poll_interval_s = poll_interval_s
+        self.request_timeout_s = request_timeout_s
+        self._notice: Notice | None = None
+        self._noticed = threading.Event()
+        self._hint: str | None = None
+        self._lock = threading.Lock()
+        self._signals = ChainedSignalHandlers(on_notice=self.report)
+        self._clouds: CloudNoticeThread | None = None  # while started
+
+    @classmethod
+    def from_setting(cls, preemption: str | list[str], **kwargs: Any) -> PreemptionWatcher:
+        """The watcher of a ``SpotConfig.preemption`` value (``"auto"`` detects the cloud)."""
+        return cls(resolve_sources(preemption), detect_cloud=preemption == "auto", **kwargs)
+
+    # ----------------------------------------------------------- notices
+    @property
+    def notice(self) -> Notice | None:
+        return self._notice
+
+    def clear(self) -> None:
+        with self._lock:
+            self._notice = None
+            self._noticed.clear()
+
+    def report(self, notice: Notice) -> None:
+        """Record a notice (first one wins until :meth:`clear`)."""
+        with self._lock:
+            if self._notice is None:
+                self._notice = notice
+                self._noticed.set()
+                log.warning(
+                    "spot_callbacks: preemption notice from %s%s", notice.source,
+                    f" ({notice.detail}), {notice.seconds_left():.0f}s left" if notice.deadline else "",
+                )  # fmt: skip
+
+    def wait(self, timeout: float | None = None) -> Notice | None:
+        """Block until a notice arrives (or ``timeout`` runs out); the notice, or None."""
+        self._noticed.wait(timeout)
+        return self._notice
+
+    def report_hint(self, detail: str) -> None:
+        """An early hint (not a notice): the next step boundary takes a normal checkpoint."""
+        with self._lock:
+            self._hint = detail
+        log.info("spot_callbacks: %s: a checkpoint is taken at the next step boundary", detail)
+
+    def take_hint(self) -> str | None:
+        """The pending hint, if any; it is consumed."""
+        with self._lock:
+            hint, self._hint = self._hint, None
+        return hint
+
+    def acknowledge(self) -> None:
+        """Tell the clouds that asked (Azure) that the emergency checkpoint is done."""
+        clouds = self._clouds
+        if clouds is not None:
+            for poller in clouds.pollers:
+                poller.acknowledge()
+
+    # --------------------------------------------------------- lifecycle
+    @property
+    def clouds(self) -> list[str]:
+        """The clouds being polled (after detection; see :meth:`detected`)."""
+        clouds = self._clouds
+        return [p.name for p in clouds.watched] if clouds is not None else []
+
+    @property
+    def polling(self) -> bool:
+        """Whether the polling thread runs."""
+        clouds = self._clouds
+        return clouds is not None and clouds.alive
+
+    def detected(self, timeout: float | None = None) -> list[str]:
+        """Wait until the clouds to poll are known (detection is quick); their names."""
+        clouds = self._clouds
+        if clouds is not None:
+            clouds.detected.wait(timeout)
+        return self.clouds
+
+    def start(self) -> None:
+        """Install the signal handlers and start polling; returns at once."""
+        for name in self.sources:
+            if name in SIGNAL_SOURCES:
+                self._signals.install(getattr(signal, name))
+        clouds = [name for name in self.sources if name in CLOUD_SOURCES]
+        if clouds and not self.polling:
+            self._clouds = CloudNoticeThread(
+                self._pollers(clouds),
+                on_notice=self.report,
+                on_hint=self.report_hint,
+                detect=self.detect_cloud,
+                poll_interval_s=self.poll_interval_s,
+            )
+            self._clouds.start()
+
+    def _pollers(self, clouds: list[str]) -> list[CloudPoller]:
+        timeout_s = self.request_timeout_s or REQUEST_TIMEOUT_S
+        pollers = []
+        for name in clouds:
+            try:
+                pollers.append(CLOUDS[name](request_timeout_s=timeout_s))
+            except ValueError as err:  # a malformed endpoint variable must not stop training
+                log.warning("spot_callbacks: %s notices are not watched: %s", name, err)
+        return pollers
+
+    def reassert(self) -> None:
+        """Put our handlers back in front after a framework replaced them with its own.
+
+        They still chain to whatever was installed before :meth:`start`.
+        """
+        self._signals.reassert()
+
+    def stop(self) -> None:
+        """Restore the previous signal handlers and end the polling thread."""
+        self._signals.restore()
+        clouds = self._clouds
+        if clouds is not None and not clouds.stop():
+            log.warning("spot_callbacks: the preemption notice thread did not end within 5s")
