@@ -10,7 +10,9 @@ what its checkpoints and interruptions cost; plan whether spot is worth it for a
         --interruptions-per-hour 0.1 --checkpoint-seconds 30 --resume-seconds 300 --plot plan.png
 
 Credentials come from the environment, as fsspec reads them (``AWS_*``,
-``GOOGLE_APPLICATION_CREDENTIALS``, ``AZURE_STORAGE_*``), or from ``--storage-options JSON``.
+``GOOGLE_APPLICATION_CREDENTIALS``, ``AZURE_STORAGE_*``), or from ``--storage-options JSON``
+(``@FILE`` reads it from a file; ``${NAME}`` in a value is the environment variable ``NAME``).
+`pull` replaces only an empty DEST or an earlier pull of the same run unless ``--force``.
 Nothing this command prints contains a storage option's value: any of them may be a credential.
 """
 
@@ -21,6 +23,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import re
 import sys
 import traceback
@@ -43,7 +46,7 @@ from spot_callbacks.accounting.report import (
     resume_rows,
     write_plan_plot,
 )
-from spot_callbacks.config import parse_duration
+from spot_callbacks.config import load_storage_options, parse_duration
 from spot_callbacks.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -51,7 +54,7 @@ from spot_callbacks.errors import (
     CorruptCheckpointError,
     ManifestError,
 )
-from spot_callbacks.store import CheckpointInfo, CheckpointStore
+from spot_callbacks.store import MANIFEST_NAME, CheckpointInfo, CheckpointStore
 
 log = logging.getLogger("spot_callbacks")
 
@@ -159,8 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--shallow", action="store_true", help="check file sizes only, do not read checksums")
 
     pull = command("pull", "download a checkpoint into a local folder and print its path", _cmd_pull)
-    pull.add_argument("dest", metavar="DEST", help="local folder to create or replace")
-    pull.add_argument("--step", type=_step, help="the step to pull (default: the newest valid)")
+    _add_pull_arguments(pull)
 
     rm = command("rm", "delete one checkpoint (its manifest first, then its files)", _cmd_rm)
     rm.add_argument("--step", type=_step, required=True, help="the step to delete")
@@ -205,6 +207,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_global_options(plan, suppress_defaults=True)
     plan.set_defaults(run=_cmd_plan)
     return parser
+
+
+def _add_pull_arguments(pull: argparse.ArgumentParser) -> None:
+    pull.add_argument(
+        "dest", metavar="DEST", help="local folder to create (an earlier pull of this run is replaced)"
+    )
+    pull.add_argument("--step", type=_step, help="the step to pull (default: the newest valid)")
+    pull.add_argument(
+        "--force",
+        action="store_true",
+        help="replace a non-empty DEST that is not an earlier pull of this run (never a link, a file or the "
+        "current directory)",
+    )
 
 
 def _add_global_options(parser: argparse.ArgumentParser, *, suppress_defaults: bool) -> None:
@@ -347,7 +362,8 @@ def _cmd_pull(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
                 f"no valid committed checkpoint in {store.url}; `{PROG} ls` shows what is there"
             )
         step = newest_valid.step
-    dest = Path(args.dest).expanduser()
+    dest = Path(os.path.abspath(Path(args.dest).expanduser()))
+    check_pull_dest(store, dest, force=args.force)
     with _busy(f"pulling {store.step_url(step)} into {dest}"):
         pulled = store.pull(step, dest)
     log.info("%s: pulled step %d from %s", PROG, step, store.url)
@@ -460,9 +476,10 @@ def _cmd_plan(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
 
 # ------------------------------------------------------------------------------------ helpers
 def parse_storage_options(text: str | None) -> dict[str, Any]:
-    """The ``--storage-options`` value as a dict: a JSON object, or ``@FILE`` holding one.
+    """The ``--storage-options`` value as a dict: a JSON object, or ``@FILE`` holding one (JSON or YAML).
 
-    Error messages never quote the value (it may hold credentials).
+    ``${NAME}`` in a value is the environment variable ``NAME``. Error messages never quote the
+    value (it may hold credentials).
 
     Example:
         >>> parse_storage_options('{"endpoint_url": "http://localhost:9000"}')
@@ -474,27 +491,99 @@ def parse_storage_options(text: str | None) -> dict[str, Any]:
     """
     if text is None:
         return {}
-    source = "--storage-options"
-    if text.startswith("@"):
-        source = f"--storage-options file {text[1:]}"
-        try:
-            text = Path(text[1:]).expanduser().read_text()
-        except OSError as err:
-            raise CliError(f"cannot read {source}: {err.strerror or err}") from None
     try:
-        options = json.loads(text)
-    except json.JSONDecodeError as err:
-        # err.msg and the position only: str(err) is fine too, but never quote the document.
+        return load_storage_options(text, source="--storage-options") or {}
+    except ConfigError as err:
+        raise CliError(str(err)) from None
+
+
+def check_pull_dest(store: CheckpointStore, dest: Path, *, force: bool) -> None:
+    """Raise :class:`CliError` unless ``pull`` may replace ``dest`` without losing anything of the user's.
+
+    ``dest`` may be missing, an empty folder, or an earlier pull of this run: a real folder that
+    holds exactly a checkpoint still committed in ``store`` (its ``manifest.json``, and only the
+    files it lists, each matching its checksum), so all of it can be pulled again. ``force``
+    allows any other folder. Never allowed: a symbolic link (its target is not ours to delete),
+    something that is not a folder, and the current directory or one above it.
+
+    Example:
+        >>> import tempfile
+        >>> check_pull_dest(CheckpointStore("memory://doc-cli/pull"), Path(tempfile.mkdtemp()), force=False)
+    """
+    fix = "pull into a new or empty folder"
+    if dest.is_symlink():
+        raise CliError(f"{dest} is a symbolic link; nothing was changed: {fix}, or the folder it points to")
+    if not dest.exists():
+        return
+    if not dest.is_dir():
+        raise CliError(f"{dest} exists and is not a folder; nothing was changed: {fix}")
+    if Path.cwd().resolve().is_relative_to(dest.resolve()):
         raise CliError(
-            f"{source} is not valid JSON ({err.msg}: line {err.lineno} column {err.colno}); "
-            'pass a JSON object such as \'{"endpoint_url": "http://localhost:9000"}\''
-        ) from None
-    if not isinstance(options, dict):
-        raise CliError(
-            f"{source} must be a JSON object ({{...}}), not a JSON {type(options).__name__}; "
-            'e.g. \'{"endpoint_url": "http://localhost:9000"}\''
+            f"{dest} is the current directory or holds it, and pull replaces DEST as a whole; "
+            f"nothing was changed: {fix}, e.g. ./resume"
         )
-    return options
+    problem = _not_an_earlier_pull(store, dest)
+    if problem is None:
+        return
+    if force:
+        log.warning("%s: --force: replacing %s, which %s", PROG, dest, problem)
+        return
+    raise CliError(f"{dest} {problem}; nothing was changed: {fix}, or pass --force to replace it")
+
+
+def _not_an_earlier_pull(store: CheckpointStore, dest: Path) -> str | None:
+    """Why ``dest`` (a real folder) is not an earlier pull of ``store``'s run; None when it is (or is empty)."""
+    top = sorted(entry.name for entry in os.scandir(dest))
+    if not top:
+        return None
+    step = _pulled_step(dest / MANIFEST_NAME)
+    if step is None:
+        return f"is not empty ({_some(top)}) and is not an earlier pull of {store.url}"
+    try:
+        info: CheckpointInfo | None = store.read_manifest(step)
+    except (CheckpointNotFoundError, ManifestError):
+        info = None
+    if info is None:
+        return (
+            f"holds a pull of step {step}, which is not committed in {store.url} now "
+            "(deleted since, or of another run): it may be the only copy"
+        )
+    unexpected = _first_unexpected_entry(dest, info)
+    if unexpected is not None:
+        return f"holds a pull of step {step} and {unexpected}"
+    if not store.local_copy_matches(info, dest):
+        return (
+            f"holds a pull of step {step} whose files differ from that checkpoint in {store.url} "
+            "(changed since, or of another run): it may be the only copy"
+        )
+    return None
+
+
+def _first_unexpected_entry(folder: Path, info: CheckpointInfo) -> str | None:
+    """The first entry below ``folder`` that a pull of ``info`` does not write (links are not followed)."""
+    expected = {MANIFEST_NAME, *info.files}
+    expected |= {parent.as_posix() for name in info.files for parent in Path(name).parents if parent.parts}
+    for root, dirs, files in os.walk(folder):
+        for name in sorted(dirs + files):
+            path = Path(root, name)
+            relative = path.relative_to(folder).as_posix()
+            if path.is_symlink():
+                return f"a symbolic link {relative!r}"
+            if relative not in expected:
+                return f"other files (e.g. {relative!r})"
+    return None
+
+
+def _some(names: list[str]) -> str:
+    return repr(names[0]) + (f" and {len(names) - 1} more" if len(names) > 1 else "")
+
+
+def _pulled_step(manifest_file: Path) -> int | None:
+    try:
+        step = json.loads(manifest_file.read_bytes()).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
 
 
 class Redactor:

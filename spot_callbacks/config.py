@@ -89,7 +89,10 @@ class SpotConfig:
         keep_last: committed checkpoints kept in ``dirpath`` (0 keeps all); the newest valid one
             is never deleted.
         scratch_dir: fast local disk for staging; default ``$SPOT_SCRATCH``, else a temp dir.
-        storage_options: passed to fsspec (endpoint, credentials, ...).
+        storage_options: passed to fsspec (endpoint, credentials, ...): a dict, a JSON object
+            string, or ``"@FILE"`` (a JSON or YAML file read at construction); ``${NAME}`` in a
+            value is the environment variable ``NAME``. Keep credentials out of configs that are
+            saved (LightningCLI's ``config.yaml``) with either; see :func:`load_storage_options`.
         preemption: notice sources: ``"SIGTERM"``, ``"SIGUSR1"``, ``"aws"``, ``"gcp"``,
             ``"azure"``; ``"auto"`` is SIGTERM (and SIGUSR1 inside a SLURM job) plus the cloud
             detected; ``[]`` is none.
@@ -125,7 +128,10 @@ class SpotConfig:
         default=None, metadata={"help": "fast local staging disk; default $SPOT_SCRATCH, else a temp dir"}
     )
     storage_options: Union[dict, str, None] = field(  # noqa: UP007
-        default=None, metadata={"help": "fsspec storage options, a dict or a JSON string"}
+        default=None,
+        metadata={
+            "help": "fsspec storage options: a dict, a JSON string or @FILE; ${NAME} reads the environment"
+        },
     )
     preemption: Union[str, list[str]] = field(  # noqa: UP007
         default="auto", metadata={"help": "notice sources: SIGTERM SIGUSR1 aws gcp azure, 'auto' or none"}
@@ -146,7 +152,7 @@ class SpotConfig:
             raise ConfigError(f"scratch_dir={self.scratch_dir!r} must be a local folder path or None")
         if self.scratch_dir is not None:
             self.scratch_dir = os.fspath(self.scratch_dir)
-        self.storage_options = _check_storage_options(self.storage_options)
+        self.storage_options = load_storage_options(self.storage_options)
         self.preemption = _normalize_preemption(self.preemption)
         if self.on_preemption not in ON_PREEMPTION_CHOICES:
             raise ConfigError(
@@ -260,22 +266,93 @@ def _check_non_negative_int(key: str, value: Any) -> int:
     return value
 
 
-def _check_storage_options(value: Any) -> dict[str, Any] | None:
+_ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_OPTIONS_EXAMPLE = '\'{"endpoint_url": "http://localhost:9000"}\''
+
+
+def load_storage_options(value: Any, source: str = "storage_options") -> dict[str, Any] | None:
+    """fsspec storage options from a dict, a JSON object string or ``"@FILE"``, with ``${NAME}`` resolved.
+
+    ``"@FILE"`` reads a JSON (or, for ``.yaml``/``.yml``, YAML) mapping when called. In every
+    string value, ``${NAME}`` is replaced with the environment variable ``NAME``. Both keep
+    credentials out of what a config records (LightningCLI's saved ``config.yaml`` holds the
+    reference, not the secret). Error messages never quote a value: any may be a credential.
+
+    Example:
+        >>> import os
+        >>> os.environ["DOC_SPOT_SECRET"] = "s3cr3t"
+        >>> load_storage_options({"secret": "${DOC_SPOT_SECRET}", "client_kwargs": {"region_name": "x"}})
+        {'secret': 's3cr3t', 'client_kwargs': {'region_name': 'x'}}
+        >>> load_storage_options('{"anon": true}')
+        {'anon': True}
+        >>> load_storage_options({"secret": "${DOC_SPOT_UNSET}"})
+        Traceback (most recent call last):
+        ...
+        spot_callbacks.errors.ConfigError: storage_options refers to ${DOC_SPOT_UNSET}, which is not set in the environment; export it before the run starts
+    """
     if value is None:
         return None
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError:
-            raise ConfigError(
-                "storage_options is a string that is not JSON; pass a dict or a JSON object "
-                'such as \'{"endpoint_url": "http://127.0.0.1:9000"}\''
-            ) from None
+        value = _parse_options_text(value, source)
     if not isinstance(value, dict):
         raise ConfigError(
-            f"storage_options must be a dict (or a JSON object string), got {type(value).__name__}"
+            f"{source} must be a dict, a JSON object string or '@FILE', got {type(value).__name__}"
         )
-    return dict(value)
+    return _resolve_env_references(value, source)
+
+
+def _parse_options_text(text: str, source: str) -> Any:
+    if text.startswith("@"):
+        path = Path(text[1:]).expanduser()
+        source = f"{source} file {path}"
+        try:
+            text = path.read_text()
+        except OSError as err:
+            raise ConfigError(f"cannot read {source}: {err.strerror or err}") from None
+        if path.suffix.lower() in (".yaml", ".yml"):
+            try:
+                return _require_mapping(yaml.safe_load(text), source, "YAML mapping")
+            except yaml.YAMLError as err:
+                mark = getattr(err, "problem_mark", None)
+                where = f" at line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
+                raise ConfigError(
+                    f"{source} is not valid YAML{where}; write a mapping of option names"
+                ) from None
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as err:
+        # The message and the position only: never quote the document.
+        raise ConfigError(
+            f"{source} is not valid JSON ({err.msg}: line {err.lineno} column {err.colno}); "
+            f"pass a JSON object such as {_OPTIONS_EXAMPLE}"
+        ) from None
+    return _require_mapping(options, source, "JSON object ({...})")
+
+
+def _require_mapping(options: Any, source: str, what: str) -> dict[str, Any]:
+    if not isinstance(options, dict):
+        kind = "list" if isinstance(options, list) else type(options).__name__
+        raise ConfigError(f"{source} must be a {what}, not a {kind}; e.g. {_OPTIONS_EXAMPLE}")
+    return options
+
+
+def _resolve_env_references(value: Any, source: str) -> Any:
+    if isinstance(value, dict):
+        return {key: _resolve_env_references(item, source) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_resolve_env_references(item, source) for item in value]
+    if isinstance(value, str):
+        return _ENV_REFERENCE.sub(lambda match: _environment_value(match.group(1), source), value)
+    return value
+
+
+def _environment_value(name: str, source: str) -> str:
+    if name not in os.environ:
+        raise ConfigError(
+            f"{source} refers to ${{{name}}}, which is not set in the environment; "
+            "export it before the run starts"
+        )
+    return os.environ[name]
 
 
 def _normalize_preemption(value: Any) -> str | list[str]:

@@ -491,3 +491,129 @@ def test_plan_errors(capsys, tmp_path):
     capsys.readouterr()
     assert main([*PLAN_ARGS, "--plot", str(tmp_path / "missing" / "plan.png")]) == 1
     assert "cannot write the plot to" in assert_one_error_line(capsys.readouterr().err)
+
+
+# ------------------------------------------------------------------ pull never deletes what is not the run's
+def tree_snapshot(root: Path) -> dict[str, bytes | str]:
+    """Every entry below ``root`` (links not followed): file bytes, or the link's target."""
+    snapshot: dict[str, bytes | str] = {}
+    for path in sorted(root.rglob("*")):
+        name = path.relative_to(root).as_posix()
+        if path.is_symlink():
+            snapshot[name] = f"-> {path.readlink()}"
+        elif path.is_file():
+            snapshot[name] = path.read_bytes()
+    return snapshot
+
+
+def users_folder(path: Path) -> Path:
+    (path / "sub").mkdir(parents=True)
+    (path / "notes.txt").write_text("the user's notes")
+    (path / "sub" / "data.bin").write_bytes(b"\x00user data" * 100)
+    return path
+
+
+@pytest.fixture
+def local_store(tmp_path) -> CheckpointStore:
+    store = CheckpointStore((tmp_path / "run").as_uri(), retry=FAST_RETRY)
+    commit(store, tmp_path, 1)
+    return store
+
+
+def test_pull_refuses_a_folder_of_the_users_files_and_the_current_directory(local_store, tmp_path):
+    user = users_folder(tmp_path / "user")
+    before = tree_snapshot(user)
+
+    def pull(*argv: str, cwd: Path = user) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "spot_callbacks.cli", "pull", local_store.url, *argv],
+            cwd=cwd, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+
+    done = pull(str(user), cwd=tmp_path)
+    line = assert_one_error_line(done.stderr)
+    assert done.returncode == 1 and done.stdout == ""
+    assert f"{user} is not empty ('notes.txt' and 1 more)" in line and "--force" in line
+    assert "nothing was changed" in line
+    for dest in (".", "sub/.."):
+        done = pull(dest)
+        line = assert_one_error_line(done.stderr)
+        assert done.returncode == 1 and f"{user} is the current directory" in line and "./resume" in line
+        done = pull(dest, "--force")  # a pull never replaces the directory it runs in
+        assert done.returncode == 1 and "is the current directory" in assert_one_error_line(done.stderr)
+    assert tree_snapshot(user) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "src-1", "user"]  # no staging left
+
+    done = pull(str(user / "sub"), "--force", cwd=tmp_path)  # the user asked for it: replaced, and said so
+    assert done.returncode == 0, done.stderr
+    assert "--force: replacing" in done.stderr and done.stdout == f"{user / 'sub'}\n"
+    assert (user / "sub" / "state.pt").read_bytes() == commit(local_store, tmp_path, 1)["state.pt"]
+    assert not (user / "sub" / "data.bin").exists() and (user / "notes.txt").exists()
+
+
+def test_pull_replaces_an_earlier_pull_of_the_same_run_only(local_store, tmp_path, capsys):
+    url, dest = local_store.url, tmp_path / "resume"
+    assert main(["pull", url, str(tmp_path / "empty"), "--step", "1"]) == 0  # missing: created
+    (tmp_path / "empty-dir").mkdir()
+    assert main(["pull", url, str(tmp_path / "empty-dir")]) == 0  # empty: used
+    assert main(["pull", url, str(dest)]) == 0
+    second = commit(local_store, tmp_path, 2)
+    assert main(["pull", url, str(dest)]) == 0  # a pull of step 1, still committed here: replaced
+    assert (dest / "state.pt").read_bytes() == second["state.pt"]
+    capsys.readouterr()
+
+    def refused(*argv: str) -> str:
+        snapshot = tree_snapshot(dest)
+        assert main(["pull", url, str(dest), *argv]) == 1
+        out, err = capsys.readouterr()
+        assert out == "" and tree_snapshot(dest) == snapshot
+        line = assert_one_error_line(err)
+        assert str(dest) in line and "--force" in line and "nothing was changed" in line
+        return line
+
+    (dest / "extra" / "notes.txt").write_text("mine")
+    assert "holds a pull of step 2 and other files (e.g. 'extra/notes.txt')" in refused("--step", "1")
+    (dest / "extra" / "notes.txt").unlink()
+    state = bytearray((dest / "state.pt").read_bytes())
+    state[0] ^= 0xFF  # same size, other bytes: the user's edit would be lost
+    (dest / "state.pt").write_bytes(bytes(state))
+    assert "whose files differ from that checkpoint" in refused("--step", "1")
+    assert main(["pull", url, str(dest), "--step", "1", "--force"]) == 0
+
+    other = CheckpointStore((tmp_path / "other-run").as_uri(), retry=FAST_RETRY)
+    commit(other, tmp_path / "other-src", 1)  # the same step and file names, another run
+    capsys.readouterr()
+    assert main(["pull", other.url, str(dest)]) == 1
+    assert "differ from that checkpoint" in assert_one_error_line(capsys.readouterr().err)
+    local_store.delete(1)  # retention deleted the step that was pulled: this copy may be the last
+    assert "holds a pull of step 1, which is not committed in" in refused()
+    assert (dest / "state.pt").read_bytes() == commit(local_store, tmp_path, 1)["state.pt"]
+
+
+def test_pull_never_deletes_through_a_symbolic_link(local_store, tmp_path, capsys):
+    user = users_folder(tmp_path / "user")
+    before = tree_snapshot(user)
+    link = tmp_path / "link"
+    link.symlink_to(user, target_is_directory=True)
+    for argv in ([], ["--force"]):
+        assert main(["pull", local_store.url, str(link), *argv]) == 1
+        line = assert_one_error_line(capsys.readouterr().err)
+        assert f"{link} is a symbolic link; nothing was changed" in line
+
+    dest = tmp_path / "resume"
+    assert main(["pull", local_store.url, str(dest)]) == 0
+    (dest / "extra" / "mine").symlink_to(user, target_is_directory=True)
+    capsys.readouterr()
+    assert main(["pull", local_store.url, str(dest)]) == 1
+    assert "a symbolic link 'extra/mine'" in assert_one_error_line(capsys.readouterr().err)
+    newer = commit(local_store, tmp_path, 2)
+    assert main(["pull", local_store.url, str(dest), "--force"]) == 0  # the link goes, not its target
+    assert not (dest / "extra" / "mine").exists() and tree_snapshot(user) == before
+    assert (dest / "state.pt").read_bytes() == newer["state.pt"]
+    assert "--force: replacing" in capsys.readouterr().err
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("keep")
+    assert main(["pull", local_store.url, str(a_file), "--force"]) == 1
+    assert "exists and is not a folder" in assert_one_error_line(capsys.readouterr().err)
+    assert a_file.read_text() == "keep"

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import uuid
 
 import pytest
 
-from spot_callbacks import ConfigError, SpotConfig, parse_duration
+from spot_callbacks import CheckpointStore, ConfigError, SpotConfig, parse_duration
 
 
 @pytest.mark.parametrize(
@@ -139,3 +145,142 @@ def test_jsonargparse_reads_spot_config(tmp_path):
     assert isinstance(cfg, SpotConfig) and cfg.interval_seconds == 7200 and cfg.keep_last == 0
     with pytest.raises((jsonargparse.ArgumentError, ConfigError, SystemExit)):
         parser.parse_args(["--spot.dirpath", "x", "--spot.keep_last", "many"])
+
+
+def test_storage_options_read_env_references_and_files_at_construction(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPOT_TEST_KEY", "key-from-env")
+    monkeypatch.setenv("SPOT_TEST_ACCOUNT_KEY", "abc==")
+    cfg = SpotConfig(
+        dirpath="s3://b/r",
+        storage_options={
+            "key": "${SPOT_TEST_KEY}", "anon": False, "endpoint_url": "http://127.0.0.1:9",
+            "connection_string": "AccountName=a;AccountKey=${SPOT_TEST_ACCOUNT_KEY};", "nested": ["${SPOT_TEST_KEY}"],
+        },
+    )  # fmt: skip
+    assert cfg.storage_options == {
+        "key": "key-from-env", "anon": False, "endpoint_url": "http://127.0.0.1:9",
+        "connection_string": "AccountName=a;AccountKey=abc==;", "nested": ["key-from-env"],
+    }  # fmt: skip
+    assert "key-from-env" not in repr(cfg) and "abc==" not in str(cfg.redacted())
+
+    (tmp_path / "s3.json").write_text('{"key": "k-json", "secret": "${SPOT_TEST_KEY}"}')
+    (tmp_path / "s3.yaml").write_text("key: k-yaml\nclient_kwargs: {region_name: eu-west-1}\n")
+    assert SpotConfig(dirpath="d", storage_options=f"@{tmp_path / 's3.json'}").storage_options == {
+        "key": "k-json", "secret": "key-from-env",
+    }  # fmt: skip
+    spot_yaml = tmp_path / "spot.yaml"
+    spot_yaml.write_text(f"dirpath: s3://b/r\nstorage_options: '@{tmp_path / 's3.yaml'}'\n")
+    assert SpotConfig.from_yaml(spot_yaml).storage_options == {
+        "key": "k-yaml", "client_kwargs": {"region_name": "eu-west-1"},
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            {"secret": "${SPOT_TEST_UNSET_VARIABLE}"},
+            "refers to ${SPOT_TEST_UNSET_VARIABLE}, which is not set",
+        ),
+        ("@/nonexistent/s3.json", "cannot read storage_options file /nonexistent/s3.json"),
+        ("@{tmp}/bad.yaml", "bad.yaml is not valid YAML at line 2"),
+        ("@{tmp}/list.json", "must be a JSON object ({...}), not a list"),
+        (["not", "a", "dict"], "storage_options must be a dict, a JSON object string or '@FILE'"),
+    ],
+)
+def test_bad_storage_options_say_what_to_do_and_never_quote_a_value(tmp_path, options, message):
+    (tmp_path / "bad.yaml").write_text("secret: [hunter2-hunter2\n")
+    (tmp_path / "list.json").write_text('["hunter2-hunter2"]')
+    if isinstance(options, str):
+        options = options.format(tmp=tmp_path)
+    with pytest.raises(ConfigError) as info:
+        SpotConfig(dirpath="d", storage_options=options)
+    assert message in str(info.value) and "hunter2" not in str(info.value)
+
+
+# ------------------------------------------------- LightningCLI: a credential reaches the store, not a file
+KEY_MARKER = "AKIAENVREFERENCEMARKER7"
+SECRET_MARKER = "SECRETviaENVreference93marker"
+LIGHTNING_CLI = (
+    "import hashlib; from lightning.pytorch.cli import LightningCLI; "
+    "from lightning.pytorch.demos.boring_classes import BoringModel; cli = LightningCLI(BoringModel); "
+    "[spot] = [c for c in cli.trainer.callbacks if hasattr(c, 'store')]; "
+    # What the store's client signs with, as digests: the values themselves must not be printed.
+    "print('credential digests', *(hashlib.sha256(v.encode()).hexdigest() for v in (spot.store.fs.key, "
+    "spot.store.fs.secret)))"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.remote_store
+def test_lightning_cli_credentials_from_the_environment_reach_the_store_and_no_file(tmp_path, s3_server):
+    url = f"s3://{s3_server.bucket}/cli-credentials-{uuid.uuid4().hex[:8]}"
+    # No ambient AWS credentials anywhere: the store is reachable only with the referenced ones.
+    env = {name: value for name, value in os.environ.items() if not name.startswith("AWS_")}
+    env.update(
+        AWS_CONFIG_FILE=os.devnull, AWS_SHARED_CREDENTIALS_FILE=os.devnull, AWS_EC2_METADATA_DISABLED="true",
+        SPOT_SCRATCH=str(tmp_path / "scratch"), PYTHONUNBUFFERED="1",
+        SPOT_TEST_KEY=KEY_MARKER, SPOT_TEST_SECRET=SECRET_MARKER,
+    )  # fmt: skip
+    options = {
+        "key": "${SPOT_TEST_KEY}",
+        "secret": "${SPOT_TEST_SECRET}",
+        "endpoint_url": s3_server.endpoint_url,
+    }
+
+    def lightning_cli(*argv: str, environment: dict[str, str]) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-c", LIGHTNING_CLI, "fit", *argv], cwd=tmp_path, env=environment,
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+
+    run = lightning_cli(
+        "--trainer.max_steps=6", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+        f"--trainer.default_root_dir={tmp_path / 'root'}",
+        "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.save_dir={tmp_path / 'logs'}",
+        "--trainer.callbacks=spot_callbacks.lightning.SpotCheckpoint", f"--trainer.callbacks.dirpath={url}",
+        "--trainer.callbacks.every_n_steps=3", "--trainer.callbacks.preemption=[SIGTERM]",
+        f"--trainer.callbacks.storage_options={json.dumps(options)}",
+        environment=env,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    digests = [hashlib.sha256(marker.encode()).hexdigest() for marker in (KEY_MARKER, SECRET_MARKER)]
+    assert f"credential digests {' '.join(digests)}" in run.stdout
+    [saved_config] = (tmp_path / "logs").rglob("config.yaml")
+    assert "${SPOT_TEST_SECRET}" in saved_config.read_text()  # the reference is saved, so a rerun reads it
+
+    # The same saved config resumes the run: the credential comes from the environment again.
+    resume = lightning_cli(
+        f"--config={saved_config}", "--trainer.max_steps=9", f"--trainer.logger.save_dir={tmp_path / 'logs2'}",
+        "--ckpt_path=latest", environment=env,
+    )  # fmt: skip
+    assert resume.returncode == 0, resume.stderr[-3000:]
+    store = CheckpointStore(url, storage_options={**options, "key": KEY_MARKER, "secret": SECRET_MARKER})
+    assert [info.step for info in store.committed()] == [3, 6, 9]
+
+    missing = {name: value for name, value in env.items() if name != "SPOT_TEST_SECRET"}
+    failed = lightning_cli(f"--config={saved_config}", environment=missing)
+    assert (
+        failed.returncode != 0 and "${SPOT_TEST_SECRET}, which is not set in the environment" in failed.stderr
+    )
+    no_credentials = subprocess.run(
+        [sys.executable, "-c", f"from spot_callbacks import CheckpointStore; from spot_callbacks.store.retry import "
+         f"RetryPolicy; CheckpointStore({url!r}, storage_options={{'endpoint_url': {s3_server.endpoint_url!r}}}, "
+         "retry=RetryPolicy(attempts=1)).committed()"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert no_credentials.returncode != 0 and "credentials" in no_credentials.stderr.lower()
+
+    texts = {f"{name} {stream}": getattr(done, stream) for name, done in
+             (("run", run), ("resume", resume), ("missing", failed)) for stream in ("stdout", "stderr")}  # fmt: skip
+    for remote in store.fs.find(store.root):  # every object: manifests, payloads, the run lock
+        texts[remote] = store.fs.cat_file(remote).decode("latin-1")
+    for local in tmp_path.rglob("*"):  # saved configs, logger files, scratch
+        if local.is_file():
+            texts[str(local)] = local.read_bytes().decode("latin-1")
+    assert (
+        sum(name.endswith("config.yaml") for name in texts) == 2 and sum("manifest" in n for n in texts) >= 3
+    )
+    leaks = [name for name, text in texts.items() if KEY_MARKER in text or SECRET_MARKER in text]
+    print(f"\ncredentials: grepped {len(texts)} outputs and files, {len(leaks)} leaks")
+    assert not leaks, leaks
