@@ -9,9 +9,12 @@ import posixpath
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from datetime import timezone
 from pathlib import Path
 
+import fsspec
 import pytest
 from helpers.reliability_counts import DAMAGED, record
 
@@ -21,8 +24,19 @@ from spot_callbacks import (
     CorruptCheckpointError,
     ManifestError,
 )
-from spot_callbacks.store import MANIFEST_NAME, local_payload_names, step_dirname
+from spot_callbacks.store import (
+    MANIFEST_NAME,
+    local_payload_names,
+    new_manifest,
+    parse_manifest,
+    step_dirname,
+)
+from spot_callbacks.store.checksums import FileDigest
+from spot_callbacks.store.commit import settle_commit
+from spot_callbacks.store.layout import open_filesystem, url_of
+from spot_callbacks.store.manifest import encode_manifest
 from spot_callbacks.store.retry import RetryPolicy
+from spot_callbacks.store.transfer import call_in_time, put_bytes, put_file, staged_folder
 
 FAST_RETRY = RetryPolicy(attempts=2, initial_backoff_s=0.01, max_backoff_s=0.05)
 
@@ -358,3 +372,160 @@ def test_s3_uploads_hold_a_bounded_number_of_parts_in_ram_unless_the_user_says_o
     )
     chosen = CheckpointStore("s3://bucket/run", storage_options={"anon": True, "max_concurrency": 16})
     assert chosen.fs.max_concurrency == 16
+
+
+# ----------------------------------------------------------------- the protocol's rules, one by one
+# store/commit.py, store/manifest.py, store/layout.py and store/transfer.py on their own, against
+# real file:// and memory:// stores (no server needed).
+LOCAL_BACKENDS = ["file", "memory"]
+
+
+@pytest.mark.parametrize("store_url", LOCAL_BACKENDS, indirect=True)
+def test_payload_lands_uncommitted_and_the_manifest_is_written_last(store, tmp_path):
+    commit_step(store, tmp_path, 8)  # a stale checkpoint of the same step: rewritten below
+    seen_during_upload = []
+    real_upload = store.upload_file
+
+    def upload_and_look(local, step, name):
+        real_upload(local, step, name)
+        seen_during_upload.append([info.step for info in store.committed()])
+
+    store.upload_file = upload_and_look
+    try:
+        source = tmp_path / "again"
+        contents = make_payload(source, 808)
+        info = store.write_checkpoint(8, source, reason="steps", framework="test")
+    finally:
+        del store.upload_file
+    assert seen_during_upload == [[], []]  # the stale manifest went first; the new one comes last
+    assert [i.step for i in store.committed()] == [8] and info.metrics["upload_s"] >= 0
+    assert {name: (store.pull(8, tmp_path / "out") / name).read_bytes() for name in contents} == contents
+
+
+@pytest.mark.parametrize("store_url", LOCAL_BACKENDS, indirect=True)
+def test_commit_refuses_a_manifest_a_reader_would_refuse_and_writes_nothing(store, tmp_path):
+    manifest = new_manifest(3, {"state.pt": FileDigest(1, "xxh3_64:00")}, reason="end", framework="test")
+    with pytest.raises(ManifestError, match="format_version 99"):
+        store.commit({**manifest, "format_version": 99})
+    with pytest.raises(ManifestError, match="not a plain relative path"):
+        store.commit({**manifest, "files": {"../x": {"size": 1, "checksum": "xxh3_64:00"}}})
+    assert store.step_folders() == {} and store.committed() == []
+    with pytest.raises(ValueError, match="reason='later' is not one of"):
+        new_manifest(3, {}, reason="later", framework="test")
+
+
+@pytest.mark.parametrize("store_url", LOCAL_BACKENDS, indirect=True)
+def test_clearing_a_step_removes_an_uncommitted_folder_and_keeps_the_others(store, tmp_path):
+    commit_step(store, tmp_path, 1)
+    store.upload_file(make_payload_file(tmp_path), 2, "state.pt")  # abandoned upload: no manifest
+    assert set(store.step_folders()) == {1, 2}
+    store.clear_stale_step(2)
+    store.clear_stale_step(3)  # nothing there: nothing to do
+    assert set(store.step_folders()) == {1} and store.verify(1)
+    with pytest.raises(ValueError, match="keep_last=-1 must be >= 0"):
+        store.prune(-1)
+
+
+def make_payload_file(tmp_path: Path) -> Path:
+    path = tmp_path / "one-file" / "state.pt"
+    path.parent.mkdir(exist_ok=True)
+    path.write_bytes(b"payload")
+    return path
+
+
+@pytest.mark.parametrize("store_url", LOCAL_BACKENDS, indirect=True)
+def test_settle_commit_prunes_after_a_commit_but_never_for_an_emergency(store, tmp_path, caplog):
+    infos = [commit_step(store, tmp_path, step)[0] for step in (1, 2, 3)]
+    with caplog.at_level(logging.WARNING, logger="spot_callbacks"):
+        settle_commit(store, infos[-1], keep_last=1, deadline=time.time() - 5)  # an emergency, late
+    assert [i.step for i in store.committed()] == [1, 2, 3]  # an emergency spends nothing on deletes
+    assert any("step 3 committed" in r.message and "after its deadline" in r.message for r in caplog.records)
+
+    real_delete = store.delete
+    store.delete = lambda step: (_ for _ in ()).throw(ConnectionError("store unreachable"))
+    try:
+        with caplog.at_level(logging.WARNING, logger="spot_callbacks"):
+            settle_commit(store, infos[-1], keep_last=1, deadline=None)  # never fails the commit
+    finally:
+        store.delete = real_delete
+    assert any("retention in" in r.message and "store unreachable" in r.message for r in caplog.records)
+    settle_commit(store, infos[-1], keep_last=1, deadline=None)
+    assert [i.step for i in store.committed()] == [3]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"step": 6}, "says step 6 but lies in the folder of step 5"),
+        ({"format_version": 0}, "no valid format_version"),
+        ({"files": []}, "no 'files' table"),
+        ({"files": {"a.bin": {"size": True, "checksum": "xxh3_64:00"}}}, "bad entry for 'a.bin'"),
+        ({"files": {"a.bin": {"size": -1, "checksum": "xxh3_64:00"}}}, "bad entry for 'a.bin'"),
+        ({"files": {"a.bin": {"size": 1, "checksum": "md5:00"}}}, "checksum algorithm of 'a.bin' is 'md5'"),
+        ({"files": {MANIFEST_NAME: {"size": 1, "checksum": "xxh3_64:00"}}}, "not a plain relative path"),
+        ({"created": "yesterday"}, "no valid 'created' time"),
+    ],
+)
+def test_every_field_of_an_untrusted_manifest_is_checked(change, message):
+    doc = new_manifest_doc(5)
+    with pytest.raises(ManifestError, match=message):
+        parse_manifest(encode_manifest({**doc, **change}), 5, "memory:///run/step-000000005")
+    naive = parse_manifest(encode_manifest({**doc, "created": "2024-01-02T03:04:05"}), 5, "memory:///x")
+    assert naive.created.tzinfo == timezone.utc  # a time without a zone is read as UTC
+
+
+def new_manifest_doc(step: int) -> dict:
+
+    return new_manifest(step, {"a.bin": FileDigest(1, "xxh3_64:00")}, reason="steps", framework="test")
+
+
+def test_urls_keep_the_protocol_the_user_wrote():
+    fs, root, protocol = open_filesystem(
+        "az://container/run/", {"account_name": "devstoreaccount1", "anon": True}
+    )
+    assert (root, protocol) == ("container/run", "az")  # adlfs calls itself abfs
+    assert url_of(fs, posixpath.join(root, step_dirname(4)), protocol) == "az://container/run/step-000000004"
+    fs, root, protocol = open_filesystem("gcs://bucket/run", {"token": "anon"})
+    assert url_of(fs, root, protocol) == "gcs://bucket/run"
+    fs, root, protocol = open_filesystem("/tmp/some/run", None)
+    assert protocol is None and url_of(fs, root, protocol) == "file:///tmp/some/run"
+
+
+def test_a_failed_pull_keeps_the_previous_local_copy_and_leaves_no_staging(tmp_path):
+    dest = tmp_path / "pulled"
+    dest.mkdir()
+    (dest / "old.bin").write_bytes(b"old")
+    with pytest.raises(ConnectionError), staged_folder(dest) as staging:
+        (staging / "new.bin").write_bytes(b"half")
+        raise ConnectionError("reset mid-pull")
+    assert [p.name for p in tmp_path.iterdir()] == ["pulled"] and (dest / "old.bin").read_bytes() == b"old"
+
+
+def test_local_writes_are_atomic_and_leave_no_temporaries(tmp_path):
+    fs = fsspec.filesystem("file")
+    source = make_payload_file(tmp_path)
+    put_file(fs, str(source), str(tmp_path / "run" / "deep" / "state.pt"))
+    put_bytes(fs, str(tmp_path / "run" / MANIFEST_NAME), b"{}")
+    assert sorted(p.relative_to(tmp_path / "run").as_posix() for p in (tmp_path / "run").rglob("*")) == [
+        "deep", "deep/state.pt", MANIFEST_NAME,
+    ]  # fmt: skip
+    with pytest.raises(FileNotFoundError):
+        put_file(fs, str(tmp_path / "missing"), str(tmp_path / "run" / "x.bin"))
+    assert not [p for p in (tmp_path / "run").iterdir() if p.name.startswith(".")]
+
+
+def test_a_hung_attempt_is_abandoned_and_retried(caplog):
+    attempts = []
+    release = threading.Event()
+
+    def hangs_once():
+        attempts.append(1)
+        if len(attempts) == 1:
+            release.wait(10)
+        return "done"
+
+    with caplog.at_level(logging.WARNING, logger="spot_callbacks"):
+        assert call_in_time(FAST_RETRY, hangs_once, 0.2, "upload x") == "done"
+    release.set()
+    assert len(attempts) == 2
+    assert any("upload x did not finish within 0.2s" in r.getMessage() for r in caplog.records)

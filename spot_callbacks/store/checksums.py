@@ -15,7 +15,12 @@ READ_BLOCK_BYTES = 8 * 1024 * 1024
 
 @dataclass(frozen=True)
 class FileDigest:
-    """Size and checksum of one payload file, as the manifest records it."""
+    """Size and checksum of one payload file, as the manifest records it.
+
+    Example:
+        >>> digest_chunks([b"hello"]).to_json()["size"]
+        5
+    """
 
     size: int
     checksum: str  # "<algorithm>:<hex>", so another algorithm can be added without a format change

@@ -1,17 +1,155 @@
-"""The remote layout: step folder names, URLs and paths, and which local files are payload.
+"""The remote layout: step folder names, URLs and paths, backend quirks, and which local files are payload.
 
-(Being filled in: the rest of the layout moves here from the store facade.)
+A run is a folder ``<dirpath>/`` holding one ``step-<09d>/`` folder per checkpoint. Paths are
+what the fsspec filesystem takes (``fsspec.core.url_to_fs``); URLs are what a user reads, in the
+protocol they wrote (``az://``, although adlfs calls itself ``abfs``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import re
+from pathlib import Path
 from typing import Any
+
+import fsspec
 
 # torch.distributed.checkpoint's index of every shard: a hidden name, yet payload.
 DCP_METADATA_FILE = ".metadata"
+MANIFEST_NAME = "manifest.json"
+_STEP_DIR = re.compile(r"^step-(\d{9,})$")
+# s3fs uploads a file's parts max_concurrency at a time, each held twice in RAM (the part and
+# botocore's copy): 10 (its default) x 50 MiB x 2 is ~1 GB per file in flight, beside the staged
+# checkpoint itself. 4 keeps it near 420 MB; storage_options={"max_concurrency": N} overrides.
+S3_UPLOAD_CONCURRENCY = 4
+
+
+def step_dirname(step: int) -> str:
+    """The folder name of a step: zero-padded so names sort like numbers.
+
+    Example:
+        >>> step_dirname(12000)
+        'step-000012000'
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step={step!r} must be an integer >= 0")
+    return f"step-{step:09d}"
+
+
+def parse_step_dirname(name: str) -> int | None:
+    """The step of a ``step-N`` folder name, or ``None`` for any other name.
+
+    Example:
+        >>> parse_step_dirname("step-000012000"), parse_step_dirname("checkpoint-12000")
+        (12000, None)
+    """
+    match = _STEP_DIR.match(name)
+    return int(match.group(1)) if match else None
 
 
 def fs_protocols(fs: Any) -> tuple[str, ...]:
     """The protocols an fsspec filesystem answers to (``fs.protocol`` is a str or a tuple)."""
     protocol = fs.protocol
     return (protocol,) if isinstance(protocol, str) else tuple(protocol)
+
+
+def is_local_fs(fs: Any) -> bool:
+    """True for the local disk, where a write is not atomic and a rename is."""
+    return bool({"file", "local"} & set(fs_protocols(fs)))
+
+
+def open_filesystem(dirpath: str, storage_options: dict[str, Any] | None) -> tuple[Any, str, str | None]:
+    """``(fs, root, protocol)`` of a run folder: the filesystem, the folder's path in it, and the
+    protocol the user wrote when the filesystem answers to it (``None``: the filesystem's own).
+
+    Example:
+        >>> fs, root, protocol = open_filesystem("memory://doc-layout/run/", None)
+        >>> root, protocol
+        ('/doc-layout/run', 'memory')
+    """
+    options = dict(storage_options or {})
+    protocol, _ = fsspec.core.split_protocol(dirpath)
+    if protocol in ("s3", "s3a"):
+        options.setdefault("max_concurrency", S3_UPLOAD_CONCURRENCY)
+    fs, root = fsspec.core.url_to_fs(dirpath, **options)
+    return fs, root.rstrip("/") or root, protocol if protocol in fs_protocols(fs) else None
+
+
+def url_of(fs: Any, path: str, protocol: str | None) -> str:
+    """The URL of a filesystem path, in ``protocol`` (``None``: the filesystem's own).
+
+    Example:
+        >>> import posixpath
+        >>> fs, root, _ = open_filesystem("memory://doc-url/run", None)
+        >>> url_of(fs, posixpath.join(root, step_dirname(3)), None)
+        'memory:///doc-url/run/step-000000003'
+    """
+    url = fs.unstrip_protocol(path)
+    if protocol is None or url.startswith(f"{protocol}://"):
+        return url
+    _, bare_path = fsspec.core.split_protocol(url)
+    return f"{protocol}://{bare_path}"
+
+
+# ----------------------------------------------------------------- backend quirks
+def list_folder(fs: Any, folder: str) -> list[str]:
+    """The paths directly under ``folder``, read fresh (not from the listing cache)."""
+    try:
+        return fs.ls(folder, detail=False, refresh=True)
+    except TypeError:  # filesystems whose ls() takes no refresh argument
+        return fs.ls(folder, detail=False)
+
+
+def exists_fresh(fs: Any, path: str) -> bool:
+    if hasattr(fs, "invalidate_cache"):
+        fs.invalidate_cache(path)
+    return fs.exists(path)
+
+
+# fs.rm, never fs.rm_file: adlfs and gcsfs inherit a sync rm_file that creates a coroutine
+# and never awaits it, so the object silently stays.
+def remove_file(fs: Any, path: str) -> None:
+    fs.rm(path)
+
+
+def remove_tree(fs: Any, folder: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm(folder, recursive=True)
+
+
+# ----------------------------------------------------------------- local payload
+def local_payload_names(folder: Path) -> list[str]:
+    """Relative posix names of the files under a local checkpoint folder, manifest excluded.
+
+    Example:
+        >>> import tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> for name in ("state.pt", ".state.pt.tmp", MANIFEST_NAME):
+        ...     _ = (folder / name).write_bytes(b"x")
+        >>> local_payload_names(folder)
+        ['state.pt']
+    """
+    names = []
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            name = path.relative_to(folder).as_posix()
+            if name != MANIFEST_NAME and not is_temporary_name(name):
+                names.append(name)
+    return names
+
+
+def is_temporary_name(name: str) -> bool:
+    """True for a writer's temporary (a hidden file or folder), which is never payload.
+
+    DCP's ``.metadata`` (HF/accelerate FSDP SHARDED_STATE_DICT, Lightning's sharded save) is the
+    exception: without it the shards next to it cannot be loaded. DCP writes it as
+    ``.metadata.tmp`` first, which stays out.
+
+    Example:
+        >>> is_temporary_name("model/.metadata"), is_temporary_name("model/.metadata.tmp")
+        (False, True)
+    """
+    *folders, base = name.split("/")
+    return any(part.startswith(".") for part in folders) or (
+        base.startswith(".") and base != DCP_METADATA_FILE
+    )

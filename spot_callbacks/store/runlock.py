@@ -28,7 +28,8 @@ from datetime import datetime, timezone
 from typing import Any
 
 from spot_callbacks.errors import RunLockedError
-from spot_callbacks.store import CheckpointStore
+from spot_callbacks.store.checkpoint_store import CheckpointStore
+from spot_callbacks.store.transfer import put_bytes
 
 log = logging.getLogger("spot_callbacks")
 
@@ -187,14 +188,8 @@ class RunLock:
 
     def _write(self) -> None:
         raw = json.dumps({**self._owner, "heartbeat": time.time()}).encode()
-        if self.store.is_local:  # write beside and rename, so a reader never sees half a lock
-            self.store.fs.makedirs(self.store.root, exist_ok=True)
-            tmp = f"{self.path}.{self.run_id[:8]}.tmp"
-            with open(tmp, "wb") as handle:
-                handle.write(raw)
-            os.replace(tmp, self.path)
-            return
-        self.store.retry.call(lambda: self.store.fs.pipe_file(self.path, raw), f"write {self.url}")
+        # put_bytes writes a local lock beside and renames it, so a reader never sees half a lock.
+        self.store.retry.call(lambda: put_bytes(self.store.fs, self.path, raw), f"write {self.url}")
 
     def _beat(self) -> None:
         while not self._stop.wait(self.heartbeat_s):

@@ -1,0 +1,167 @@
+"""The manifest: what a committed checkpoint holds, built on write and validated on read.
+
+A manifest read back from a store is untrusted input: its format and version, every payload
+name (a plain relative path that cannot leave the checkpoint folder), every size and checksum
+are checked before anything uses them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from spot_callbacks.errors import ManifestError
+from spot_callbacks.store.checksums import CHECKSUM_ALGORITHM, FileDigest, checksum_algorithm
+from spot_callbacks.store.layout import MANIFEST_NAME
+
+MANIFEST_FORMAT = "spot_callbacks.checkpoint"
+FORMAT_VERSION = 1
+REASONS = ("interval", "steps", "preemption", "exception", "end", "manual")
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What a committed checkpoint's manifest says about it.
+
+    Example:
+        >>> doc = new_manifest(7, {"state.pt": FileDigest(5, "xxh3_64:ab")}, reason="end", framework="demo")
+        >>> info = parse_manifest(encode_manifest(doc), 7, "memory:///run/step-000000007")
+        >>> info.step, info.reason, info.size_bytes, info.created.tzname()
+        (7, 'end', 5, 'UTC')
+    """
+
+    step: int
+    url: str
+    created: datetime
+    reason: str
+    size_bytes: int
+    framework: str
+    epoch: int | None = None
+    files: dict[str, FileDigest] = field(default_factory=dict, repr=False)
+    metrics: dict[str, Any] = field(default_factory=dict, repr=False)
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
+
+def new_manifest(
+    step: int,
+    files: dict[str, FileDigest],
+    *,
+    reason: str,
+    framework: str,
+    epoch: int | None = None,
+    metrics: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
+    created: datetime | None = None,
+) -> dict[str, Any]:
+    """The manifest document for a checkpoint whose payload files are all durable."""
+    if reason not in REASONS:
+        raise ValueError(f"reason={reason!r} is not one of {list(REASONS)}")
+    for name in files:
+        check_payload_name(name)
+    return {
+        "format": MANIFEST_FORMAT,
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "epoch": epoch,
+        "created": (created or datetime.now(timezone.utc)).isoformat(),
+        "framework": framework,
+        "reason": reason,
+        "checksum_algorithm": CHECKSUM_ALGORITHM,
+        "files": {name: digest.to_json() for name, digest in sorted(files.items())},
+        "metrics": metrics or {},
+        "extra": extra or {},
+    }
+
+
+def encode_manifest(doc: dict[str, Any]) -> bytes:
+    return json.dumps(doc, indent=1, sort_keys=True).encode()
+
+
+def check_payload_name(name: Any) -> str:
+    """Reject payload names that would escape the checkpoint folder when joined to it.
+
+    Example:
+        >>> check_payload_name("model/shard-0.bin")
+        'model/shard-0.bin'
+        >>> check_payload_name("../escape.bin")
+        Traceback (most recent call last):
+        ...
+        spot_callbacks.errors.ManifestError: payload name '../escape.bin' is not a plain relative path inside the checkpoint folder
+    """
+    if (
+        not isinstance(name, str)
+        or not name
+        or "\\" in name
+        or "://" in name
+        or name.startswith("/")
+        or re.match(r"^[A-Za-z]:", name)
+        or any(part in ("", ".", "..") for part in name.split("/"))
+        or name == MANIFEST_NAME
+    ):
+        raise ManifestError(
+            f"payload name {name!r} is not a plain relative path inside the checkpoint folder"
+        )
+    return name
+
+
+def parse_manifest(raw: bytes, step: int, url: str) -> CheckpointInfo:
+    """Validate a manifest's bytes; raise :class:`ManifestError` saying what is wrong."""
+    where = f"{url}/{MANIFEST_NAME}"
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ManifestError(f"{where} is not valid JSON ({err})") from None
+    if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT:
+        raise ManifestError(f"{where} is not a spot_callbacks manifest")
+    version = doc.get("format_version")
+    if not isinstance(version, int) or version < 1:
+        raise ManifestError(f"{where} has no valid format_version")
+    if version > FORMAT_VERSION:
+        raise ManifestError(
+            f"{where} has format_version {version}, newer than this spot_callbacks "
+            f"reads ({FORMAT_VERSION}); upgrade spot_callbacks to use it"
+        )
+    if doc.get("step") != step:
+        raise ManifestError(f"{where} says step {doc.get('step')!r} but lies in the folder of step {step}")
+    files = _parse_files(doc.get("files"), where)
+    try:
+        created = datetime.fromisoformat(doc["created"])
+    except (KeyError, TypeError, ValueError):
+        raise ManifestError(f"{where} has no valid 'created' time") from None
+    if created.tzinfo is None:
+        created = created.replace(tzinfo=timezone.utc)
+    epoch = doc.get("epoch")
+    return CheckpointInfo(
+        step=step,
+        url=url,
+        created=created,
+        reason=str(doc.get("reason", "")),
+        size_bytes=sum(digest.size for digest in files.values()),
+        framework=str(doc.get("framework", "")),
+        epoch=epoch if isinstance(epoch, int) else None,
+        files=files,
+        metrics=doc.get("metrics") if isinstance(doc.get("metrics"), dict) else {},
+        extra=doc.get("extra") if isinstance(doc.get("extra"), dict) else {},
+    )
+
+
+def _parse_files(files_doc: Any, where: str) -> dict[str, FileDigest]:
+    if not isinstance(files_doc, dict):
+        raise ManifestError(f"{where} has no 'files' table")
+    files: dict[str, FileDigest] = {}
+    for name, entry in files_doc.items():
+        check_payload_name(name)
+        size = entry.get("size") if isinstance(entry, dict) else None
+        checksum = entry.get("checksum") if isinstance(entry, dict) else None
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0 or not isinstance(checksum, str):
+            raise ManifestError(f"{where} has a bad entry for {name!r}: {entry!r}")
+        if checksum_algorithm(checksum) != CHECKSUM_ALGORITHM:
+            raise ManifestError(
+                f"{where}: checksum algorithm of {name!r} is {checksum_algorithm(checksum)!r}; "
+                f"this spot_callbacks reads {CHECKSUM_ALGORITHM!r}"
+            )
+        files[name] = FileDigest(size, checksum)
+    return files

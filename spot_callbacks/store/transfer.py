@@ -1,0 +1,272 @@
+"""Moving bytes: parallel uploads, pulls and checksum reads, per-attempt timeouts, and the local disk.
+
+An object PUT replaces the object whole, and a local write does not: on the local disk every
+file is written beside its final name, fsynced and renamed (:func:`put_file`, :func:`put_bytes`),
+so a reader, or a late abandoned attempt, never sees or leaves half a file. This module knows
+nothing of what makes a checkpoint committed (that is :mod:`spot_callbacks.store.commit`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import posixpath
+import shutil
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+from spot_callbacks.errors import CorruptCheckpointError, ManifestError
+from spot_callbacks.store.checksums import FileDigest, digest_chunks, digest_local_file, read_blocks
+from spot_callbacks.store.layout import MANIFEST_NAME, is_local_fs
+from spot_callbacks.store.manifest import CheckpointInfo, parse_manifest
+from spot_callbacks.store.retry import RetryPolicy, UploadTimeout, call_with_timeout
+
+log = logging.getLogger("spot_callbacks")
+T = TypeVar("T")
+TRANSFER_THREADS = 8
+
+
+def run_parallel(fn: Callable[[Any], T], items: Iterable[Any]) -> list[T]:
+    """``[fn(item) for item in items]``, on up to :data:`TRANSFER_THREADS` threads.
+
+    Example:
+        >>> run_parallel(len, ["a", "bb", "ccc"])
+        [1, 2, 3]
+    """
+    items = list(items)
+    if len(items) <= 1:
+        return [fn(item) for item in items]
+    with ThreadPoolExecutor(max_workers=min(TRANSFER_THREADS, len(items))) as pool:
+        return list(pool.map(fn, items))
+
+
+def call_in_time(retry: RetryPolicy, fn: Callable[[], T], timeout_s: float | None, what: str) -> T:
+    """``fn`` retried by ``retry``, each attempt abandoned (and retried) after ``timeout_s``."""
+    return retry.call(lambda: call_with_timeout(fn, timeout_s, what), what)
+
+
+# ----------------------------------------------------------------- writing
+def put_file(fs: Any, source: str, remote: str) -> None:
+    """Upload a local file to ``remote``; on the local disk, atomically (copy beside, fsync, rename)."""
+    if not is_local_fs(fs):
+        fs.put_file(source, remote)
+        return
+    folder, base = posixpath.split(remote)
+    fs.makedirs(folder, exist_ok=True)
+    partial = posixpath.join(folder, f".{base}.{uuid.uuid4().hex[:8]}.part")
+    try:
+        fs.put_file(source, partial)
+        _fsync_file(partial)
+        os.replace(partial, remote)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(partial)
+        raise
+
+
+def put_bytes(fs: Any, path: str, raw: bytes) -> None:
+    """Write ``raw`` as one object; on the local disk write beside, fsync, rename, fsync the folder.
+
+    Example:
+        >>> import fsspec, tempfile
+        >>> fs, folder = fsspec.filesystem("file"), tempfile.mkdtemp()
+        >>> put_bytes(fs, f"{folder}/note.json", b"{}"); os.listdir(folder)
+        ['note.json']
+    """
+    if not is_local_fs(fs):
+        fs.pipe_file(path, raw)
+        return
+    folder, base = os.path.split(path)
+    os.makedirs(folder, exist_ok=True)
+    partial = os.path.join(folder, f".{base}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(partial, "wb") as handle:
+            handle.write(raw)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(partial, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(partial)
+        raise
+    _fsync_dir(folder)
+
+
+def upload_file(
+    fs: Any, retry: RetryPolicy, upload_timeout: UploadTimeout, source: str, remote: str, what: str
+) -> None:
+    """Upload one file, each attempt abandoned after what ``upload_timeout`` allows for its size."""
+    timeout_s = upload_timeout.seconds_for(os.path.getsize(source))
+    # An abandoned attempt may wake up and finish after its retry did. It writes the same bytes
+    # (scratch files are never rewritten in place) whole: an object PUT replaces the object at
+    # once, and locally put_file renames a finished copy. So a late write is harmless.
+    call_in_time(retry, lambda: put_file(fs, source, remote), timeout_s, what)
+
+
+def upload_with_digests(
+    upload: Callable[[Path, str], None],
+    folder: Path,
+    names: list[str],
+    digests: dict[str, FileDigest] | None = None,
+) -> dict[str, FileDigest]:
+    """``upload(folder / name, name)`` for every name in parallel; return every file's digest.
+
+    Digests known from writing the files are reused, the others are computed while the upload runs.
+    """
+    known = dict(digests or {})
+
+    def upload_one(name: str) -> tuple[str, FileDigest]:
+        digest = known.get(name)
+        with ThreadPoolExecutor(max_workers=1) as hasher:
+            pending = None if digest else hasher.submit(digest_local_file, folder / name)
+            upload(folder / name, name)
+            digest = digest or pending.result()
+        return name, digest
+
+    return dict(run_parallel(upload_one, names))
+
+
+# ----------------------------------------------------------------- reading
+def read_files(
+    fs: Any, retry: RetryPolicy, paths: list[str], cached_under: str, what: str
+) -> dict[str, bytes | FileNotFoundError]:
+    """Every file's bytes, or FileNotFoundError for a missing one; any other error is retried, then raised.
+
+    Async filesystems fetch the files concurrently.
+    """
+
+    def fetch() -> dict[str, bytes | FileNotFoundError]:
+        if hasattr(fs, "invalidate_cache"):
+            fs.invalidate_cache(cached_under)
+        result = fs.cat(paths, on_error="return")
+        if len(paths) == 1 and not isinstance(result, dict):  # one path: fsspec returns its bytes bare
+            result = {paths[0]: result}
+        for outcome in result.values():
+            if isinstance(outcome, BaseException) and not isinstance(outcome, FileNotFoundError):
+                raise outcome
+        return result
+
+    return retry.call(fetch, what)
+
+
+def file_sizes(fs: Any, retry: RetryPolicy, folder: str, what: str) -> dict[str, int | None]:
+    """The size of every file under ``folder`` by its name relative to it (one listing; none if it is gone)."""
+    try:
+        listing = retry.call(lambda: fs.find(folder, detail=True, withdirs=False), what)
+    except FileNotFoundError:
+        return {}
+    return {posixpath.relpath(path, folder): entry.get("size") for path, entry in listing.items()}
+
+
+def verify_checksums(fs: Any, retry: RetryPolicy, info: CheckpointInfo, folder: str) -> None:
+    """Read every payload byte of ``info`` (in ``folder``) and raise unless each checksum matches."""
+
+    def check(name: str) -> None:
+        def read_digest() -> FileDigest:
+            with fs.open(posixpath.join(folder, name), "rb") as handle:
+                return digest_chunks(read_blocks(handle))
+
+        actual = retry.call(read_digest, f"read {info.url}/{name}")
+        expected = info.files[name]
+        if actual != expected:
+            raise CorruptCheckpointError(
+                f"{info.url}/{name} does not match its manifest: checksum {actual.checksum} "
+                f"({actual.size} bytes), expected {expected.checksum} ({expected.size} bytes)"
+            )
+
+    run_parallel(check, list(info.files))
+
+
+def pull_into(fs: Any, retry: RetryPolicy, info: CheckpointInfo, folder: str, dest: Path) -> Path:
+    """Download checkpoint ``info`` (in ``folder``) into ``dest``, verifying every file; return ``dest``.
+
+    A ``dest`` that already holds this checkpoint is kept as it is; otherwise the files arrive in
+    a hidden sibling folder renamed to ``dest`` only once complete, so an interrupted pull never
+    leaves a folder that looks complete.
+    """
+    if local_copy_matches(info, dest):
+        log.info("spot_callbacks: %s already holds %s; not downloading", dest, info.url)
+        return dest
+
+    def fetch(name: str) -> None:
+        local = staging / name
+        local.parent.mkdir(parents=True, exist_ok=True)
+        remote = posixpath.join(folder, name)
+        retry.call(lambda: fs.get_file(remote, str(local)), f"download {info.url}/{name}")
+        actual, expected = digest_local_file(local), info.files[name]
+        if actual != expected:
+            raise CorruptCheckpointError(
+                f"{info.url}/{name} downloaded as {actual.size} bytes with checksum {actual.checksum}; "
+                f"the manifest says {expected.size} bytes, {expected.checksum}"
+            )
+
+    manifest = posixpath.join(folder, MANIFEST_NAME)
+    with staged_folder(dest) as staging:
+        run_parallel(fetch, list(info.files))
+        raw = retry.call(lambda: fs.cat_file(manifest), f"read {info.url}/{MANIFEST_NAME}")
+        (staging / MANIFEST_NAME).write_bytes(raw)
+    return dest
+
+
+@contextlib.contextmanager
+def staged_folder(dest: Path) -> Iterator[Path]:
+    """A hidden empty sibling of ``dest`` that replaces ``dest`` when the block succeeds, and is
+    removed when it fails.
+
+    Example:
+        >>> import tempfile
+        >>> dest = Path(tempfile.mkdtemp()) / "pulled"
+        >>> with staged_folder(dest) as staging:
+        ...     _ = (staging / "a.bin").write_bytes(b"a")
+        >>> sorted(p.name for p in dest.parent.iterdir()), (dest / "a.bin").read_bytes()
+        (['pulled'], b'a')
+    """
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    staging = dest.parent / f".{dest.name}.partial-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        yield staging
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(staging, dest)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def local_copy_matches(info: CheckpointInfo, folder: Path) -> bool:
+    """True when ``folder`` holds exactly this checkpoint: same manifest, every file verified."""
+    manifest_file = folder / MANIFEST_NAME
+    if not manifest_file.is_file():
+        return False
+    try:
+        local = parse_manifest(manifest_file.read_bytes(), info.step, info.url)
+    except ManifestError:
+        return False
+    if local.files != info.files or local.created != info.created:
+        return False
+    for name, digest in info.files.items():
+        path = folder / name
+        if not path.is_file() or path.stat().st_size != digest.size or digest_local_file(path) != digest:
+            return False
+    return True
+
+
+def _fsync_file(path: str) -> None:
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
