@@ -1,27 +1,30 @@
-"""Shared pieces of the benchmark scripts: machine/versions lines, a moto S3 server, tables, BENCHMARKS.md.
+"""What every benchmark script shares: machine lines, scratch checks, tables, the BENCHMARKS.md section.
 
-Imported by ``benchmarks/*.py`` (run as scripts, so this folder is on ``sys.path``).
+Imported by ``benchmarks/*.py``, which run as scripts (``python benchmarks/NAME.py``), so this folder
+is on ``sys.path``. Servers (moto S3) are in :mod:`_servers`.
 """
 
 from __future__ import annotations
 
-import contextlib
+import argparse
 import importlib.metadata
 import os
 import platform
-import socket
-import subprocess
+import shutil
+import statistics
 import sys
-import time
-import urllib.error
-import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
+from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-S3_KEY = S3_SECRET = "testing"
-SERVER_START_TIMEOUT_S = 60.0
+RESULTS_ENV = "SPOT_BENCH_RESULTS"  # a path: where sections go instead of BENCHMARKS.md
 DEFAULT_VERSIONS = ("torch", "fsspec", "s3fs", "moto", "xxhash")
+RESULTS_PREAMBLE = (
+    "# Benchmarks\n\nMeasured numbers from the scripts in `benchmarks/`, newest last. "
+    "Loopback servers and small machines are noisy: compare ratios, not absolute speeds.\n\n"
+)
 
 
 # ------------------------------------------------------------------------------------ machine
@@ -53,74 +56,67 @@ def versions_line(names: Sequence[str] = DEFAULT_VERSIONS) -> str:
     return ", ".join(f"{name} {version_of(name)}" for name in names)
 
 
-# ---------------------------------------------------------------------------------------- moto
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _http_status(url: str) -> int | None:
+def load_average() -> str:
     try:
-        with urllib.request.urlopen(url, timeout=2.0) as resp:
-            return resp.status
-    except urllib.error.HTTPError as err:
-        return err.code
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-        return None
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "unknown"
 
 
-@contextlib.contextmanager
-def moto_server(workdir: Path) -> Iterator[str]:
-    """Run ``python -m moto.server`` on a free loopback port; yield its endpoint URL; stop it by PID.
-
-    moto keeps objects over ~5 MB in temp files: its ``TMPDIR`` is ``workdir/moto-tmp``, so they
-    land in the benchmark's scratch folder (and go with it), not in RAM or the system temp dir.
-    """
-    spill = workdir / "moto-tmp"
-    spill.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "TMPDIR": str(spill)}
-    for attempt in range(3):
-        port = free_port()
-        log_path = workdir / f"moto-{port}.log"
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-            )
-        endpoint = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-        try:
-            while _http_status(f"{endpoint}/moto-api/") is None:
-                if time.monotonic() > deadline:
-                    raise SystemExit(
-                        f"moto did not answer on {endpoint} within {SERVER_START_TIMEOUT_S:.0f}s"
-                    )
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=0.1)  # bounded poll interval that notices an early exit at once
-                if proc.returncode is not None:
-                    break
-            if proc.returncode is not None:
-                text = log_path.read_text(errors="replace")
-                if "in use" in text and attempt < 2:
-                    continue  # lost the free-port race
-                raise SystemExit(f"moto exited at startup (code {proc.returncode}):\n{text[-2000:]}")
-            yield endpoint
-            return
-        finally:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=15)
+def check_scratch(scratch: Path, need_bytes: int, ram_bytes: int, ram_note: str, hint: str = "") -> None:
+    """Exit if ``scratch`` has less free disk than ``need_bytes``; warn if less RAM is available than ``ram_bytes``."""
+    free = shutil.disk_usage(scratch).free
+    if free < need_bytes:
+        raise SystemExit(
+            f"not enough free disk under {scratch}: {free / 1e9:.1f} GB free, {need_bytes / 1e9:.1f} GB needed"
+            + (f" ({hint})" if hint else "")
+        )
+    avail = mem_info_bytes("MemAvailable")
+    if avail is not None and avail < ram_bytes:
+        print(f"warning: only {avail / 1e9:.1f} GB of RAM available; {ram_note}", file=sys.stderr)
 
 
-# -------------------------------------------------------------------------------------- report
+# ------------------------------------------------------------------------------ command line
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    """``--quick``, ``--results-file`` and ``--no-append`` (alias ``--no-record``), the same in every script."""
+    parser.add_argument(
+        "--quick", action="store_true", help="a small run (well under a minute) that checks the script works"
+    )
+    parser.add_argument(
+        "--results-file",
+        default=os.environ.get(RESULTS_ENV, str(REPO_ROOT / "BENCHMARKS.md")),
+        help=f"where the section is appended (default ${RESULTS_ENV} or BENCHMARKS.md)",
+    )
+    parser.add_argument(
+        "--no-append", "--no-record", dest="no_append", action="store_true", help="print only; append nothing"
+    )
+
+
+def choice_list(parser: argparse.ArgumentParser, text: str, allowed: Sequence[str], flag: str) -> list[str]:
+    """``text`` split at commas; a parser error unless it names one or more of ``allowed``."""
+    chosen = [item.strip() for item in text.split(",") if item.strip()]
+    if not chosen or set(chosen) - set(allowed):
+        parser.error(f"{flag} must be a subset of {','.join(allowed)}")
+    return chosen
+
+
+def apply_quick(parser: argparse.ArgumentParser, args: argparse.Namespace, quick: dict[str, Any]) -> None:
+    """With ``--quick``, the ``quick`` values replace the options left at their defaults (explicit ones win)."""
+    if args.quick:
+        for dest, value in quick.items():
+            if getattr(args, dest) == parser.get_default(dest):
+                setattr(args, dest, value)
+
+
+# ------------------------------------------------------------------------------------- report
+def med(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def fmt(value: float | None, spec: str = ".3f") -> str:
+    return "–" if value is None else format(value, spec)
+
+
 def print_rich_table(
     headers: Sequence[str],
     rows: Sequence[Sequence[str]],
@@ -154,13 +150,29 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> lis
     return lines + ["| " + " | ".join(row) + " |" for row in rows]
 
 
-def append_markdown(section: str) -> Path:
-    path = REPO_ROOT / "BENCHMARKS.md"
+def section_head(title: str, command: str, versions: str, after_command: str = "") -> list[str]:
+    """The first lines of a BENCHMARKS.md section: title, date, machine, versions, the command (and its duration)."""
+    return [
+        f"## {title}",
+        "",
+        f"- Date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
+        f"- Machine: {machine_line()}",
+        f"- Versions: {versions}",
+        f"- Command: `{command}`{after_command}",
+    ]
+
+
+def append_markdown(section: str, results_file: str | os.PathLike[str]) -> Path:
+    """Append ``section`` to ``results_file`` (made with the BENCHMARKS.md preamble if missing)."""
+    path = Path(results_file)
     if not path.exists():
-        path.write_text(
-            "# Benchmarks\n\nMeasured numbers from the scripts in `benchmarks/`, newest last. "
-            "Loopback servers and small machines are noisy: compare ratios, not absolute speeds.\n\n"
-        )
+        path.write_text(RESULTS_PREAMBLE)
     with open(path, "a") as handle:
         handle.write(section)
     return path
+
+
+def record(args: argparse.Namespace, lines: Sequence[str]) -> None:
+    """Append the section unless ``--no-append``; say where it went."""
+    if not args.no_append:
+        print(f"appended to {append_markdown(chr(10).join(lines) + chr(10), args.results_file)}")

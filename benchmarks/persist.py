@@ -15,6 +15,7 @@ repeats. The table reports the median of the repeats; the ratio is persister / r
 Usage::
 
     python benchmarks/persist.py [--size-gb 1.0] [--repeats 3] [--backends s3,file] [--no-append]
+    python benchmarks/persist.py --quick --results-file /tmp/bench.md   # a small check that it runs
 
 The S3 server is ``python -m moto.server`` on a free loopback port, started and stopped here.
 """
@@ -33,44 +34,33 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import fsspec
+import xxhash
+from _common import (
+    add_common_args,
+    apply_quick,
+    check_scratch,
+    choice_list,
+    markdown_table,
+    print_rich_table,
+    record,
+    section_head,
+    versions_line,
+)
+from _servers import BACKENDS, open_store
 
 from spot_callbacks.persist import Persister, PersistJob
 from spot_callbacks.store import CheckpointStore
-from spot_callbacks.store.checksums import digest_local_file
-
-try:  # ``python benchmarks/persist.py`` puts this folder on sys.path
-    from _common import (
-        S3_KEY,
-        S3_SECRET,
-        append_markdown,
-        machine_line,
-        mem_info_bytes,
-        moto_server,
-        print_rich_table,
-        versions_line,
-    )
-except ImportError:  # ``python -m benchmarks.persist`` from the repository root
-    from benchmarks._common import (
-        S3_KEY,
-        S3_SECRET,
-        append_markdown,
-        machine_line,
-        mem_info_bytes,
-        moto_server,
-        print_rich_table,
-        versions_line,
-    )
 
 BENCH_NAME = "persist: background persister vs raw fsspec put/get"
 TARGET = "Target: ≥ 0.9× the raw throughput both ways"
 BUCKET = "spot-bench"
 WRITE_BLOCK = 64 * 2**20
-BACKENDS = ("s3", "file")
+READ_BLOCK = 8 * 2**20
+QUICK = {"size_gb": 0.05, "repeats": 2}
 
 
 # ---------------------------------------------------------------------------------- checkpoint
@@ -97,21 +87,24 @@ def write_checkpoint_folder(folder: Path, layout: dict[str, int]) -> None:
 
 def check_disk(scratch: Path, size_bytes: int, backends: list[str]) -> None:
     # Source + two downloads, + two remote copies for file://, + moto's spill files for s3
-    # (it keeps objects over ~5 MB in temp files; set to the scratch dir below).
+    # (it keeps objects over ~5 MB in temp files; set to the scratch dir).
     copies = 3 + (2 if "file" in backends else 0) + (3 if "s3" in backends else 0)
-    need = copies * size_bytes + 512 * 2**20
-    free = shutil.disk_usage(scratch).free
-    if free < need:
-        raise SystemExit(
-            f"not enough free disk under {scratch}: {free / 1e9:.1f} GB free, {need / 1e9:.1f} GB needed "
-            f"(use --scratch or a smaller --size-gb)"
-        )
-    avail = mem_info_bytes("MemAvailable")
-    if avail is not None and avail < 3 * size_bytes:
-        print(
-            f"warning: only {avail / 1e9:.1f} GB of RAM available; page-cache misses will make the numbers noisier",
-            file=sys.stderr,
-        )
+    check_scratch(
+        scratch,
+        copies * size_bytes + 512 * 2**20,
+        3 * size_bytes,
+        "page-cache misses will make the numbers noisier",
+        hint="use --scratch or a smaller --size-gb",
+    )
+
+
+def xxh3_file(path: Path) -> str:
+    """One xxh3 pass over a file, as ``pull`` makes over what it downloaded."""
+    hasher = xxhash.xxh3_64()
+    with open(path, "rb") as handle:
+        while block := handle.read(READ_BLOCK):
+            hasher.update(block)
+    return hasher.hexdigest()
 
 
 # ------------------------------------------------------------------------------------- measure
@@ -179,8 +172,8 @@ class Repeat:
     def __post_init__(self) -> None:
         self.prefix = f"{self.target.base_url}/rep-{self.rep}-{uuid.uuid4().hex[:6]}"
         self.store = CheckpointStore(f"{self.prefix}/persister", self.target.storage_options)
-        self.fs, self.raw_root = fsspec.core.url_to_fs(f"{self.prefix}/raw", **self.target.storage_options)
-        assert self.fs is self.store.fs, "the raw baseline must use the persister's filesystem object"
+        self.fs = self.store.fs  # the raw baseline uses the persister's filesystem object (its options too)
+        _, self.raw_root = fsspec.core.url_to_fs(f"{self.prefix}/raw", **self.target.storage_options)
         self.local = self.store.is_local
         self.folders: list[Path] = []
 
@@ -224,7 +217,7 @@ class Repeat:
         self.fs.get([f"{step_root}/{n}" for n in self.names], [str(dest / n) for n in self.names])
         if verify:
             for n in self.names:
-                digest_local_file(dest / n)
+                xxh3_file(dest / n)
 
     def cleanup(self) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -351,33 +344,27 @@ def row_cells(row: Row) -> list[str]:
     ]
 
 
-def print_table(rows: list[Row], title: str) -> None:
-    print_rich_table(HEADERS, [row_cells(row) for row in rows], title, left=("backend", "direction"))
-
-
 def markdown_section(
-    rows: list[Row], args: argparse.Namespace, layout: dict[str, int], details: str, env: tuple[str, str]
-) -> str:
-    now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [
-        f"## {BENCH_NAME}",
-        "",
-        f"- Date: {now}",
-        f"- Machine: {env[0]}",
-        f"- Versions: {env[1]}",
-        f"- Command: `python benchmarks/persist.py --size-gb {args.size_gb} --repeats {args.repeats} "
-        f"--backends {','.join(args.backends)}`",
+    rows: list[Row], args: argparse.Namespace, layout: dict[str, int], details: str
+) -> list[str]:
+    command = (
+        f"python benchmarks/persist.py --size-gb {args.size_gb} --repeats {args.repeats} "
+        f"--backends {','.join(args.backends)}"
+    )
+    return [
+        *section_head(BENCH_NAME, command, args.versions),
         f"- Checkpoint: {sum(layout.values()) / 1e6:.0f} MB in {len(layout)} files "
         f"(largest {max(layout.values()) / 1e6:.0f} MB); median of {args.repeats} interleaved repeats; "
         "S3 is moto on loopback. Persister upload = submit → manifest committed (digests computed "
         "during the upload); pull = `store.pull` into an empty folder (download + checksum).",
         "",
-        "| " + " | ".join(HEADERS) + " |",
-        "|" + "|".join("---" for _ in HEADERS) + "|",
+        *markdown_table(HEADERS, [row_cells(row) for row in rows]),
+        "",
+        details,
+        "",
+        TARGET,
+        "",
     ]
-    lines += ["| " + " | ".join(row_cells(row)) + " |" for row in rows]
-    lines += ["", details, "", TARGET, ""]
-    return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------------------------------- main
@@ -389,61 +376,52 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats per backend (default 3)")
     parser.add_argument("--backends", default="s3,file", help="comma-separated subset of s3,file")
     parser.add_argument("--scratch", default=tempfile.gettempdir(), help="where the temp folder goes")
-    parser.add_argument("--no-append", action="store_true", help="print only; do not append to BENCHMARKS.md")
+    add_common_args(parser)
     args = parser.parse_args(argv)
-    args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    unknown = set(args.backends) - set(BACKENDS)
-    if unknown or not args.backends:
-        parser.error(f"--backends must be a subset of {','.join(BACKENDS)}")
+    apply_quick(parser, args, QUICK)
+    args.backends = choice_list(parser, args.backends, BACKENDS, "--backends")
     if args.size_gb <= 0 or args.repeats < 1:
         parser.error("--size-gb must be > 0 and --repeats >= 1")
     return args
 
 
+def measure(args: argparse.Namespace, scratch: Path, layout: dict[str, int]) -> dict[str, dict[str, Samples]]:
+    """Write the source checkpoint, then every backend in turn, each against its own fresh store."""
+    src = scratch / "checkpoint"
+    print(f"writing a {sum(layout.values()) / 1e6:.0f} MB checkpoint into {src} ...", flush=True)
+    write_checkpoint_folder(src, layout)
+    results: dict[str, dict[str, Samples]] = {}
+    for backend in args.backends:
+        with open_store(backend, scratch, BUCKET) as (base_url, options):
+            target = Target(backend, f"{base_url}/bench", options)
+            print(f"{backend}: {args.repeats} repeats ...", flush=True)
+            results[backend] = run_target(target, src, layout, args.repeats, scratch)
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    size_bytes = int(args.size_gb * 1e9)
-    env = (machine_line(), versions_line())  # now, so a failure here costs no measurement
-    layout = checkpoint_layout(size_bytes)
+    args.versions = versions_line()  # now, so a failure here costs no measurement
+    layout = checkpoint_layout(int(args.size_gb * 1e9))
     total = sum(layout.values())
-    scratch_root = Path(args.scratch)
-    check_disk(scratch_root, total, args.backends)
-    scratch = Path(tempfile.mkdtemp(prefix="spot-bench-persist-", dir=scratch_root))
+    check_disk(Path(args.scratch), total, args.backends)
+    scratch = Path(tempfile.mkdtemp(prefix="spot-bench-persist-", dir=args.scratch))
     began = time.perf_counter()
     try:
-        src = scratch / "checkpoint"
-        print(f"writing a {total / 1e6:.0f} MB checkpoint into {src} ...", flush=True)
-        write_checkpoint_folder(src, layout)
-        results: dict[str, dict[str, Samples]] = {}
-        with contextlib.ExitStack() as stack:
-            for backend in args.backends:
-                if backend == "s3":
-                    endpoint = stack.enter_context(moto_server(scratch))
-                    options = {"key": S3_KEY, "secret": S3_SECRET, "endpoint_url": endpoint}
-                    fs, _ = fsspec.core.url_to_fs(f"s3://{BUCKET}", **options)
-                    fs.mkdir(BUCKET)
-                    target = Target("s3", f"s3://{BUCKET}/bench", options)
-                else:
-                    remote = scratch / "remote"
-                    remote.mkdir()
-                    target = Target("file", f"file://{remote}", {})
-                print(f"{backend}: {args.repeats} repeats ...", flush=True)
-                results[backend] = run_target(target, src, layout, args.repeats, scratch)
-        rows = summarize(results, total)
-        title = f"{BENCH_NAME} ({total / 1e6:.0f} MB, median of {args.repeats})"
-        print_table(rows, title)
-        details = "Details (medians): " + "; ".join(
-            f"{backend} upload submit→idle incl. retention {statistics.median(r['upload'].extra['submit_to_idle_s']):.2f}s, "
-            f"write_checkpoint {statistics.median(r['upload'].extra['write_checkpoint_s']):.2f}s"
-            for backend, r in results.items()
-        )
-        print(details)
-        print(f"total time {time.perf_counter() - began:.0f}s")
-        if not args.no_append:
-            path = append_markdown(markdown_section(rows, args, layout, details, env))
-            print(f"appended to {path}")
+        results = measure(args, scratch, layout)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    rows = summarize(results, total)
+    title = f"{BENCH_NAME} ({total / 1e6:.0f} MB, median of {args.repeats})"
+    print_rich_table(HEADERS, [row_cells(row) for row in rows], title, left=("backend", "direction"))
+    details = "Details (medians): " + "; ".join(
+        f"{backend} upload submit→idle incl. retention {statistics.median(r['upload'].extra['submit_to_idle_s']):.2f}s, "
+        f"write_checkpoint {statistics.median(r['upload'].extra['write_checkpoint_s']):.2f}s"
+        for backend, r in results.items()
+    )
+    print(details)
+    print(f"total time {time.perf_counter() - began:.0f}s")
+    record(args, markdown_section(rows, args, layout, details))
     return 0
 
 

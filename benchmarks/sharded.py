@@ -1,12 +1,14 @@
-"""Sharded vs gathered checkpoints of an FSDP2 model on 2 CPU processes: time and peak host memory per rank.
+"""Benchmark: sharded vs gathered checkpoints of an FSDP2 model on 2 CPU processes: time and peak host memory per rank.
 
 *sharded*: ModelParallelStrategy(save_distributed_checkpoint=True): every rank stages and uploads
 its own shards through torch.distributed.checkpoint; rank 0 commits. *gathered*: the same run with
 save_distributed_checkpoint=False: the full state is gathered on rank 0, which stages and uploads
-one file (the DDP-style path). Both write to the same store (moto S3 by default) in one run.
+one file (the DDP-style path). Both write to the same store (moto S3 by default) in one run; each
+rank is ``benchmarks/_sharded_worker.py``.
 
     python benchmarks/sharded.py                      # ~1.2 GB of state (100M params + AdamW), moto S3
     python benchmarks/sharded.py --hidden 1024 --layers 4 --store file --no-record   # a quick look
+    python benchmarks/sharded.py --quick --results-file /tmp/bench.md               # a check that it runs
 """
 
 from __future__ import annotations
@@ -20,38 +22,49 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 from _common import (
-    S3_KEY,
-    S3_SECRET,
-    append_markdown,
-    machine_line,
+    add_common_args,
+    apply_quick,
     markdown_table,
-    moto_server,
     print_rich_table,
+    record,
+    section_head,
     versions_line,
 )
+from _servers import open_store
 
 WORKER = Path(__file__).with_name("_sharded_worker.py")
+BUCKET = "sharded"
+MODES = ("sharded", "gathered")
+QUICK = {"hidden": 256, "layers": 2, "steps": 6}
 HEADERS = [
     "mode", "rank", "rank's shard", "blocked (median)", "until committed (median)",
     "peak extra RSS", "peak extra / shard",
 ]  # fmt: skip
+RESUME_HEADERS = [
+    "rank",
+    "pull (verified, once per node)",
+    "pull + DCP load",
+    "DCP load through FsspecReader",
+]
+RESUME_TITLE = "loading the newest sharded checkpoint into the same 2 processes"
 
 
-def run_mode(mode: str, args: argparse.Namespace, workdir: Path, url: str, options: dict) -> list[dict]:
+def run_mode(
+    mode: str, args: argparse.Namespace, workdir: Path, url: str, options: dict[str, Any]
+) -> list[dict]:
+    """Both ranks of one mode (Lightning launches the second); their ``rank-N.json`` results, by rank."""
+    results_dir = workdir / f"results-{mode}"
+    results_dir.mkdir()
     command = [
         sys.executable, str(WORKER), "--dirpath", f"{url}/{mode}", "--storage-options", json.dumps(options),
         "--hidden", str(args.hidden), "--layers", str(args.layers), "--every", str(args.every),
-        "--steps", str(args.steps), "--devices", "2",
+        "--steps", str(args.steps), "--devices", "2", "--results", str(results_dir),
+        *(["--gathered"] if mode == "gathered" else []),
     ]  # fmt: skip
-    results_dir = workdir / f"results-{mode}"
-    results_dir.mkdir()
-    command += ["--results", str(results_dir)]
-    if mode == "gathered":
-        command.append("--gathered")
     env = {**os.environ, "SPOT_SCRATCH": str(workdir / f"scratch-{mode}"), "PYTHONUNBUFFERED": "1"}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
@@ -75,14 +88,6 @@ def row_of(result: dict) -> list[str]:
     ]
 
 
-RESUME_HEADERS = [
-    "rank",
-    "pull (verified, once per node)",
-    "pull + DCP load",
-    "DCP load through FsspecReader",
-]
-
-
 def resume_row_of(result: dict) -> list[str]:
     resume = result["resume"]
     return [
@@ -93,38 +98,31 @@ def resume_row_of(result: dict) -> list[str]:
     ]
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--every", type=int, default=3, help="checkpoint every N steps")
     parser.add_argument("--steps", type=int, default=9)
     parser.add_argument("--store", choices=["s3", "file"], default="s3")
-    parser.add_argument("--no-record", action="store_true", help="do not append to BENCHMARKS.md")
-    args = parser.parse_args()
+    add_common_args(parser)
+    args = parser.parse_args(argv)
+    apply_quick(parser, args, QUICK)
+    return args
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     params = args.layers * (args.hidden * args.hidden + args.hidden)
     state_gb = params * 4 * 3 / 1e9  # fp32 weights + AdamW's two moments
     workdir = Path(tempfile.mkdtemp(prefix="spot-sharded-"))
     started = time.monotonic()
     try:
-        if args.store == "s3":
-            with moto_server(workdir) as endpoint:
-                options = {"key": S3_KEY, "secret": S3_SECRET, "endpoint_url": endpoint}
-                import s3fs
-
-                s3fs.S3FileSystem(skip_instance_cache=True, **options).mkdir("sharded")
-                results = [
-                    r
-                    for mode in ("sharded", "gathered")
-                    for r in run_mode(mode, args, workdir, "s3://sharded", options)
-                ]
-        else:
-            url = (workdir / "store").as_uri()
-            results = [r for mode in ("sharded", "gathered") for r in run_mode(mode, args, workdir, url, {})]
+        with open_store(args.store, workdir, BUCKET) as (url, options):
+            results = [r for mode in MODES for r in run_mode(mode, args, workdir, url, options)]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-
+    total_s = time.monotonic() - started
     rows = [row_of(result) for result in results]
     title = (
         f"{params / 1e6:.0f}M parameters, {state_gb:.2f} GB of state, 2 processes (gloo, CPU), "
@@ -132,29 +130,31 @@ def main() -> int:
     )
     print_rich_table(HEADERS, rows, title, left=["mode"])
     resume_rows = [resume_row_of(result) for result in results if result.get("resume")]
-    resume_title = "loading the newest sharded checkpoint into the same 2 processes"
-    print_rich_table(RESUME_HEADERS, resume_rows, resume_title)
-    if not args.no_record:
-        date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        lines = [
-            "## sharded: FSDP2 checkpoints, every rank persisting its shards vs the state gathered on rank 0",
-            "",
-            f"`python benchmarks/sharded.py` on {date}, {machine_line()}; {versions_line(('torch', 'lightning'))}.",
-            f"{title}; {time.monotonic() - started:.0f} s in all. *blocked*: the training loop's wait at the "
-            "step boundary; *until committed*: from the step boundary to the manifest written; *peak extra RSS*: "
-            "the highest resident memory during a checkpoint over the RSS before the first one (reused "
-            "staging buffers included).",
-            "",
-            *markdown_table(HEADERS, rows),
-            "",
-            f"Resume, {resume_title}: pulled (every file's xxh3 checked) then loaded from local disk, "
-            "against DCP's `FsspecReader` reading the shards straight from the store (no checksums).",
-            "",
-            *markdown_table(RESUME_HEADERS, resume_rows),
-            "",
-            "",
-        ]
-        print(f"appended to {append_markdown(chr(10).join(lines))}")
+    print_rich_table(RESUME_HEADERS, resume_rows, RESUME_TITLE)
+    command = (
+        f"python benchmarks/sharded.py --hidden {args.hidden} --layers {args.layers} --every {args.every} "
+        f"--steps {args.steps} --store {args.store}"
+    )
+    section = [
+        *section_head(
+            "sharded: FSDP2 checkpoints, every rank persisting its shards vs the state gathered on rank 0",
+            command,
+            versions_line(("torch", "lightning")),
+            f" ({total_s:.0f} s)",
+        ),
+        f"- {title}. *blocked*: the training loop's wait at the step boundary; *until committed*: from the "
+        "step boundary to the manifest written; *peak extra RSS*: the highest resident memory during a "
+        "checkpoint over the RSS before the first one (reused staging buffers included).",
+        "",
+        *markdown_table(HEADERS, rows),
+        "",
+        f"Resume, {RESUME_TITLE}: pulled (every file's xxh3 checked) then loaded from local disk, "
+        "against DCP's `FsspecReader` reading the shards straight from the store (no checksums).",
+        "",
+        *markdown_table(RESUME_HEADERS, resume_rows),
+        "",
+    ]
+    record(args, section)
     return 0
 
 

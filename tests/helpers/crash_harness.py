@@ -30,7 +30,7 @@ from typing import Any
 
 from spot_callbacks import CheckpointStore
 
-SCRIPT = Path(__file__).parent / "scripts" / "lightning_run.py"
+SCRIPT = Path(__file__).parent.parent / "scripts" / "lightning_run.py"
 STEPS_PER_EPOCH = 10  # 320 samples, batch 32 (see lightning_run.py)
 READY_TIMEOUT_S = 180.0  # process start (imports) and the pull of the resume point, on a loaded box
 RUN_TIMEOUT_S = 300.0

@@ -1,0 +1,207 @@
+"""The Hugging Face adapter of ``benchmarks/stall.py``: the model, the two probe callbacks, three variants.
+
+``hf-spot`` (SpotCheckpointCallback), ``hf-local`` (the Trainer's own save, local only) and
+``hf-sync`` (the Trainer's save + an ``on_save`` that ``fs.put``'s the folder to S3). Imported only
+when those variants are asked for, so the Lightning variants run without transformers.
+
+Blocked time ("hook") = from ``Head.on_step_end`` of a checkpoint step to the end of
+``Tail.on_save``: every callback's ``on_step_end`` (the save request), the Trainer's own
+``_save_checkpoint`` and every ``on_save`` (an upload, for ``hf-sync``). Split into "Trainer
+save" (``Tail.on_step_end`` end → ``Head.on_save``) and "on_save callbacks". "to next step" =
+from ``Head.on_step_end`` to the next ``on_step_begin`` (or ``on_train_end``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import time
+import uuid
+from typing import Any
+
+import torch
+import transformers
+from _stall import (
+    Context,
+    FitResult,
+    HookMeter,
+    Recorder,
+    Setup,
+    StepClock,
+    Variant,
+    fit_result,
+    landed_folders,
+    record_stall,
+    run_guarded,
+    spot_options,
+    spot_setup,
+)
+
+from spot_callbacks.hf import SpotCheckpointCallback
+
+REFERENCE = "hf-local"
+
+
+class HFStallModel(torch.nn.Module):
+    """The benchmark's layer stack in the Trainer's calling convention."""
+
+    def __init__(self, net: torch.nn.Sequential) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(
+        self, x: torch.Tensor | None = None, input_ids: Any = None, labels: Any = None
+    ) -> dict[str, torch.Tensor]:
+        return {"loss": self.net(x).square().mean()}
+
+
+class Marks:
+    """What :class:`Head` and :class:`Tail` share: the clock, the meter, and when each phase ended."""
+
+    def __init__(self, clock: StepClock, recorder: Recorder) -> None:
+        self.clock = clock
+        self.recorder = recorder
+        self.meter = HookMeter(recorder)
+        self.step_end_done_at: float | None = None  # every on_step_end has run
+        self.on_save_at: float | None = None  # the first on_save starts
+
+
+class Head(transformers.TrainerCallback):
+    """First in the callback list."""
+
+    def __init__(self, marks: Marks) -> None:
+        self.marks = marks
+
+    def on_step_begin(self, targs: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.marks.clock.step_begins(state.global_step)
+
+    def on_step_end(self, targs: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.marks.meter.start()
+        self.marks.clock.step_ended_at = self.marks.meter.started
+
+    def on_save(self, targs: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        marks = self.marks
+        marks.on_save_at = time.perf_counter()
+        if marks.step_end_done_at is not None:
+            marks.recorder.record(
+                "Trainer save", marks.on_save_at - marks.step_end_done_at, state.global_step
+            )
+
+    def on_train_end(self, targs: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.marks.clock.close_period(state.global_step)
+
+
+class Tail(transformers.TrainerCallback):
+    """Last in the callback list."""
+
+    def __init__(self, marks: Marks) -> None:
+        self.marks = marks
+
+    def on_step_end(self, targs: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.marks.step_end_done_at = time.perf_counter()
+
+    def on_save(self, targs: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        marks = self.marks
+        marks.meter.stop(state.global_step)
+        if marks.on_save_at is not None:
+            on_save_s = time.perf_counter() - marks.on_save_at
+            marks.recorder.record("on_save callbacks", on_save_s, state.global_step)
+
+
+def run(ctx: Context, variant: Variant) -> FitResult:
+    """One ``Trainer.train`` of ``variant`` that takes ``ctx.ckpts`` checkpoints."""
+    args = ctx.args
+    net, rows = ctx.model_and_data()
+    model = HFStallModel(net)
+    data = [{"x": row} for row in rows]
+    recorder = Recorder()
+    setup = variant.make_setup(ctx, recorder)
+    clock = StepClock(args, recorder, setup.settle)
+    marks = Marks(clock, recorder)
+    output_dir = ctx.scratch / f"hf-{uuid.uuid4().hex[:6]}"
+    targs = transformers.TrainingArguments(
+        output_dir=str(output_dir),
+        max_steps=ctx.max_steps,
+        per_device_train_batch_size=args.batch,
+        learning_rate=1e-5,
+        save_strategy=setup.trainer_options["save_strategy"],
+        save_steps=args.every_n,
+        logging_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        dataloader_num_workers=0,
+        remove_unused_columns=False,
+        disable_tqdm=True,
+        seed=0,
+    )
+
+    def train() -> None:
+        callbacks = [Head(marks), *setup.callbacks, Tail(marks)]
+        trainer = transformers.Trainer(model=model, args=targs, train_dataset=data, callbacks=callbacks)
+        trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
+        trainer.train()
+
+    error = run_guarded(setup, train)
+    result = fit_result(ctx, recorder, clock, setup, error)
+    shutil.rmtree(output_dir, ignore_errors=True)
+    return result
+
+
+# ---------------------------------------------------------------------------------- variants
+def hf_spot_setup(ctx: Context, recorder: Recorder) -> Setup:
+    ckpt = SpotCheckpointCallback(**spot_options(ctx))
+    record_stall(ckpt.engine, "save_folder", recorder)
+    setup = spot_setup(ctx, ckpt, landed_folders)
+    setup.trainer_options["save_strategy"] = "no"  # the callback asks for the saves
+    return setup
+
+
+def hf_local_setup(ctx: Context, recorder: Recorder) -> Setup:
+    return Setup(callbacks=[], trainer_options={"save_strategy": "steps"})
+
+
+class SyncUpload(transformers.TrainerCallback):
+    """``on_save``: ``fs.put`` the Trainer's ``checkpoint-N`` folder to the fit's prefix, timed."""
+
+    def __init__(self, ctx: Context, recorder: Recorder) -> None:
+        self.fs = ctx.fs()
+        self.prefix = ctx.prefix
+        self.recorder = recorder
+
+    def on_save(self, targs: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        name = f"checkpoint-{state.global_step}"
+        started = time.perf_counter()
+        self.fs.put(os.path.join(targs.output_dir, name), f"{self.prefix}/{name}", recursive=True)
+        self.recorder.record("s3fs put", time.perf_counter() - started, state.global_step)
+
+
+def hf_sync_setup(ctx: Context, recorder: Recorder) -> Setup:
+    return Setup(
+        callbacks=[SyncUpload(ctx, recorder)],
+        trainer_options={"save_strategy": "steps"},
+        landed=functools.partial(landed_folders, ctx),
+    )
+
+
+VARIANTS: dict[str, Variant] = {
+    v.name: v
+    for v in (
+        Variant(
+            "hf-spot",
+            "SpotCheckpointCallback(every_n_steps=N, dirpath=s3://…): Trainer save + background upload",
+            hf_spot_setup,
+        ),
+        Variant(
+            REFERENCE,
+            'Trainer\'s own save (save_strategy="steps", save_steps=N), local only',
+            hf_local_setup,
+            kept="local",
+        ),
+        Variant(
+            "hf-sync",
+            "Trainer save + a TrainerCallback whose on_save fs.put's checkpoint-N to S3 (s3fs)",
+            hf_sync_setup,
+        ),
+    )
+}
