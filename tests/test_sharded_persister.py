@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from helpers.faultfs import FaultyFileSystem
 from torch.distributed.tensor import DeviceMesh, Shard, distribute_tensor
 
 from spot_callbacks import CheckpointStore, PersistError, load_sharded_state
+from spot_callbacks.persist import CheckpointPersister
 from spot_callbacks.persist.sharded import ShardedPersister
 from spot_callbacks.store.retry import RetryPolicy
 
@@ -41,6 +43,7 @@ def test_the_newest_written_checkpoint_wins_and_round_trips_through_dcp(one_rank
     faulty.gate = threading.Event()
     store.fs = faulty
     persister = ShardedPersister(store, scratch_root=tmp_path / "scratch", keep_last=0)
+    assert isinstance(persister, CheckpointPersister)
     caplog.set_level(logging.INFO, logger="spot_callbacks")
     for step in (1, 2, 3):
         persister.submit_state(
@@ -81,4 +84,24 @@ def test_a_failed_upload_commits_nothing_and_names_the_rank(one_rank, tmp_path):
     assert "rank 0: PermissionError" in str(failure) and "step-000000006" in str(failure)
     store.fs = faulty.inner
     assert [info.step for info in store.committed()] == [5] and store.verify(5, deep=True)
+    assert persister.close(timeout=60)
+
+
+def test_an_expedited_checkpoint_skips_retention_and_a_late_commit_is_said(one_rank, tmp_path, caplog):
+    store = CheckpointStore((tmp_path / "store").as_uri(), retry=FAST_RETRY)
+    persister = ShardedPersister(store, scratch_root=tmp_path / "scratch", keep_last=1)
+    persister.submit_state(1, "steps", "test", sharded_state(one_rank, 1.0))
+    assert persister.wait_for_step(1, timeout=60)
+    faulty = FaultyFileSystem(store.fs)
+    faulty.gate = threading.Event()
+    store.fs = faulty
+    persister.submit_state(2, "steps", "test", sharded_state(one_rank, 2.0))
+    assert faulty.held.wait(timeout=60)  # step 2 is uploading, held at the gate
+    assert persister.in_flight_step == 2
+    persister.expedite(2, deadline=time.time() - 1)  # its deadline has passed already
+    caplog.set_level(logging.WARNING, logger="spot_callbacks")
+    faulty.gate.set()
+    assert persister.wait_for_step(2, timeout=60)
+    assert any("step 2 committed" in r.message and "after its deadline" in r.message for r in caplog.records)
+    assert [info.step for info in store.committed()] == [1, 2]  # keep_last=1, yet no retention ran
     assert persister.close(timeout=60)
