@@ -25,18 +25,34 @@ _DURATION_UNITS_S = {
     "m": 60.0, "min": 60.0, "mins": 60.0, "minute": 60.0, "minutes": 60.0,
     "s": 1.0, "sec": 1.0, "secs": 1.0, "second": 1.0, "seconds": 1.0,
 }  # fmt: skip
-_DURATION_PART = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]+)\s*")
-_DURATION_HELP = "use e.g. '90s', '15min', '1h', '1h30min', a number of seconds, 'auto' or None (off)"
+# "1h30" and "5m30": a bare number after a unit counts in the next smaller one, as people write it.
+_NEXT_SMALLER_UNIT_S = {86400.0: 3600.0, 3600.0: 60.0, 60.0: 1.0}
+_NUMBER = r"(\d+(?:\.\d*)?|\.\d+)"
+_DURATION_PART = re.compile(rf"\s*{_NUMBER}\s*([a-z]+)\s*")
+_BARE_TAIL = re.compile(rf"\s*{_NUMBER}\s*$")
+_ISO_8601 = re.compile(
+    rf"p(?:{_NUMBER}w)?(?:{_NUMBER}d)?(?:t(?=[\d.])(?:{_NUMBER}h)?(?:{_NUMBER}m)?(?:{_NUMBER}s)?)?"
+)
+_ISO_UNITS_S = (604800.0, 86400.0, 3600.0, 60.0, 1.0)
+_DURATION_HELP = (
+    "accepted forms: a number of seconds (90, '90'); numbers with units d, h, min or s (also m, hr, "
+    "sec and the words day, hour, minute, second, singular or plural), spaces optional: '90s', '15min', "
+    "'90 min', '1.5h', '1h30min', '1h 30m'; a bare number after a unit counts in the next smaller one: "
+    "'1h30' (1h30min), '5m30' (5min30s); ISO-8601 in weeks, days, hours, minutes and seconds: 'PT1H30M', "
+    "'P1DT2H'; 'auto'; or None (off)"
+)
 
 
 def parse_duration(value: str | float | int | None, key: str = "interval") -> float | None:
-    """Seconds in a duration such as ``"90s"``, ``"15min"``, ``"1h30min"`` or ``120``; ``None`` stays ``None``.
+    """Seconds in a duration such as ``"90s"``, ``"1h30"``, ``"1h 30m"``, ``"PT1H30M"`` or ``120``.
 
-    ``"auto"`` is not a duration: callers check for it first.
+    ``None`` stays ``None``. ``"auto"`` is not a duration: callers check for it first.
 
     Example:
         >>> parse_duration("1h30min")
         5400.0
+        >>> parse_duration("1h30"), parse_duration("90 min"), parse_duration("PT1H30M")
+        (5400.0, 5400.0, 5400.0)
         >>> parse_duration(90)
         90.0
     """
@@ -60,12 +76,21 @@ def parse_duration(value: str | float | int | None, key: str = "interval") -> fl
 
 
 def _parse_unit_string(text: str, original: str, key: str) -> float:
-    position, total = 0, 0.0
+    iso = _ISO_8601.fullmatch(text)
+    if iso is not None and any(iso.groups()):
+        return sum(
+            float(amount) * unit for amount, unit in zip(iso.groups(), _ISO_UNITS_S, strict=True) if amount
+        )
+    position, total, last_unit_s = 0, 0.0, None
     while position < len(text):
         match = _DURATION_PART.match(text, position)
         if match is None or match.group(2) not in _DURATION_UNITS_S:
-            raise ConfigError(f"{key}={original!r} is not a duration; {_DURATION_HELP}")
-        total += float(match.group(1)) * _DURATION_UNITS_S[match.group(2)]
+            tail = _BARE_TAIL.fullmatch(text, position)
+            if tail is None or last_unit_s not in _NEXT_SMALLER_UNIT_S:
+                raise ConfigError(f"{key}={original!r} is not a duration; {_DURATION_HELP}")
+            return total + float(tail.group(1)) * _NEXT_SMALLER_UNIT_S[last_unit_s]
+        last_unit_s = _DURATION_UNITS_S[match.group(2)]
+        total += float(match.group(1)) * last_unit_s
         position = match.end()
     if position == 0:
         raise ConfigError(f"{key}={original!r} is not a duration; {_DURATION_HELP}")
@@ -82,9 +107,9 @@ class SpotConfig:
 
     Args:
         dirpath: fsspec URL or local path where committed checkpoints live.
-        interval: wall-clock time between checkpoints: ``"90s"``, ``"15min"``, ``"1h"``, seconds
-            as a number, ``"auto"`` (from measured checkpoint cost and the interruption rate) or
-            ``None`` (off).
+        interval: wall-clock time between checkpoints: ``"90s"``, ``"15min"``, ``"1h30"``,
+            ``"1h 30m"``, ISO-8601 ``"PT1H30M"``, seconds as a number (see :func:`parse_duration`),
+            ``"auto"`` (from measured checkpoint cost and the interruption rate) or ``None`` (off).
         every_n_steps: also checkpoint every N optimizer steps.
         keep_last: committed checkpoints kept in ``dirpath`` (0 keeps all); the newest valid one
             is never deleted.

@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -32,6 +33,28 @@ def test_bad_interval_names_the_key_the_value_and_the_accepted_forms(bad):
     message = str(info.value)
     assert "interval=" in message and repr(bad) in message
     assert "'90s'" in message and "'auto'" in message
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("1h30", 5400), ("1h 30m", 5400), ("90 min", 5400), ("PT1H30M", 5400), ("pt90s", 90), ("P1DT2H", 93600),
+     ("P1W", 604800), ("PT0.5H", 1800), ("5m30", 330), ("1d12", 129600), ("1 h 30", 5400), ("1H30M", 5400)],
+)  # fmt: skip
+def test_common_duration_spellings_parse_to_seconds(text, seconds):
+    assert parse_duration(text) == pytest.approx(seconds)
+    assert SpotConfig(dirpath="runs/a", interval=text).interval_seconds == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("bad", ["P", "PT", "P1H", "PT1H30", "1s30", "30 1h", "1h30 20", "1h30x", "P1DT"])
+def test_a_duration_error_lists_every_accepted_form(bad):
+    with pytest.raises(ConfigError) as info:
+        parse_duration(bad)
+    message = str(info.value)
+    assert f"interval={bad!r} is not a duration" in message
+    for form in ("90", "'90s'", "'90 min'", "'1.5h'", "'1h 30m'", "'1h30'", "'PT1H30M'", "'auto'", "None"):
+        assert form in message
+    for unit in ("d", "h", "min", "s", "m", "hr", "sec", "day", "hour", "minute", "second", "plural"):
+        assert re.search(rf"\b{unit}\b", message), unit
 
 
 def test_defaults_match_the_design_table():

@@ -1,0 +1,74 @@
+"""The examples do what their docstrings and README say, run as a user runs them."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from spot_callbacks import CheckpointInfo, CheckpointStore
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+RUN_TIMEOUT_S = 240
+POLL_S = 0.05
+
+
+def example_env(tmp_path: Path, machine: str) -> dict[str, str]:
+    """Each run on its own empty scratch disk (a fresh machine); one thread: the CI box is shared."""
+    scratch = str(tmp_path / f"scratch-{machine}")
+    return {**os.environ, "SPOT_SCRATCH": scratch, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
+def wait_for_first_commit(store: CheckpointStore, process: subprocess.Popen, output: Path) -> CheckpointInfo:
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while time.monotonic() < deadline:
+        newest = store.latest()
+        if newest is not None:
+            return newest
+        assert process.poll() is None, f"exited {process.returncode} before a commit:\n{output.read_text()}"
+        time.sleep(POLL_S)
+    pytest.fail(f"no checkpoint committed within {RUN_TIMEOUT_S} s:\n{output.read_text()}")
+
+
+@pytest.mark.slow
+def test_lightning_spot_stops_on_sigterm_and_the_same_command_resumes(tmp_path: Path) -> None:
+    # Far more steps than the first commit needs, so the SIGTERM lands mid-run on a fast machine too.
+    dirpath = tmp_path / "run"
+    command = [sys.executable, str(EXAMPLES / "lightning_spot.py"), "--dirpath", str(dirpath),
+               "--max-steps", "300", "--every-n-steps", "10"]  # fmt: skip
+    store = CheckpointStore(str(dirpath))
+    first_output = tmp_path / "first.log"
+    with first_output.open("w") as sink:
+        first = subprocess.Popen(
+            command, stdout=sink, stderr=subprocess.STDOUT, text=True, env=example_env(tmp_path, "a")
+        )
+        try:
+            first_commit = wait_for_first_commit(store, first, first_output)
+            first.send_signal(signal.SIGTERM)
+            first.wait(timeout=RUN_TIMEOUT_S)
+        finally:
+            if first.poll() is None:
+                first.kill()
+                first.wait()
+    printed = first_output.read_text()
+    assert first.returncode == 143, printed
+    assert f"PID {first.pid}" in printed and f"kill -TERM {first.pid}" in printed
+    assert "then run the same command again to resume" in printed
+    emergency = store.latest()
+    assert emergency.reason == "preemption" and first_commit.step <= emergency.step < 300, printed
+
+    second = subprocess.run(
+        command, capture_output=True, text=True, env=example_env(tmp_path, "b"), timeout=RUN_TIMEOUT_S
+    )
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert re.search(rf"^resumed from step {emergency.step} of 300: ", second.stdout, re.MULTILINE), (
+        second.stdout
+    )
+    assert "done: newest committed checkpoint is step 300" in second.stdout
+    assert "PID" in second.stdout  # every run says how to stop it
