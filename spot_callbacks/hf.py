@@ -5,34 +5,26 @@ from __future__ import annotations
 import logging
 import math
 import os
-import signal
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Union
 
 import transformers
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from spot_callbacks._compat import transformers as compat
 from spot_callbacks.config import SpotConfig
 from spot_callbacks.engine import SpotEngine
+from spot_callbacks.hf_saves import RequestedSaves, SaveRequest
 from spot_callbacks.notices import PREEMPTED_EXIT_CODE, Notice
 from spot_callbacks.store import CheckpointStore
 from spot_callbacks.trigger.collectives import gather_from_ranks
+from spot_callbacks.trigger.rules import AfterEmergency
 
 log = logging.getLogger("spot_callbacks")
 
 # Where on_init_end moves local checkpoint-N folders newer than the newest committed checkpoint,
 # so that train(resume_from_checkpoint=True) cannot pick a half-written one (HF issues 35525, 35782).
 UNCOMMITTED_PREFIX = ".spot-uncommitted-"
-JIT_INCOMPLETE_MARKER = "checkpoint-is-incomplete.txt"
-
-
-@dataclass(frozen=True)
-class _SaveRequest:
-    step: int
-    reason: str
-    notice: Notice | None = None
 
 
 class SpotCheckpointCallback(transformers.TrainerCallback):
@@ -88,8 +80,7 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
         self._args: Any = None
         self._materialised: Path | None = None  # pulled by on_init_end, valid until training starts
         self._resolved_at_init = False
-        self._request: _SaveRequest | None = None  # a save asked of the Trainer, not yet seen in on_save
-        self._carry: _SaveRequest | None = None  # a requested save the Trainer dropped: ask again
+        self._saves = RequestedSaves()
         self._save_started_at: float | None = None
         self._metrics: dict[str, float] = {}
 
@@ -116,38 +107,29 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
         return os.fspath(local_dir) if local_dir is not None else None
 
     def _checkpoint_dir(self, step: int) -> Path:
-        return Path(self._args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{step}"
+        return compat.checkpoint_dir(self._args.output_dir, step)
 
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # Materialise now, so that train(resume_from_checkpoint=True) finds it in output_dir too.
         self._args = args
         self._materialised = self.engine.pull_latest(self._checkpoint_dir)
         self._resolved_at_init = True
-        if self._materialised is not None and self.engine.local_rank == 0:
-            self._move_aside_uncommitted(Path(args.output_dir), self.engine.resumed.info.step)
-        self.engine.barrier()
-
-    def _move_aside_uncommitted(self, output_dir: Path, committed_step: int) -> None:
-        for folder in sorted(output_dir.glob(f"{PREFIX_CHECKPOINT_DIR}-*")):
-            suffix = folder.name[len(PREFIX_CHECKPOINT_DIR) + 1 :]
-            if folder.is_dir() and suffix.isdigit() and int(suffix) > committed_step:
-                target = output_dir / f"{UNCOMMITTED_PREFIX}{folder.name}"
-                if target.exists():
-                    target = output_dir / f"{UNCOMMITTED_PREFIX}{folder.name}-{time.time_ns()}"
-                folder.rename(target)
-                log.warning(
-                    "spot_callbacks: %s is newer than the newest committed checkpoint (step %d) and was never "
-                    "committed (it may be incomplete); moved it to %s so it cannot be resumed from",
-                    folder, committed_step, target,
-                )  # fmt: skip
+        if self._materialised is not None:
+            self.engine.move_aside_uncommitted(
+                compat.local_checkpoints(args.output_dir),
+                lambda folder: folder.with_name(f"{UNCOMMITTED_PREFIX}{folder.name}"),
+            )
+        else:
+            self.engine.barrier()
 
     # ------------------------------------------------------------- training
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._args = args
         self._materialised, self._resolved_at_init = None, False
-        self._request = self._carry = None
+        self._saves.clear()
         self.preempted = False
-        self._bypass_jit_sigterm(args)
+        if compat.jit_checkpoint_enabled(args) and "SIGTERM" in self.engine.watcher.sources:
+            compat.bypass_jit_sigterm_handler(self.store.url)
         self.engine.start()
         resumed = self.engine.resumed
         if resumed is not None and state.global_step == resumed.info.step and state.global_step > 0:
@@ -159,49 +141,24 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
                 "so a resume from them is not exact"
             )
 
-    def _bypass_jit_sigterm(self, args: Any) -> None:
-        # enable_jit_checkpoint installs a SIGTERM handler that saves locally, without rank agreement,
-        # ~3 s later. When we watch SIGTERM too, our handler must not chain to it, or the same step is
-        # saved twice; ours runs the same Trainer save, persisted and agreed by every rank.
-        if not getattr(args, "enable_jit_checkpoint", False) or "SIGTERM" not in self.engine.watcher.sources:
-            return
-        try:
-            from transformers.trainer_jit_checkpoint import CheckpointManager
-        except ImportError:  # a transformers without enable_jit_checkpoint
-            return
-        manager = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
-        if isinstance(manager, CheckpointManager):
-            original = getattr(manager, "_original_sigterm_handler", None)
-            signal.signal(signal.SIGTERM, original if original is not None else signal.SIG_DFL)
-            log.info(
-                "spot_callbacks: enable_jit_checkpoint is on; SpotCheckpointCallback handles SIGTERM "
-                "(one save, persisted to %s) and the Trainer's JIT handler stays idle",
-                self.store.url,
-            )
-
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._check_dropped(args, state)
+        self._saves.check_dropped(state.global_step, compat.save_strategy(args))
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        for failure in self.engine.new_failures():
-            log.error("spot_callbacks: %s; training continues, the last committed checkpoint stands", failure)
         step = state.global_step
-        decision = self.engine.decide(step)
-        carry, self._carry = self._carry, None
+        action = self.engine.step_boundary(step)
+        dropped = self._saves.take_dropped()
         request = None
-        if decision.reason == "preemption":
-            if self.engine.last_saved_step == step:  # this step is saved already: only wait and stop
-                self._after_emergency(control, decision.notice)
-            else:
-                request = _SaveRequest(step, "preemption", decision.notice)
-        elif decision.save:
-            request = _SaveRequest(step, decision.reason)
-        elif carry is not None:
-            request = _SaveRequest(step, carry.reason, carry.notice)
-        elif step >= state.max_steps and self.engine.last_saved_step != step:
-            request = _SaveRequest(step, "end")
+        if action.emergency and not action.save:  # this step is saved already: only wait and stop
+            self._after_emergency(control, action.notice)
+        elif action.save:
+            request = SaveRequest(step, action.reason, action.notice)
+        elif dropped is not None:
+            request = SaveRequest(step, dropped.reason, dropped.notice)
+        elif step >= state.max_steps and (reason := self.engine.end_reason(step)) is not None:
+            request = SaveRequest(step, reason)
         if request is not None:
-            self._request = request
+            self._saves.ask(request)
             control.should_save = True
         if control.should_save:
             self._save_started_at = time.perf_counter()
@@ -212,9 +169,7 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
     ) -> None:
         if self._save_started_at is not None:
             self._save_started_at = time.perf_counter()
-        for record in self.engine.new_records():
-            self._metrics["spot/persist_s"] = record.persist_s
-            self._metrics["spot/persist_MBps"] = record.mb_per_s
+        self._collect_persist_records()
         if logs is None or not self._metrics:
             return
         # Report_to integrations run before user callbacks and have already sent `logs`; the
@@ -232,103 +187,68 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
         step = state.global_step
         stall_s = time.perf_counter() - self._save_started_at if self._save_started_at is not None else 0.0
         self._save_started_at = None
-        request, self._request = self._request, None
-        if request is not None and request.step != step:
-            request = None
-        if self.engine.last_saved_step == step:
-            log.info("spot_callbacks: step %d is already checkpointed; not uploading it again", step)
-        else:
-            # The Trainer's own saves (save_strategy) are persisted too.
-            reason = request.reason if request is not None else "steps"
-            folder = self._checkpoint_dir(step)
-            self.engine.save_folder(
-                step,
-                math.floor(state.epoch or 0),
-                folder,
-                reason,
-                stall_s=stall_s,
-                # With save_strategy="no" nothing rotates checkpoint-N folders: the persister keeps
-                # only the newest committed one (with its manifest, so a restart skips the download).
-                owns_folder=_save_strategy(args) == "no",
-                extra={"engine": self.engine.state_dict(at_checkpoint=True)},
-            )
+        request = self._saves.saved(step)
+        # The Trainer's own saves (save_strategy) are persisted too. With save_strategy="no" nothing
+        # rotates checkpoint-N folders: the persister keeps only the newest committed one.
+        reason = request.reason if request is not None else "steps"
+        if self._persist(state, reason, stall_s, owns_folder=compat.save_strategy(args) == "no"):
             self._metrics["spot/stall_s"] = stall_s
             self._metrics["spot/persist_lag_s"] = self.engine.persist_lag_s()
         if request is not None and request.reason == "preemption":
             self._after_emergency(control, request.notice)
 
+    def _persist(self, state: Any, reason: str, stall_s: float = 0.0, owns_folder: bool = False) -> bool:
+        step = state.global_step
+        return self.engine.save_folder(
+            step, math.floor(state.epoch or 0), self._checkpoint_dir(step), reason, stall_s=stall_s,
+            owns_folder=owns_folder, extra={"engine": self.engine.state_dict(at_checkpoint=True)},
+        )  # fmt: skip
+
     def _after_emergency(self, control: Any, notice: Notice | None) -> None:
-        self.engine.wait_for_commit(notice)
-        if self.config.on_preemption == "stop":
+        if self.engine.finish_emergency(notice) is AfterEmergency.STOP:
             self.preempted = True
             control.should_training_stop = True
-        else:
-            self.engine.watcher.clear()
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self._check_dropped(args, state):
+        if self._saves.check_dropped(state.global_step, compat.save_strategy(args)):
             # The epoch-end save point comes next, at the same step: ask there.
-            self._request, self._carry = self._carry, None
+            self._saves.ask(self._saves.take_dropped())
             control.should_save = True
-        elif control.should_save and self.engine.last_saved_step == state.global_step:
+        elif control.should_save and not self.engine.needs_checkpoint(state.global_step):
             # save_strategy="epoch" on a step we just saved: the folder exists, do not rewrite it.
             control.should_save = False
         if control.should_save:
             self._save_started_at = time.perf_counter()
 
-    def _check_dropped(self, args: Any, state: Any) -> bool:
-        """A save we asked for that never reached on_save: save_strategy="best" overwrites should_save."""
-        request, self._request = self._request, None
-        if request is None:
-            return False
-        log.warning(
-            "spot_callbacks: the checkpoint requested at step %d (%s) was not saved by the Trainer "
-            "(save_strategy=%r replaces the request when the evaluation finds no new best metric); "
-            "saving at the next save point instead",
-            request.step, request.reason, _save_strategy(args),
-        )  # fmt: skip
-        self._carry = _SaveRequest(state.global_step, request.reason, request.notice)
-        return True
-
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._save_started_at = None
-        if self._request is not None:
-            log.warning(
-                "spot_callbacks: the checkpoint requested at step %d (%s) was not saved by the Trainer; "
-                "the newest committed checkpoint is the resume point", self._request.step, self._request.reason,
-            )  # fmt: skip
-            self._request = self._carry = None
+        self._saves.give_up()
         self._persist_jit_checkpoint(args, state)
         self.engine.finish()
+        self._collect_persist_records()
+        self.engine.log_cost_summary()
+
+    def _collect_persist_records(self) -> None:
         for record in self.engine.new_records():
             self._metrics["spot/persist_s"] = record.persist_s
             self._metrics["spot/persist_MBps"] = record.mb_per_s
-        self.engine.log_cost_summary()
 
     def _persist_jit_checkpoint(self, args: Any, state: Any) -> None:
         # enable_jit_checkpoint without SIGTERM among our notice sources: the Trainer saved on SIGTERM
         # without calling on_save. Upload that checkpoint so it survives the machine.
-        if not getattr(args, "enable_jit_checkpoint", False) or "SIGTERM" in self.engine.watcher.sources:
+        if not compat.jit_checkpoint_enabled(args) or "SIGTERM" in self.engine.watcher.sources:
             return
         step = state.global_step
-        folder = self._checkpoint_dir(step)
-        if step >= state.max_steps or self.engine.last_saved_step == step:
+        if step >= state.max_steps or not self.engine.needs_checkpoint(step):
             return
+        folder = self._checkpoint_dir(step)
         # Every rank gets here together; with node-local output dirs each node sees its own copy,
         # and the checkpoint is whole only if every node's is (else one node would wait forever).
-        if all(gather_from_ranks(folder.is_dir() and not (folder / JIT_INCOMPLETE_MARKER).exists())):
+        if all(gather_from_ranks(compat.jit_checkpoint_complete(folder))):
             log.warning("spot_callbacks: persisting the Trainer's JIT checkpoint %s", folder)
-            self.engine.save_folder(
-                step, math.floor(state.epoch or 0), folder, "preemption",
-                extra={"engine": self.engine.state_dict(at_checkpoint=True)},
-            )  # fmt: skip
+            self._persist(state, "preemption")
             self.engine.wait_for_commit()
             self.preempted = True
-
-
-def _save_strategy(args: Any) -> str:
-    strategy = getattr(args, "save_strategy", "no")
-    return str(getattr(strategy, "value", strategy))
 
 
 __all__ = ["PREEMPTED_EXIT_CODE", "SpotCheckpointCallback"]

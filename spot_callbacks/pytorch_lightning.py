@@ -12,9 +12,8 @@ Example:
 
 import pytorch_lightning as _pl
 
-from spot_callbacks.lightning import build_spot_checkpoint
+from spot_callbacks.lightning import spot_checkpoint_class
 
-SpotCheckpoint = build_spot_checkpoint(_pl)
-SpotCheckpoint.__module__ = __name__
+SpotCheckpoint = spot_checkpoint_class(_pl, __name__)
 
 __all__ = ["SpotCheckpoint"]

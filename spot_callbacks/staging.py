@@ -30,6 +30,8 @@ log = logging.getLogger("spot_callbacks")
 
 _TensorKey = tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype, str]
 
+STATE_FILE = "state.ckpt"  # the one payload file of a single-writer checkpoint
+
 
 class StagedState:
     """A staged copy of a state; hold it until written, then :meth:`release` the buffers.

@@ -311,9 +311,9 @@ def resume(
     """Pull the newest checkpoint and load it, as a run on a fresh machine started at a chosen time."""
     newest = engine.store.latest()
     if seconds_after_commit is not None:
-        engine._created_at = newest.created.timestamp() + seconds_after_commit
+        engine.accounts.created_at = newest.created.timestamp() + seconds_after_commit
     else:
-        engine._created_at = newest.metrics["taken_at"] + seconds_after_snapshot
+        engine.accounts.created_at = newest.metrics["taken_at"] + seconds_after_snapshot
     engine.start()
     local = engine.pull_latest()
     engine.load_state_dict(torch.load(local / "state.ckpt", weights_only=True)["engine"])
@@ -378,7 +378,7 @@ def test_two_preemptions_and_a_crash_are_accounted_from_the_store_alone(tmp_path
 def test_training_clock_continues_across_resumes_and_skips_the_pull(tmp_path):
     first = engine_on(tmp_path, "a", interval=None)
     first.start()
-    first._train_started_at -= 100.0  # 100 s of training
+    first.accounts.train_started_at -= 100.0  # 100 s of training
     save(first, 5, "preemption")
     first.finish()
     taken = first.store.latest().metrics["train_s"]

@@ -41,7 +41,7 @@ def engine_with_clock(tmp_path: Path) -> tuple[SpotEngine, FaultyFileSystem, Clo
     )
     engine = SpotEngine(config, framework="test")
     clock = Clock()
-    engine.staleness = StalenessMonitor(engine.store.url, clock=clock)
+    engine.watch.staleness = StalenessMonitor(engine.store.url, clock=clock)
     faulty = FaultyFileSystem(engine.store.fs)
     engine.store.fs = faulty
     return engine, faulty, clock

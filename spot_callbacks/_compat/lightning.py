@@ -14,23 +14,66 @@
 - ``fit_loop.epoch_progress``: normalised after a resume from an epoch's last batch.
 - ``fit_loop._data_fetcher`` / ``CombinedLoader._iterator``: to put a plain (non-stateful)
   train loader back at its mid-epoch position.
+- ``fit_loop.epoch_loop.batch_progress``: whether an exception came between batches.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import pickle
 import re
+import types
+import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from spot_callbacks.errors import IncompatibleCheckpointError
-from spot_callbacks.staging import unsafe_checkpoint_error
+from spot_callbacks.errors import CheckpointError, IncompatibleCheckpointError
+from spot_callbacks.staging import capture_rng_state, restore_rng_state, unsafe_checkpoint_error
+from spot_callbacks.store.layout import DCP_METADATA_FILE
+from spot_callbacks.trigger.collectives import gather_from_ranks, rank, world_size
 
 log = logging.getLogger("spot_callbacks")
 
 LATEST = "latest"
+
+
+@dataclass(frozen=True)
+class PackageInternals:
+    """What SpotCheckpoint needs of one Lightning package (``lightning.pytorch`` or ``pytorch_lightning``)."""
+
+    sigterm_exception: type[BaseException]
+    fitting: Any  # TrainerFn.FITTING
+    checkpoint_connector: type  # _CheckpointConnector
+
+
+def package_internals(pl: types.ModuleType) -> PackageInternals:
+    def module(name: str) -> Any:
+        return importlib.import_module(f"{pl.__name__}.{name}")
+
+    return PackageInternals(
+        module("utilities.exceptions").SIGTERMException,
+        module("trainer.states").TrainerFn.FITTING,
+        module("trainer.connectors.checkpoint_connector")._CheckpointConnector,
+    )
+
+
+def path_to_load(trainer: Any, local_dir: Path, state_file: str, url: str) -> str:
+    """What ``resume_start`` loads from a pulled checkpoint: the state file, or the folder of a sharded one."""
+    # We put plain loaders back at their mid-epoch position ourselves (restore_position).
+    warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
+    if not (local_dir / DCP_METADATA_FILE).is_file():
+        return os.fspath(local_dir / state_file)
+    if not saves_sharded(trainer):  # the strategy loads a sharded checkpoint through DCP
+        raise CheckpointError(
+            f"{url} is a sharded (FSDP) checkpoint and {type(trainer.strategy).__name__} cannot load it; "
+            "resume with ModelParallelStrategy or FSDPStrategy(state_dict_type='sharded'), which reshard "
+            "it onto any number of processes"
+        )
+    return os.fspath(local_dir)
 
 
 def install_last_alias(connector_cls: type, is_spot_callback: Callable[[Any], bool], fitting: Any) -> None:
@@ -249,3 +292,124 @@ def loaders_are_stateful(trainer: Any) -> bool:
     if combined is None:
         return False
     return all(hasattr(dl, "state_dict") and hasattr(dl, "load_state_dict") for dl in combined.flattened)
+
+
+def at_optimizer_step_boundary(trainer: Any, batch_idx: int) -> bool:
+    """The batch that just ended completed an optimizer step (gradient accumulation, the epoch's last)."""
+    done = batch_idx + 1
+    return done % trainer.accumulate_grad_batches == 0 or done == trainer.num_training_batches
+
+
+def between_batches(trainer: Any) -> bool:
+    """No training batch is half-done (every batch started has completed)."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress.current
+    return progress.ready == progress.completed
+
+
+def rng_of_this_rank(per_rank: list[Any]) -> Any:
+    """This rank's entry of a per-rank list of RNG states (round-robin when the world size changed)."""
+    if len(per_rank) != world_size():
+        log.warning(
+            "spot_callbacks: the checkpoint was written by %d processes and this run has %d; "
+            "RNG streams are reused round-robin, so the resume is not bit-identical",
+            len(per_rank), world_size(),
+        )  # fmt: skip
+    return per_rank[rank() % len(per_rank)]
+
+
+def restore_position(trainer: Any, state: dict[str, Any]) -> tuple[Any, int | None] | None:
+    """Put the RNG and a plain train loader back where the checkpoint ``state`` was taken.
+
+    Returns the epoch-start RNG now in force and the batches done in the epoch (None: unchanged),
+    or None when Lightning restored stateful loaders itself.
+    """
+    current = rng_of_this_rank(state["rng"])
+    if loaders_are_stateful(trainer):  # Lightning restored their position itself
+        restore_rng_state(current)
+        return None
+    batches_done = state.get("batches_done_in_epoch", 0)
+    if isinstance(batches_done, bool) or not isinstance(batches_done, int) or batches_done < 0:
+        log.warning("spot_callbacks: ignoring batches_done_in_epoch=%r from the checkpoint", batches_done)
+        batches_done = trainer.num_training_batches  # resume at the next epoch boundary
+    epoch_start = rng_of_this_rank(state["epoch_start_rng"])
+    if batches_done >= trainer.num_training_batches or epoch_start is None:
+        # Saved after an epoch's last batch: Lightning runs the next epoch on the iterator
+        # it made at restore time. Remake it from the RNG the uninterrupted run had there.
+        restore_rng_state(current)
+        positioned = restore_epoch_position(trainer, 0)
+        mark_epoch_started(trainer)
+        position: tuple[Any, int | None] = (current, None)
+    else:
+        # Mid-epoch: replay the epoch's shuffle from its start, skip what was trained on.
+        restore_rng_state(epoch_start)
+        positioned = restore_epoch_position(trainer, batches_done)
+        position = (epoch_start, batches_done)
+        restore_rng_state(current)
+    if not positioned:
+        restore_rng_state(current)
+        log.warning(
+            "spot_callbacks: the train loader has no length and no state_dict(); the epoch restarts "
+            "from its first batch. Give it state_dict()/load_state_dict() for an exact resume"
+        )
+    return position
+
+
+class LoopPosition:
+    """Where the train loop is in its epoch, and the RNG its loader drew the epoch's shuffle from.
+
+    Lightning saves neither for a plain loader; with both, a resume replays the epoch's shuffle
+    and skips what was trained on (:func:`restore_position`).
+
+    Example:
+        >>> position = LoopPosition()
+        >>> position.fit_starts(); position.train_starts(); position.epoch_starts(); position.batch_ends(2)
+        >>> position.state_dict()["batches_done_in_epoch"]
+        3
+    """
+
+    def __init__(self) -> None:
+        self.epoch_start_rng: dict[str, Any] | None = None
+        self.batches_done_in_epoch = 0
+        self._epoch_iterator_exists = False
+
+    def fit_starts(self) -> None:
+        # The first epoch's iterator is made in FitLoop.setup_data, after this hook.
+        self.epoch_start_rng = capture_rng_state()
+
+    def train_starts(self) -> None:
+        self._epoch_iterator_exists = True
+
+    def epoch_starts(self) -> None:
+        if not self._epoch_iterator_exists:  # later epochs: the iterator is made after this hook
+            self.epoch_start_rng = capture_rng_state()
+        self._epoch_iterator_exists = False
+        self.batches_done_in_epoch = 0
+
+    def epoch_ends(self) -> None:
+        self._epoch_iterator_exists = False
+
+    def batch_ends(self, batch_idx: int) -> None:
+        self.batches_done_in_epoch = batch_idx + 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every rank's RNG now and at the epoch's start (collective), and the batches done."""
+        return {
+            "rng": gather_from_ranks(capture_rng_state()),
+            "epoch_start_rng": gather_from_ranks(self.epoch_start_rng),
+            "batches_done_in_epoch": self.batches_done_in_epoch,
+        }
+
+    def restore(self, trainer: Any, state: dict[str, Any]) -> None:
+        position = restore_position(trainer, state)
+        if position is not None:  # a plain loader, put back where the checkpoint was taken
+            self.epoch_start_rng, batches_done = position
+            if batches_done is not None:
+                self.batches_done_in_epoch = batches_done
+
+
+def log_metrics(trainer: Any, metrics: dict[str, float | None]) -> None:
+    """Send the ``spot/...`` values that are known to the trainer's loggers, from rank 0."""
+    values = {key: float(value) for key, value in metrics.items() if value is not None}
+    if values and trainer.is_global_zero:
+        for logger in trainer.loggers:
+            logger.log_metrics(values, step=trainer.global_step)

@@ -96,6 +96,19 @@ class CheckpointTrigger:
             f"with a prior of {DEFAULT_INTERRUPTIONS_PER_HOUR:g}/h"
         )
 
+    def describe(self) -> str:
+        """The interval in force, for the cost summary: ``"30.0 min"``, ``"off"``, or with its "auto" rate.
+
+        Example:
+            >>> CheckpointTrigger(None, 5).describe()
+            'off'
+        """
+        interval = format_seconds(self.interval_s) if self.interval_s else "off"
+        if self.auto:
+            rate, _ = self.interruption_rate()
+            interval += f" (auto, for {rate:.3g} interruptions/h)"
+        return interval
+
     def _retune(self) -> None:
         if not self._checkpoint_costs_s:
             return

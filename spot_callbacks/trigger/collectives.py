@@ -6,6 +6,7 @@ process path never needs a process group.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -46,6 +47,58 @@ def gather_from_ranks(value: Any) -> list[Any]:
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, value)
     return gathered
+
+
+def agree_on_alerts(notice: Any, hint: str | None) -> tuple[Any, str | None]:
+    """Every rank's notice and hint -> the same answer on all: the notice with the earliest deadline.
+
+    A notice outranks a hint; without a notice anywhere, the first rank's hint stands.
+    """
+    if not distributed_ready():
+        return notice, hint
+    gathered = gather_from_ranks((notice, hint))
+    notices = [n for n, _ in gathered if n is not None]
+    hints = [h for _, h in gathered if h is not None]
+    if not notices:
+        return None, hints[0] if hints else None
+    with_deadline = [n for n in notices if n.deadline is not None]
+    chosen = min(with_deadline, key=lambda n: n.deadline) if with_deadline else notices[0]
+    return chosen, None
+
+
+def agree_at_step(
+    interval_due: bool, steps_due: bool, notice: Any, hint: str | None
+) -> tuple[bool, bool, Any, str | None]:
+    """Every rank's view of a step boundary -> one for all: rank 0's clock, any rank's steps, and the
+    notice (earliest deadline) or hint any rank saw. One all-reduce; a gather only when alerted."""
+    # One flag for both: the rare step that has either pays for one gather to tell them apart.
+    interval, steps, alerted = agree(interval_due, steps_due, notice is not None or hint is not None)
+    if not alerted:
+        return interval, steps, None, None
+    notice, hint = agree_on_alerts(notice, hint)
+    return interval, steps, notice, hint
+
+
+def barrier() -> None:
+    if distributed_ready():
+        dist.barrier()
+
+
+def rank() -> int:
+    return dist.get_rank() if distributed_ready() else 0
+
+
+def is_writer() -> bool:
+    """Rank 0: it writes single-file checkpoints and manifests, and decides for all."""
+    return rank() == 0
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0")) if distributed_ready() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if distributed_ready() else 1
 
 
 def broadcast_object(value: Any, group: Any = None) -> Any:

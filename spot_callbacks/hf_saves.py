@@ -1,0 +1,77 @@
+"""The saves the HF adapter asks of the Trainer, until ``on_save`` shows they happened.
+
+The Trainer can drop a save a callback asked for: with ``save_strategy="best"`` it overwrites
+``control.should_save`` on evaluation steps with "is this a new best metric". A request that
+never reached ``on_save`` is dropped; it is asked for again at the next save point.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from spot_callbacks.notices import Notice
+
+log = logging.getLogger("spot_callbacks")
+
+
+@dataclass(frozen=True)
+class SaveRequest:
+    step: int
+    reason: str
+    notice: Notice | None = None
+
+
+class RequestedSaves:
+    """The save asked of the Trainer (``pending``), and a dropped one to ask for again (``dropped``).
+
+    Example:
+        >>> saves = RequestedSaves()
+        >>> saves.ask(SaveRequest(4, "interval"))
+        >>> saves.check_dropped(step=5, save_strategy="best")  # no on_save came for step 4
+        True
+        >>> saves.take_dropped()
+        SaveRequest(step=5, reason='interval', notice=None)
+    """
+
+    def __init__(self) -> None:
+        self.pending: SaveRequest | None = None
+        self.dropped: SaveRequest | None = None
+
+    def clear(self) -> None:
+        self.pending = self.dropped = None
+
+    def ask(self, request: SaveRequest) -> None:
+        self.pending = request
+
+    def saved(self, step: int) -> SaveRequest | None:
+        """``on_save`` at ``step``: the request it answers, if any (one for another step is spent)."""
+        request, self.pending = self.pending, None
+        return request if request is not None and request.step == step else None
+
+    def take_dropped(self) -> SaveRequest | None:
+        dropped, self.dropped = self.dropped, None
+        return dropped
+
+    def check_dropped(self, step: int, save_strategy: str) -> bool:
+        """A request still pending at the next save point was dropped: keep it to ask again at ``step``."""
+        request, self.pending = self.pending, None
+        if request is None:
+            return False
+        log.warning(
+            "spot_callbacks: the checkpoint requested at step %d (%s) was not saved by the Trainer "
+            "(save_strategy=%r replaces the request when the evaluation finds no new best metric); "
+            "saving at the next save point instead",
+            request.step, request.reason, save_strategy,
+        )  # fmt: skip
+        self.dropped = SaveRequest(step, request.reason, request.notice)
+        return True
+
+    def give_up(self) -> None:
+        """Training ended with a request pending: say so; the newest committed checkpoint stands."""
+        if self.pending is not None:
+            log.warning(
+                "spot_callbacks: the checkpoint requested at step %d (%s) was not saved by the Trainer; "
+                "the newest committed checkpoint is the resume point", self.pending.step, self.pending.reason,
+            )  # fmt: skip
+        self.clear()

@@ -1,0 +1,234 @@
+"""How a checkpoint is taken: snapshot, hand it to the persister of its kind, account for it.
+
+:class:`CheckpointWriter` builds each persist job's ``metrics``, ``extra`` (the ledger, the
+preemption record) and ``deadline`` once for every kind of save (see ``jobs.py``), remembers the
+last step saved (the "never twice" rule reads it) and the commits and failures it reported.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from spot_callbacks.accounting.clock import RunAccounts
+from spot_callbacks.errors import PersistError
+from spot_callbacks.jobs import (
+    FOLDERS_ACROSS_NODES,
+    SHARDED,
+    SINGLE_WRITER,
+    PersisterKind,
+    folder_job,
+    state_file_job,
+)
+from spot_callbacks.persist import PersistRecord
+from spot_callbacks.staging import StagingArea
+from spot_callbacks.store import CheckpointStore
+from spot_callbacks.trigger import CheckpointTrigger, rules
+from spot_callbacks.trigger.collectives import barrier, gather_from_ranks, is_writer, local_rank
+from spot_callbacks.trigger.emergency import Emergency
+
+log = logging.getLogger("spot_callbacks")
+
+
+class CheckpointWriter:
+    """Takes the run's checkpoints and keeps its persister (one kind per run, made by the first save).
+
+    Example:
+        >>> import tempfile, torch
+        >>> from spot_callbacks.notices import PreemptionWatcher
+        >>> store = CheckpointStore(tempfile.mkdtemp())
+        >>> writer = CheckpointWriter(store, Path(tempfile.mkdtemp()), 3, "demo", RunAccounts(),
+        ...                           Emergency(PreemptionWatcher([])), CheckpointTrigger(None, None))
+        >>> _ = writer.save_state(3, 0, {"w": torch.ones(2)}, "steps")
+        >>> writer.close(None), store.latest().step, writer.last_saved_step
+        ([], 3, 3)
+    """
+
+    def __init__(
+        self,
+        store: CheckpointStore,
+        scratch_root: Path,
+        keep_last: int,
+        framework: str,
+        accounts: RunAccounts,
+        emergency: Emergency,
+        trigger: CheckpointTrigger,
+    ) -> None:
+        self.store = store
+        self.scratch_root = scratch_root
+        self.keep_last = keep_last
+        self.framework = framework
+        self.accounts = accounts
+        self.emergency = emergency
+        self.trigger = trigger
+        self.staging = StagingArea()
+        self.persister: Any = None  # made by the first save; its kind is remembered with it
+        self._persister_kind: PersisterKind | None = None
+        self._spans_nodes: bool | None = None  # several nodes (local main processes); see spans_nodes()
+        self.last_saved_step: int | None = None
+        self.last_stall_s: float | None = None
+        self._reported_records = 0
+        self._earlier_records: list[PersistRecord] = []  # of the persisters close() closed
+
+    def spans_nodes(self) -> bool:
+        """True when the run has more than one node (local main process); one all-gather, then cached.
+
+        Collective on its first call: every rank calls it at the same point.
+        """
+        if self._spans_nodes is None:
+            self._spans_nodes = sum(gather_from_ranks(local_rank() == 0)) > 1
+        return self._spans_nodes
+
+    def persister_for(self, kind: PersisterKind) -> Any:
+        """The persister of this kind of save; made on first use (for sharded kinds: on every rank at once)."""
+        if self.persister is None:
+            self.persister = kind.make(self.store, self.scratch_root, self.keep_last)
+            self.persister_kind = kind
+        elif self.persister_kind is not kind:
+            raise RuntimeError(self.persister_kind.mixing_error(kind))
+        return self.persister
+
+    def save_state(
+        self, step: int, epoch: int | None, state: Any, reason: str, extra: dict[str, Any] | None = None
+    ) -> float:
+        """Snapshot ``state`` (the training loop pays only this) and persist it in the background.
+
+        Only the writer rank stages and uploads; call it on every rank all the same. Returns the
+        seconds the caller was blocked.
+        """
+        started = time.perf_counter()
+        if is_writer():
+            staged = self.staging.stage(state)
+            terms = self._job_terms(reason, time.perf_counter() - started, extra, staged_bytes=staged.nbytes)
+            job = state_file_job(
+                step, reason, self.framework, self.scratch_root, staged, epoch=epoch, **terms
+            )
+            self.persister_for(SINGLE_WRITER).submit(job)
+        return self._after_save(step, time.perf_counter() - started)
+
+    def save_sharded_state(
+        self,
+        step: int,
+        epoch: int | None,
+        state: dict[str, Any],
+        reason: str,
+        meta: dict[str, Any] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> float:
+        """Snapshot this rank's shards of ``state`` and persist them in the background, every rank in parallel.
+
+        For state no rank holds whole (FSDP, DTensor): call it on every rank with the rank's
+        sharded state dicts (``{"model": get_model_state_dict(model), "optim": ...}``); ``meta`` is
+        the small non-tensor rest, written by rank 0 as ``meta.pt``. The checkpoint commits once
+        every rank's files are durable (see sharded.py). Returns the seconds this rank was blocked.
+        """
+        started = time.perf_counter()
+        persister = self.persister_for(SHARDED)
+        staged, nbytes = persister.stage(state)
+        terms = self._job_terms(reason, time.perf_counter() - started, extra, staged_bytes=nbytes)
+        persister.submit(persister.job(step, reason, self.framework, staged, meta=meta, epoch=epoch, **terms))
+        return self._after_save(step, time.perf_counter() - started)
+
+    def save_folder(
+        self,
+        step: int,
+        epoch: int | None,
+        folder: Path,
+        reason: str,
+        stall_s: float = 0.0,
+        owns_folder: bool = False,
+        extra: dict[str, Any] | None = None,
+    ) -> bool:
+        """Persist a checkpoint folder the framework has already written (for example HF's ``checkpoint-N``).
+
+        Call it on every rank: each rank may have written files into the folder (HF's
+        ``rng_state_{rank}.pth``), so the writer submits only after every rank got here. On
+        several nodes ``folder`` may be node-local: each node's local main process then uploads
+        its copy's files and rank 0 commits once every node's are durable. A step already
+        checkpointed is not persisted again: returns False.
+        """
+        if not rules.needs_checkpoint(step, self.last_saved_step):
+            log.info("spot_callbacks: step %d is already checkpointed; not uploading it again", step)
+            return False
+        barrier()
+        if self.spans_nodes():
+            persister = self.persister_for(FOLDERS_ACROSS_NODES)
+            terms = self._job_terms(reason, stall_s, extra)
+            persister.submit(
+                persister.job(
+                    step, reason, self.framework, Path(folder), lists_folder=local_rank() == 0,
+                    owns_folder=owns_folder, epoch=epoch, **terms,
+                )
+            )  # fmt: skip
+        elif is_writer():
+            terms = self._job_terms(reason, stall_s, extra)
+            job = folder_job(
+                step, reason, self.framework, folder, owns_folder=owns_folder, epoch=epoch, **terms
+            )
+            self.persister_for(SINGLE_WRITER).submit(job)
+        self._after_save(step, stall_s)
+        return True
+
+    def _job_terms(
+        self, reason: str, stall_s: float, extra: dict[str, Any] | None, **measures: Any
+    ) -> dict[str, Any]:
+        """The ``metrics``, ``extra`` and ``deadline`` of a checkpoint's persist job, for every kind of save.
+
+        The writer adds the checkpoint to the ledger first, so the ledger in ``extra`` counts it.
+        """
+        metrics = {}
+        if is_writer():  # the ledger is the writer's: it goes into the manifest
+            metrics = {**self.accounts.add_checkpoint(reason, stall_s, self.trigger.interval_s), **measures}
+        return {
+            "metrics": metrics,
+            "extra": {
+                **(extra or {}),
+                "ledger": self.accounts.ledger.to_json(),
+                **self.emergency.manifest_extra(reason),
+            },
+            "deadline": self.emergency.deadline(reason),
+        }
+
+    def _after_save(self, step: int, stall_s: float) -> float:
+        self.last_saved_step = step
+        self.last_stall_s = stall_s
+        cost_s = self.accounts.checkpoint_taken(stall_s)
+        self.trigger.observe_interruptions(*self.accounts.interruption_history())
+        self.trigger.mark_checkpoint(cost_s=cost_s)
+        return stall_s
+
+    def new_failures(self) -> list[PersistError]:
+        if self.persister is None:
+            return []
+        return self.persister.new_failures()
+
+    def all_records(self) -> list[PersistRecord]:
+        current = self.persister.records if self.persister is not None else []
+        return [*self._earlier_records, *current]
+
+    def new_records(self) -> list[PersistRecord]:
+        """Commits not yet returned by this method, those made while :meth:`finish` waited included."""
+        records = self.all_records()[self._reported_records :]
+        self._reported_records += len(records)
+        return records
+
+    @property
+    def persisting(self) -> bool:
+        """An upload is in flight (steps now feed the slowdown meter's "while persisting" side)."""
+        return self.persister is not None and not self.persister.idle
+
+    def close(self, timeout: float | None, notice: Any = None) -> list[PersistError]:
+        """Wait up to ``timeout`` for every upload and stop the persister; return its failures.
+
+        A later fit() gets a fresh persister.
+        """
+        persister = self.persister
+        if persister is None:
+            return []
+        if not persister.close(timeout=timeout) and notice is not None:
+            log.warning("spot_callbacks: not waiting for older uploads still in flight at the preemption")
+        self._earlier_records.extend(persister.records)
+        self.persister = self._persister_kind = None
+        return persister.failures

@@ -1,0 +1,191 @@
+"""When a checkpoint is taken, in one place: each rule a pure function of what every rank agreed on.
+
+- at a step boundary (:func:`decide`): a preemption notice > an early hint (AWS rebalance
+  recommendation) > the interval > every N steps, and never the same step twice;
+- at the end of training (:func:`end_reason`): a last checkpoint unless this step has one;
+- on an exception (:func:`on_exception`): only between batches and only past the step resumed
+  from (behind it the resume itself failed, and the model is not that run's);
+- after an emergency checkpoint (:func:`after_emergency`): stop or continue.
+
+The engine feeds these the agreed flags and does what they answer; the adapters only translate
+the answer into their framework's terms.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from spot_callbacks.notices import Notice
+
+FAILURE_CONTINUES = "training continues, the last committed checkpoint stands"
+
+
+class Act(enum.Enum):
+    """What a step boundary asks for."""
+
+    NOTHING = "nothing"
+    SAVE = "save"  # a normal checkpoint, persisted in the background
+    EMERGENCY = (
+        "emergency"  # a preemption: checkpoint (unless this step has one), wait for it, then stop or go on
+    )
+
+
+class AfterEmergency(enum.Enum):
+    STOP = "stop"
+    CONTINUE = "continue"
+
+
+@dataclass(frozen=True)
+class StepAction:
+    """The answer at one step boundary, the same on every rank.
+
+    Example:
+        >>> action = decide(4, last_saved_step=2, notice=None, hint=None, interval_due=False, steps_due=True)
+        >>> action.act, action.reason, action.save
+        (<Act.SAVE: 'save'>, 'steps', True)
+        >>> decide(4, last_saved_step=4, notice=None, hint=None, interval_due=True, steps_due=True).act
+        <Act.NOTHING: 'nothing'>
+    """
+
+    act: Act
+    reason: str | None = None  # the checkpoint's reason: interval, steps, preemption
+    notice: Notice | None = None  # the agreed notice of an emergency
+    already_saved: bool = False  # an emergency at a step that has its checkpoint: only wait for it
+    warning: str | None = None  # a line to log on every rank
+
+    @property
+    def save(self) -> bool:
+        """A checkpoint is to be taken at this step."""
+        return self.act is Act.SAVE or (self.act is Act.EMERGENCY and not self.already_saved)
+
+    @property
+    def emergency(self) -> bool:
+        return self.act is Act.EMERGENCY
+
+
+NOTHING = StepAction(Act.NOTHING)
+
+
+def decide(
+    step: int,
+    *,
+    last_saved_step: int | None,
+    notice: Notice | None,
+    hint: str | None,
+    interval_due: bool,
+    steps_due: bool,
+) -> StepAction:
+    """The action at an optimizer-step boundary, from the flags every rank agreed on.
+
+    Example:
+        >>> sigterm = Notice("SIGTERM", None)
+        >>> action = decide(7, last_saved_step=7, notice=sigterm, hint=None, interval_due=False, steps_due=False)
+        >>> action.act, action.reason, action.save
+        (<Act.EMERGENCY: 'emergency'>, 'preemption', False)
+        >>> decide(8, last_saved_step=7, notice=None, hint="rebalance", interval_due=False, steps_due=False).reason
+        'interval'
+    """
+    if notice is not None:
+        return StepAction(Act.EMERGENCY, "preemption", notice, already_saved=step == last_saved_step)
+    if not needs_checkpoint(step, last_saved_step):
+        return NOTHING
+    if hint is not None:
+        return StepAction(
+            Act.SAVE, "interval", warning=f"checkpointing step {step} now (reason 'interval'): {hint}"
+        )
+    if interval_due:
+        return StepAction(Act.SAVE, "interval")
+    if steps_due:
+        return StepAction(Act.SAVE, "steps")
+    return NOTHING
+
+
+def needs_checkpoint(step: int, last_saved_step: int | None) -> bool:
+    """Once per step: a step already checkpointed (or resumed from) is never written again.
+
+    Example:
+        >>> needs_checkpoint(5, None), needs_checkpoint(5, 5), needs_checkpoint(6, 5)
+        (True, False, True)
+    """
+    return step != last_saved_step
+
+
+def end_reason(step: int, last_saved_step: int | None) -> str | None:
+    """``"end"`` when training ended at a step without a checkpoint, else None.
+
+    Example:
+        >>> end_reason(10, 8), end_reason(10, 10)
+        ('end', None)
+    """
+    return "end" if needs_checkpoint(step, last_saved_step) else None
+
+
+@dataclass(frozen=True)
+class ExceptionAction:
+    """What an exception out of training asks for: a checkpoint (reason ``"exception"``), a warning,
+    and whether the run now counts as stopped for a preemption (exit 143)."""
+
+    save: bool
+    warning: str | None = None
+    preempted: bool = False
+
+
+def on_exception(
+    error_name: str,
+    *,
+    late_signal: bool,
+    preempted: bool,
+    between_batches: bool,
+    step: int,
+    last_saved_step: int | None,
+) -> ExceptionAction:
+    """The save on exception: only between batches (a half-done step is no state to resume) and only
+    past the step resumed from. A termination signal the framework raised after the last step
+    boundary (``late_signal``) takes no checkpoint: the newest committed one is the resume point.
+
+    Example:
+        >>> def ask(**kw):
+        ...     return on_exception("ValueError", **{"late_signal": False, "preempted": False, **kw})
+        >>> ask(between_batches=True, step=5, last_saved_step=3).save
+        True
+        >>> ask(between_batches=True, step=3, last_saved_step=3).save
+        False
+        >>> ask(between_batches=False, step=5, last_saved_step=3).warning
+        'ValueError inside a training step; no checkpoint of a half-done step is taken'
+        >>> ask(late_signal=True, between_batches=True, step=5, last_saved_step=3).preempted
+        True
+    """
+    if late_signal:
+        warning = None
+        if not preempted:
+            warning = (
+                "SIGTERM arrived after the last step boundary; the newest committed checkpoint "
+                f"(step {last_saved_step}) is the resume point"
+            )
+        return ExceptionAction(False, warning, preempted=True)
+    if not between_batches:
+        return ExceptionAction(
+            False, f"{error_name} inside a training step; no checkpoint of a half-done step is taken"
+        )
+    return ExceptionAction(last_saved_step is None or step > last_saved_step)
+
+
+def after_emergency(on_preemption: str) -> AfterEmergency:
+    """Once the emergency checkpoint is waited for: stop training gracefully, or keep going.
+
+    Example:
+        >>> after_emergency("stop"), after_emergency("continue")
+        (<AfterEmergency.STOP: 'stop'>, <AfterEmergency.CONTINUE: 'continue'>)
+    """
+    return AfterEmergency.STOP if on_preemption == "stop" else AfterEmergency.CONTINUE
+
+
+def failure_line(failure: BaseException) -> str:
+    """The error line of a checkpoint that could not be made durable while training goes on.
+
+    Example:
+        >>> failure_line(OSError("bucket gone"))
+        'bucket gone; training continues, the last committed checkpoint stands'
+    """
+    return f"{failure}; {FAILURE_CONTINUES}"
