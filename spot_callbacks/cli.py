@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import math
 import os
@@ -51,10 +50,11 @@ from spot_callbacks.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     ConfigError,
-    CorruptCheckpointError,
     ManifestError,
 )
-from spot_callbacks.store import MANIFEST_NAME, CheckpointInfo, CheckpointStore
+from spot_callbacks.store import CheckpointInfo, CheckpointStore
+from spot_callbacks.store.commit import Verdict
+from spot_callbacks.store.pull_dest import check_pull_dest
 
 log = logging.getLogger("spot_callbacks")
 
@@ -299,25 +299,19 @@ def _positive_duration(text: str) -> float:
 # ------------------------------------------------------------------------------------ commands
 def _cmd_ls(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
     store = _open_store(args.url, storage_options)
-    committed_checkpoints = store.committed()
-    if not committed_checkpoints:
+    infos = store.committed()
+    verdicts = [Verdict(info.step, info.url, info, None) for info in infos]
+    if infos or store.step_folders():  # a manifest that cannot be trusted is listed as damaged
+        verdicts = store.manifest_verdicts()
+    if not verdicts:
+        _refuse_missing_root(store)
         print(f"no committed checkpoints in {store.url}")
         return EXIT_OK
-    problems = size_problems(store, committed_checkpoints)
-    valid_steps = [info.step for info in committed_checkpoints if problems[info.step] is None]
+    problems = size_problems(store, [verdict.info for verdict in verdicts if verdict.info is not None])
+    problems.update({verdict.step: verdict.problem for verdict in verdicts if verdict.info is None})
+    valid_steps = [verdict.step for verdict in verdicts if problems[verdict.step] is None]
     newest_valid = max(valid_steps, default=None)
-    rows = [
-        (
-            "*" if info.step == newest_valid else "",
-            str(info.step),
-            info.created.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            info.reason,
-            human_size(info.size_bytes),
-            info.framework,
-            problems[info.step] or "ok",
-        )
-        for info in committed_checkpoints
-    ]
+    rows = [_ls_row(verdict, newest_valid, problems[verdict.step]) for verdict in verdicts]
     if newest_valid is None:
         footer = f"no valid checkpoint: all {len(rows)} committed checkpoints are damaged"
     else:
@@ -330,6 +324,56 @@ def _cmd_ls(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
     else:
         _print_rich_table(console, rows, footer)
     return EXIT_OK
+
+
+def _ls_row(verdict: Verdict, newest_valid: int | None, problem: str | None) -> tuple[str, ...]:
+    info = verdict.info
+    if info is None:  # a manifest that cannot be trusted: only its step is known
+        return ("", str(verdict.step), "?", "?", "?", "?", problem or "damaged")
+    return (
+        "*" if info.step == newest_valid else "",
+        str(info.step),
+        info.created.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        info.reason,
+        human_size(info.size_bytes),
+        info.framework,
+        problem or "ok",
+    )
+
+
+def newest_valid_lineage(
+    store: CheckpointStore, infos: list[CheckpointInfo]
+) -> tuple[list[CheckpointInfo], list[str]]:
+    """The checkpoints up to the newest valid one (what ``ls`` marks and a resume uses), and one note
+    per checkpoint committed after it, which speaks for another history (``report`` follows that one).
+
+    Example:
+        >>> newest_valid_lineage(CheckpointStore("memory://doc-cli/lineage"), [])
+        ([], [])
+    """
+    newest = store.newest_valid(infos, on_damaged=lambda info, problem: None)
+    if newest is None:
+        return infos, []
+    lineage = [info for info in infos if (info.created, info.step) <= (newest.created, newest.step)]
+    notes = []
+    for info in infos:
+        if info in lineage:
+            continue
+        created = info.created.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        what = "damaged" if info.step > newest.step else "a run that started again below it"
+        notes.append(
+            f"not in this report: step {info.step} ({info.reason}, committed {created}) is newer than the "
+            f"newest valid checkpoint, step {newest.step}, which this report follows: {what}"
+        )
+    return lineage, notes
+
+
+def _refuse_missing_root(store: CheckpointStore) -> None:
+    """Raise :class:`CliError` when the run folder (or its bucket) does not exist: a typo in the URL
+    is not an empty run."""
+    why = store.missing_reason()
+    if why is not None:
+        raise CliError(f"cannot read {store.url}: {why}")
 
 
 def _cmd_verify(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
@@ -363,9 +407,9 @@ def _cmd_pull(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
             )
         step = newest_valid.step
     dest = Path(os.path.abspath(Path(args.dest).expanduser()))
-    check_pull_dest(store, dest, force=args.force)
+    check_pull_dest(store, None, dest, force=args.force)  # stricter than the library: DEST is the user's
     with _busy(f"pulling {store.step_url(step)} into {dest}"):
-        pulled = store.pull(step, dest)
+        pulled = store.pull(step, dest, force=True)  # links, files and the working directory stay refused
     log.info("%s: pulled step %d from %s", PROG, step, store.url)
     print(pulled.resolve())
     return EXIT_OK
@@ -374,6 +418,7 @@ def _cmd_pull(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
 def _cmd_rm(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
     store = _open_store(args.url, storage_options)
     step: int = args.step
+    store.refuse_foreign(step)
     if step not in store.step_folders():
         raise CheckpointNotFoundError(f"no checkpoint at step {step} in {store.url}; `{PROG} ls` lists them")
     try:
@@ -405,9 +450,11 @@ def _cmd_report(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
     store = _open_store(args.url, storage_options)
     committed_checkpoints = store.committed()
     if not committed_checkpoints:
+        _refuse_missing_root(store)
         print(f"no committed checkpoints in {store.url}")
         return EXIT_OK
-    history = RunHistory.from_checkpoints(store.url, committed_checkpoints)
+    lineage, notes = newest_valid_lineage(store, committed_checkpoints)
+    history = RunHistory.from_checkpoints(store.url, lineage)
     rows = history_rows(history, args.spot_price, args.on_demand_price)
     resumes = resume_rows(history)
     newest = history.newest
@@ -417,6 +464,8 @@ def _cmd_report(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
     console = _rich_console(sys.stdout)
     if console is None:
         print(title)
+        for note in notes:
+            print(note)
         print(format_rows(rows))
         if resumes:
             print(f"\n{resume_title}")
@@ -426,6 +475,8 @@ def _cmd_report(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
     from rich import box
     from rich.table import Table
 
+    for note in notes:
+        console.print(note, markup=False)
     summary = Table(title=title, title_justify="left", show_header=False, box=box.SIMPLE)
     summary.add_column(style="bold", no_wrap=True)
     summary.add_column(overflow="fold")
@@ -495,95 +546,6 @@ def parse_storage_options(text: str | None) -> dict[str, Any]:
         return load_storage_options(text, source="--storage-options") or {}
     except ConfigError as err:
         raise CliError(str(err)) from None
-
-
-def check_pull_dest(store: CheckpointStore, dest: Path, *, force: bool) -> None:
-    """Raise :class:`CliError` unless ``pull`` may replace ``dest`` without losing anything of the user's.
-
-    ``dest`` may be missing, an empty folder, or an earlier pull of this run: a real folder that
-    holds exactly a checkpoint still committed in ``store`` (its ``manifest.json``, and only the
-    files it lists, each matching its checksum), so all of it can be pulled again. ``force``
-    allows any other folder. Never allowed: a symbolic link (its target is not ours to delete),
-    something that is not a folder, and the current directory or one above it.
-
-    Example:
-        >>> import tempfile
-        >>> check_pull_dest(CheckpointStore("memory://doc-cli/pull"), Path(tempfile.mkdtemp()), force=False)
-    """
-    fix = "pull into a new or empty folder"
-    if dest.is_symlink():
-        raise CliError(f"{dest} is a symbolic link; nothing was changed: {fix}, or the folder it points to")
-    if not dest.exists():
-        return
-    if not dest.is_dir():
-        raise CliError(f"{dest} exists and is not a folder; nothing was changed: {fix}")
-    if Path.cwd().resolve().is_relative_to(dest.resolve()):
-        raise CliError(
-            f"{dest} is the current directory or holds it, and pull replaces DEST as a whole; "
-            f"nothing was changed: {fix}, e.g. ./resume"
-        )
-    problem = _not_an_earlier_pull(store, dest)
-    if problem is None:
-        return
-    if force:
-        log.warning("%s: --force: replacing %s, which %s", PROG, dest, problem)
-        return
-    raise CliError(f"{dest} {problem}; nothing was changed: {fix}, or pass --force to replace it")
-
-
-def _not_an_earlier_pull(store: CheckpointStore, dest: Path) -> str | None:
-    """Why ``dest`` (a real folder) is not an earlier pull of ``store``'s run; None when it is (or is empty)."""
-    top = sorted(entry.name for entry in os.scandir(dest))
-    if not top:
-        return None
-    step = _pulled_step(dest / MANIFEST_NAME)
-    if step is None:
-        return f"is not empty ({_some(top)}) and is not an earlier pull of {store.url}"
-    try:
-        info: CheckpointInfo | None = store.read_manifest(step)
-    except (CheckpointNotFoundError, ManifestError):
-        info = None
-    if info is None:
-        return (
-            f"holds a pull of step {step}, which is not committed in {store.url} now "
-            "(deleted since, or of another run): it may be the only copy"
-        )
-    unexpected = _first_unexpected_entry(dest, info)
-    if unexpected is not None:
-        return f"holds a pull of step {step} and {unexpected}"
-    if not store.local_copy_matches(info, dest):
-        return (
-            f"holds a pull of step {step} whose files differ from that checkpoint in {store.url} "
-            "(changed since, or of another run): it may be the only copy"
-        )
-    return None
-
-
-def _first_unexpected_entry(folder: Path, info: CheckpointInfo) -> str | None:
-    """The first entry below ``folder`` that a pull of ``info`` does not write (links are not followed)."""
-    expected = {MANIFEST_NAME, *info.files}
-    expected |= {parent.as_posix() for name in info.files for parent in Path(name).parents if parent.parts}
-    for root, dirs, files in os.walk(folder):
-        for name in sorted(dirs + files):
-            path = Path(root, name)
-            relative = path.relative_to(folder).as_posix()
-            if path.is_symlink():
-                return f"a symbolic link {relative!r}"
-            if relative not in expected:
-                return f"other files (e.g. {relative!r})"
-    return None
-
-
-def _some(names: list[str]) -> str:
-    return repr(names[0]) + (f" and {len(names) - 1} more" if len(names) > 1 else "")
-
-
-def _pulled_step(manifest_file: Path) -> int | None:
-    try:
-        step = json.loads(manifest_file.read_bytes()).get("step")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
 
 
 class Redactor:
@@ -662,13 +624,9 @@ def size_problems(store: CheckpointStore, infos: list[CheckpointInfo]) -> dict[i
     """
 
     def check(info: CheckpointInfo) -> str | None:
-        try:
-            store.check_sizes(info)
-        except CorruptCheckpointError as err:
-            message = str(err)
-            # The message names the file by its full URL; inside a table the file name says it.
-            return message.removeprefix(f"{info.url}/")
-        return None
+        problem = store.damage(info)
+        # The message names the file by its full URL; inside a table the file name says it.
+        return None if problem is None else problem.removeprefix(f"{info.url}/")
 
     if not infos:
         return {}

@@ -37,6 +37,35 @@ class RunLockedError(CheckpointError):
     """Another live run holds the lock of this ``dirpath``."""
 
 
+class StoreUnavailableError(CheckpointError):
+    """The store of ``dirpath`` cannot hold checkpoints; found at start, before anything is trained.
+
+    ``cause`` says what is wrong in one line, ``fix`` what to do; the backend's own exception is
+    logged at debug level (and kept as ``backend_error``), never printed as a traceback.
+
+    Example:
+        >>> str(StoreUnavailableError("s3://b/run", "no bucket 'b'", "create it"))
+        "dirpath='s3://b/run' cannot hold checkpoints: no bucket 'b'. Fix: create it"
+    """
+
+    def __init__(
+        self, dirpath: str, cause: str, fix: str, backend_error: BaseException | None = None
+    ) -> None:
+        super().__init__(f"dirpath={dirpath!r} cannot hold checkpoints: {cause}. Fix: {fix}")
+        self.dirpath = dirpath
+        self.cause = cause
+        self.fix = fix
+        self.backend_error = backend_error
+
+    def __reduce__(self) -> tuple[type, tuple[str, str, str]]:
+        # Rebuilt from its parts (the backend's exception stays behind): it crosses ranks by pickle.
+        return type(self), (self.dirpath, self.cause, self.fix)
+
+
+class UnknownStoreError(StoreUnavailableError, ValueError):
+    """No filesystem for the protocol of ``dirpath``: fsspec does not know it, or its package is missing."""
+
+
 class UnsafeCheckpointError(pickle.UnpicklingError):
     """A state file holds objects that safe (``weights_only``) loading refuses to construct."""
 
@@ -108,5 +137,7 @@ __all__ = [
     "MetadataError",
     "PersistError",
     "RunLockedError",
+    "StoreUnavailableError",
+    "UnknownStoreError",
     "UnsafeCheckpointError",
 ]

@@ -88,6 +88,8 @@ def assert_one_error_line(err: str) -> str:
 
 
 def test_ls_lists_steps_and_marks_a_truncated_one_invalid(store, store_url, run, tmp_path):
+    if store.is_local:  # an existing empty folder; a missing one is an error (test_store_hardening)
+        Path(store.root).mkdir(parents=True)
     code, out, _ = run("ls", store_url.url)
     assert (code, out) == (0, f"no committed checkpoints in {store.url}\n")
 
@@ -291,6 +293,7 @@ def test_storage_options_from_a_file_and_after_the_command(capsys, tmp_path):
     options_file = tmp_path / "options.json"
     options_file.write_text(json.dumps({"auto_mkdir": False}))
     url = (tmp_path / "run").as_uri()
+    (tmp_path / "run").mkdir()  # an existing empty folder; a missing one is an error (test_store_hardening)
     assert main(["ls", url, "--storage-options", f"@{options_file}"]) == 0
     assert capsys.readouterr().out.startswith("no committed checkpoints in file://")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import posixpath
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,8 @@ from spot_callbacks.errors import CheckpointNotFoundError
 from spot_callbacks.store.checksums import FileDigest
 from spot_callbacks.store.layout import MANIFEST_NAME, step_dirname
 from spot_callbacks.store.manifest import CheckpointInfo, check_payload_name, parse_manifest
+from spot_callbacks.store.manifest_limits import ManifestLimits
+from spot_callbacks.store.pull_dest import check_pull_dest
 from spot_callbacks.store.retry import RetryPolicy, UploadTimeout
 
 log = logging.getLogger("spot_callbacks")
@@ -86,13 +89,41 @@ class CheckpointStore:
 
     # ---------------------------------------------------------------- reading
     def step_folders(self) -> dict[int, str]:
-        """Every ``step-N`` folder under the run, committed or not (one listing)."""
+        """Every ``step-N`` folder of this run, committed or not (one listing).
+
+        A step folder that is a symbolic link (another run's checkpoint linked in) is not this
+        run's: it is left out with a warning, so nothing here reads it as ours or deletes through it.
+        """
         try:
             entries = self.retry.call(lambda: layout.list_folder(self.fs, self.root), f"list {self.url}")
         except FileNotFoundError:
             return {}
-        steps = [layout.parse_step_dirname(posixpath.basename(entry.rstrip("/"))) for entry in entries]
-        return {step: self.step_path(step) for step in steps if step is not None}
+        folders = {}
+        for entry in entries:
+            step = layout.parse_step_dirname(posixpath.basename(entry.rstrip("/")))
+            if step is None:
+                continue
+            if layout.is_link(self.fs, self.step_path(step)):
+                self.warn_once(step, f"spot_callbacks: ignoring {self.step_url(step)}: {self._foreign(step)}")
+                continue
+            folders[step] = self.step_path(step)
+        return folders
+
+    def missing_reason(self) -> str | None:
+        """Why the run folder (or its bucket) does not exist, or ``None``: a typo is not an empty run."""
+        return self.retry.call(lambda: layout.missing_root_reason(self.fs, self.root), f"check {self.url}")
+
+    def refuse_foreign(self, step: int) -> None:
+        """Raise :class:`ForeignCheckpointError` when the folder of ``step`` is a symbolic link."""
+        if layout.is_link(self.fs, self.step_path(step)):
+            raise protocol.ForeignCheckpointError(f"{self.step_url(step)}: {self._foreign(step)}")
+
+    def _foreign(self, step: int) -> str:
+        target = os.readlink(self.step_path(step))
+        return (
+            f"it is a symbolic link to {target}, another run's checkpoint, not this run's: "
+            "never read as this run's, never deleted through"
+        )
 
     def committed(self) -> list[CheckpointInfo]:
         """Every checkpoint whose manifest exists and parses, oldest first.
@@ -104,13 +135,27 @@ class CheckpointStore:
     def read_manifest(self, step: int) -> CheckpointInfo:
         """The parsed manifest of one step; :class:`CheckpointNotFoundError` if it has none."""
         path = posixpath.join(self.step_path(step), MANIFEST_NAME)
+        limits = ManifestLimits.from_env()
         try:
+            self.refuse_foreign(step)
             raw = self.retry.call(lambda: self.fs.cat_file(path), f"read {self.url_of(path)}")
-        except FileNotFoundError:
+        except (FileNotFoundError, protocol.ForeignCheckpointError) as err:
+            why = (
+                f"no {MANIFEST_NAME} in {self.step_url(step)}" if isinstance(err, FileNotFoundError) else err
+            )
             raise CheckpointNotFoundError(
-                f"no committed checkpoint at step {step} in {self.url} (no {MANIFEST_NAME} in {self.step_url(step)})"
+                f"no committed checkpoint at step {step} in {self.url} ({why})"
             ) from None
-        return parse_manifest(raw, step, self.step_url(step))
+        return parse_manifest(raw, step, self.step_url(step), limits)
+
+    def manifest_verdicts(self) -> list[protocol.Verdict]:
+        """Every step folder holding a manifest, oldest first, with its manifest or why it cannot be
+        trusted (see :func:`~spot_callbacks.store.commit.manifest_verdicts`)."""
+        return protocol.manifest_verdicts(self)
+
+    def damage(self, info: CheckpointInfo) -> str | None:
+        """Why a committed checkpoint cannot be used, or ``None``: the verdict resume and CLI share."""
+        return protocol.damage(self, info)
 
     def latest(self) -> CheckpointInfo | None:
         """The newest committed checkpoint whose files exist with the manifest's sizes, or ``None``.
@@ -120,10 +165,14 @@ class CheckpointStore:
         """
         return protocol.latest(self)
 
-    def newest_valid(self, infos: list[CheckpointInfo]) -> CheckpointInfo | None:
-        """The newest of ``infos`` (oldest first) whose files have the manifest's sizes; the others
-        are skipped with a warning, never deleted."""
-        return protocol.newest_valid(self, infos)
+    def newest_valid(
+        self,
+        infos: list[CheckpointInfo],
+        on_damaged: Callable[[CheckpointInfo, str], None] | None = None,
+    ) -> CheckpointInfo | None:
+        """The newest of ``infos`` (oldest first) whose files have the manifest's sizes; each one
+        skipped goes to ``on_damaged(info, reason)`` (default: a warning), none is deleted."""
+        return protocol.newest_valid(self, infos, on_damaged)
 
     def check_sizes(self, info: CheckpointInfo) -> None:
         """Raise :class:`CorruptCheckpointError` unless every payload file exists with its manifest size."""
@@ -144,13 +193,15 @@ class CheckpointStore:
             log.warning(message)
 
     # ---------------------------------------------------------------- pulling
-    def pull(self, step: int | None, dest: str | os.PathLike[str]) -> Path:
+    def pull(self, step: int | None, dest: str | os.PathLike[str], *, force: bool = False) -> Path:
         """Download a committed checkpoint into the local folder ``dest`` and verify it; return ``dest``.
 
         ``step=None`` pulls :meth:`latest`. Files are fetched in parallel into a hidden sibling
         folder that is renamed to ``dest`` only once complete and verified, so an interrupted pull
         never leaves a folder that looks complete. When ``dest`` already holds this checkpoint
-        (same manifest, files verified) nothing is downloaded.
+        (same manifest, files verified) nothing is downloaded. A ``dest`` that holds anything but
+        this run's checkpoint files is refused (:class:`UnsafeDestinationError`) unless ``force``;
+        a symbolic link, a file and the current directory (or above) always are.
         """
         if step is None:
             info = self.latest()
@@ -158,7 +209,12 @@ class CheckpointStore:
                 raise CheckpointNotFoundError(f"no committed checkpoint in {self.url}")
         else:
             info = self.read_manifest(step)
-        return transfer.pull_into(self.fs, self.retry, info, self.step_path(info.step), Path(dest))
+        target = Path(os.path.abspath(Path(dest).expanduser()))
+        if transfer.local_copy_matches(info, target):
+            log.info("spot_callbacks: %s already holds %s; not downloading", target, info.url)
+            return target
+        check_pull_dest(self, info, target, force=force)
+        return transfer.pull_into(self.fs, self.retry, info, self.step_path(info.step), target)
 
     def local_copy_matches(self, info: CheckpointInfo, folder: Path) -> bool:
         """True when ``folder`` holds exactly this checkpoint: same manifest, every file verified."""

@@ -26,6 +26,8 @@ from __future__ import annotations
 import logging
 import posixpath
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +41,7 @@ from spot_callbacks.store.layout import (
     remove_tree,
 )
 from spot_callbacks.store.manifest import CheckpointInfo, encode_manifest, new_manifest, parse_manifest
+from spot_callbacks.store.manifest_limits import ManifestLimits
 from spot_callbacks.store.transfer import call_in_time, file_sizes, put_bytes, read_files, verify_checksums
 
 if TYPE_CHECKING:
@@ -47,25 +50,88 @@ if TYPE_CHECKING:
 log = logging.getLogger("spot_callbacks")
 
 
+# TODO(errors.py): move there beside CorruptCheckpointError.
+class DeleteIncompleteError(CheckpointError):
+    """The store answered a delete as done, yet objects stayed (a per-key refusal: a bucket policy,
+    an object lock); ``remaining`` names them."""
+
+    def __init__(self, message: str, remaining: list[str]) -> None:
+        super().__init__(message)
+        self.remaining = remaining
+
+
+# TODO(errors.py): move there beside CheckpointError.
+class ForeignCheckpointError(CheckpointError):
+    """A step folder is a symbolic link: another run's checkpoint, never read as ours or deleted through."""
+
+
+# Failures that make one checkpoint damaged (skip it, fall back, never delete), as opposed to the
+# store being unreachable or refusing access, which say nothing about the checkpoint and propagate.
+DAMAGE_ERRORS: tuple[type[BaseException], ...] = (ManifestError, CorruptCheckpointError, FileNotFoundError)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What one step folder holding a manifest is: ``info`` (``None``: the manifest cannot be
+    trusted) and ``problem`` (``None``: valid), the one verdict a resume and the CLI both show."""
+
+    step: int
+    url: str
+    info: CheckpointInfo | None
+    problem: str | None
+
+
 # ----------------------------------------------------------------- 1, 2: what is committed
-def committed(store: CheckpointStore) -> list[CheckpointInfo]:
-    """Every checkpoint whose manifest exists and parses, oldest first (one listing and the
-    manifests, never a payload)."""
+def manifest_verdicts(store: CheckpointStore) -> list[Verdict]:
+    """Every step folder holding a manifest, oldest first, with the manifest parsed or why it is not
+    (one listing and the manifests, none parsed past ``SPOT_MANIFEST_MAX_BYTES``; never a payload)."""
     manifests = {step: posixpath.join(path, MANIFEST_NAME) for step, path in store.step_folders().items()}
     if not manifests:
         return []
+    limits = ManifestLimits.from_env()
     what = f"read manifests under {store.url}"
+    # A ranged read would bound the download too, but backends answer a range past the end of a
+    # small or empty object differently (InvalidRange); the size is checked before parsing.
     raw_by_path = read_files(store.fs, store.retry, list(manifests.values()), store.root, what)
-    infos = []
+    verdicts = []
     for step in sorted(manifests):
         raw = raw_by_path.get(manifests[step])
         if not isinstance(raw, bytes):
             continue  # no manifest: not committed (an upload in progress or abandoned)
         try:
-            infos.append(parse_manifest(raw, step, store.step_url(step)))
+            info = parse_manifest(raw, step, store.step_url(step), limits)
         except ManifestError as err:
-            store.warn_once(step, f"spot_callbacks: ignoring checkpoint {store.step_url(step)}: {err}")
+            verdicts.append(Verdict(step, store.step_url(step), None, str(err)))
+        else:
+            verdicts.append(Verdict(step, info.url, info, None))
+    return verdicts
+
+
+def committed(store: CheckpointStore) -> list[CheckpointInfo]:
+    """Every checkpoint whose manifest exists and parses, oldest first; one that does not parse is
+    skipped with a warning naming it and the reason."""
+    infos = []
+    for verdict in manifest_verdicts(store):
+        if verdict.info is None:
+            store.warn_once(
+                verdict.step, f"spot_callbacks: ignoring checkpoint {verdict.url}: {verdict.problem}"
+            )
+        else:
+            infos.append(verdict.info)
     return infos
+
+
+def damage(store: CheckpointStore, info: CheckpointInfo) -> str | None:
+    """Why the committed checkpoint ``info`` cannot be used (``None``: its files have the manifest's
+    sizes): THE verdict, which :func:`newest_valid` and ``spot-callbacks ls`` both use.
+
+    A checkpoint deleted since it was listed is damaged; an unreachable store raises.
+    """
+    try:
+        store.check_sizes(info)
+    except DAMAGE_ERRORS as err:
+        return str(err) or type(err).__name__
+    return None
 
 
 def latest(store: CheckpointStore) -> CheckpointInfo | None:
@@ -73,20 +139,30 @@ def latest(store: CheckpointStore) -> CheckpointInfo | None:
     return store.newest_valid(store.committed())
 
 
-def newest_valid(store: CheckpointStore, infos: list[CheckpointInfo]) -> CheckpointInfo | None:
-    """The newest of ``infos`` (oldest first) whose files have the manifest's sizes; the others are
-    skipped with a warning, never deleted."""
+def newest_valid(
+    store: CheckpointStore,
+    infos: list[CheckpointInfo],
+    on_damaged: Callable[[CheckpointInfo, str], None] | None = None,
+) -> CheckpointInfo | None:
+    """The newest of ``infos`` (oldest first) that :func:`damage` finds nothing wrong with.
+
+    Each one skipped is reported to ``on_damaged(info, reason)`` (default: one warning line naming
+    it and the reason); none is deleted.
+    """
     for info in reversed(infos):
-        try:
-            store.check_sizes(info)
-        except CorruptCheckpointError as err:
-            message = (
-                f"spot_callbacks: skipping damaged checkpoint {info.url}: {err}; trying the previous one"
-            )
-            store.warn_once(info.step, message)
-            continue
-        return info
+        problem = damage(store, info)
+        if problem is None:
+            return info
+        if on_damaged is not None:
+            on_damaged(info, problem)
+        else:
+            store.warn_once(info.step, damaged_message(info.url, problem))
     return None
+
+
+def damaged_message(url: str, problem: str) -> str:
+    """The one line said about a damaged checkpoint, wherever it is found."""
+    return f"spot_callbacks: skipping damaged checkpoint {url}: {problem}; trying the previous one"
 
 
 def check_sizes(store: CheckpointStore, info: CheckpointInfo) -> None:
@@ -121,16 +197,40 @@ def clear_stale_step(store: CheckpointStore, step: int) -> None:
 
 
 def commit_manifest(store: CheckpointStore, manifest: dict[str, Any]) -> CheckpointInfo:
-    """Write the manifest, which makes the checkpoint visible; every payload file must be durable."""
+    """Write the manifest, which makes the checkpoint visible; every payload file must be durable.
+
+    A write that failed (or whose answer was lost) may still have landed: before saying so the
+    manifest is read back, and one equal to what was written means the checkpoint is committed.
+    """
     step = manifest["step"]
     raw = encode_manifest(manifest)
     info = parse_manifest(raw, step, store.step_url(step))  # never commit what a reader would refuse
     path = posixpath.join(store.step_path(step), MANIFEST_NAME)
     what = f"write {store.step_url(step)}/{MANIFEST_NAME}"
-    call_in_time(
-        store.retry, lambda: put_bytes(store.fs, path, raw), store.upload_timeout.seconds_for(len(raw)), what
-    )
+    try:
+        call_in_time(
+            store.retry,
+            lambda: put_bytes(store.fs, path, raw),
+            store.upload_timeout.seconds_for(len(raw)),
+            what,
+        )
+    except Exception as err:
+        if _landed(store, path, raw):
+            log.warning(
+                "spot_callbacks: %s reported %s: %s, but the manifest is in the store as written: "
+                "checkpoint %s is committed", what, type(err).__name__, err, info.url,
+            )  # fmt: skip
+            return info
+        raise
     return info
+
+
+def _landed(store: CheckpointStore, path: str, raw: bytes) -> bool:
+    try:
+        found = read_files(store.fs, store.retry, [path], path, f"read back {store.url_of(path)}").get(path)
+    except Exception:  # noqa: BLE001 - the read-back is a second chance; the write's error is the one to tell
+        return False
+    return found == raw
 
 
 def write_checkpoint(
@@ -158,22 +258,45 @@ def write_checkpoint(
 def delete(store: CheckpointStore, step: int) -> bool:
     """Delete one checkpoint: its manifest first (it stops counting), then its payload.
 
-    Returns whether it had a manifest.
+    Returns whether it had a manifest. Each part is confirmed gone before the next: a store that
+    answers a delete as done but keeps objects raises :class:`DeleteIncompleteError` naming them,
+    and a manifest that stayed keeps its payload (the checkpoint stays committed and whole). A
+    step folder that is a symbolic link is another run's: :class:`ForeignCheckpointError`.
     """
     folder = store.step_path(step)
+    store.refuse_foreign(step)
     manifest = posixpath.join(folder, MANIFEST_NAME)
     had_manifest = _exists(store, manifest)
     if had_manifest:
         store.retry.call(
             lambda: remove_file(store.fs, manifest), f"delete {store.step_url(step)}/{MANIFEST_NAME}"
         )
+        if _exists(store, manifest):
+            url = f"{store.step_url(step)}/{MANIFEST_NAME}"
+            raise DeleteIncompleteError(
+                f"the store kept {url} although it answered the delete as done (a bucket policy or an "
+                f"object lock?): checkpoint {store.step_url(step)} is still committed, its files untouched",
+                [url],
+            )
     if _exists(store, folder):
         store.retry.call(lambda: remove_tree(store.fs, folder), f"delete {store.url_of(folder)}")
+        remaining = sorted(file_sizes(store.fs, store.retry, folder, f"list {store.url_of(folder)}"))
+        if remaining:
+            urls = [f"{store.url_of(folder)}/{name}" for name in remaining]
+            raise DeleteIncompleteError(
+                f"the store kept {len(urls)} file(s) of {store.url_of(folder)} although it answered the "
+                f"delete as done: {', '.join(urls[:5])}{' ...' if len(urls) > 5 else ''} (its manifest is gone: "
+                "it is no longer committed)",
+                urls,
+            )
     return had_manifest
 
 
 def prune(store: CheckpointStore, keep_last: int) -> list[int]:
-    """Keep the newest ``keep_last`` committed checkpoints (0 keeps all); return the steps deleted."""
+    """Keep the newest ``keep_last`` committed checkpoints (0 keeps all); return the steps deleted.
+
+    A checkpoint the store would not (wholly) delete is logged with what stayed and not returned.
+    """
     if keep_last < 0:
         raise ValueError(f"keep_last={keep_last!r} must be >= 0")
     if keep_last == 0:
@@ -186,7 +309,13 @@ def prune(store: CheckpointStore, keep_last: int) -> list[int]:
     for info in seen[:-keep_last]:
         if newest is not None and info.step == newest.step:
             continue
-        store.delete(info.step)
+        try:
+            store.delete(info.step)
+        except DeleteIncompleteError as err:
+            log.warning(
+                "spot_callbacks: retention could not delete %s (keep_last=%d): %s", info.url, keep_last, err
+            )
+            continue
         log.info("spot_callbacks: retention deleted %s (keep_last=%d)", info.url, keep_last)
         deleted.append(info.step)
     return deleted

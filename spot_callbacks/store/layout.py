@@ -8,6 +8,7 @@ protocol they wrote (``az://``, although adlfs calls itself ``abfs``).
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,35 @@ def list_folder(fs: Any, folder: str) -> list[str]:
         return fs.ls(folder, detail=False, refresh=True)
     except TypeError:  # filesystems whose ls() takes no refresh argument
         return fs.ls(folder, detail=False)
+
+
+def is_link(fs: Any, path: str) -> bool:
+    """True for a symbolic link on the local disk (object stores have none)."""
+    return is_local_fs(fs) and os.path.islink(path)
+
+
+_BUCKET_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"})
+
+
+def missing_root_reason(fs: Any, root: str) -> str | None:
+    """Why the run folder ``root`` cannot hold checkpoints (it, or its bucket, is missing), or ``None``.
+
+    On the local disk a folder exists or not; in an object store a "folder" is a prefix, which
+    exists only while objects are under it, so only the bucket is checked there.
+
+    Example:
+        >>> missing_root_reason(fsspec.filesystem("file"), "/nonexistent/run")
+        'no such folder: /nonexistent/run'
+    """
+    if is_local_fs(fs):
+        if not os.path.exists(root):
+            return f"no such folder: {root}"
+        return None if os.path.isdir(root) else f"{root} is not a folder"
+    if _BUCKET_PROTOCOLS & set(fs_protocols(fs)):
+        bucket = root.split("/", 1)[0]
+        if not exists_fresh(fs, bucket):
+            return f"the bucket (container) {bucket!r} does not exist, or these credentials cannot see it"
+    return None
 
 
 def exists_fresh(fs: Any, path: str) -> bool:

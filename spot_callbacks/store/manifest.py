@@ -8,6 +8,7 @@ are checked before anything uses them.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -16,6 +17,7 @@ from typing import Any
 from spot_callbacks.errors import ManifestError
 from spot_callbacks.store.checksums import CHECKSUM_ALGORITHM, FileDigest, checksum_algorithm
 from spot_callbacks.store.layout import MANIFEST_NAME
+from spot_callbacks.store.manifest_limits import MAX_NAME_CHARS, ManifestLimits, load_bounded_json
 
 MANIFEST_FORMAT = "spot_callbacks.checkpoint"
 FORMAT_VERSION = 1
@@ -77,7 +79,24 @@ def new_manifest(
 
 
 def encode_manifest(doc: dict[str, Any]) -> bytes:
-    return json.dumps(doc, indent=1, sort_keys=True).encode()
+    """The manifest's bytes; a NaN or infinite number (a diverged loss) is written as ``null``, which
+    every JSON reader accepts (``NaN`` is no JSON, and a reader refuses it).
+
+    Example:
+        >>> encode_manifest({"metrics": {"loss": float("nan")}})
+        b'{\\n "metrics": {\\n  "loss": null\\n }\\n}'
+    """
+    return json.dumps(_finite(doc), indent=1, sort_keys=True, allow_nan=False).encode()
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
 
 
 def check_payload_name(name: Any) -> str:
@@ -100,68 +119,93 @@ def check_payload_name(name: Any) -> str:
         or re.match(r"^[A-Za-z]:", name)
         or any(part in ("", ".", "..") for part in name.split("/"))
         or name == MANIFEST_NAME
+        or len(name) > MAX_NAME_CHARS
     ):
         raise ManifestError(
-            f"payload name {name!r} is not a plain relative path inside the checkpoint folder"
+            f"payload name {name!r:.80} is not a plain relative path inside the checkpoint folder"
         )
     return name
 
 
-def parse_manifest(raw: bytes, step: int, url: str) -> CheckpointInfo:
-    """Validate a manifest's bytes; raise :class:`ManifestError` saying what is wrong."""
+def parse_manifest(raw: bytes, step: int, url: str, limits: ManifestLimits | None = None) -> CheckpointInfo:
+    """Validate a manifest's bytes; raise :class:`ManifestError` saying what is wrong.
+
+    Every field is checked for its type and range, and ``limits`` (default: from the environment)
+    bound what it may declare, so nothing downstream meets a value it would choke on.
+    """
     where = f"{url}/{MANIFEST_NAME}"
-    try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ManifestError(f"{where} is not valid JSON ({err})") from None
+    limits = limits or ManifestLimits.from_env()
+    limits.check_size(raw, where)
+    doc = load_bounded_json(raw, where)
     if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT:
         raise ManifestError(f"{where} is not a spot_callbacks manifest")
     version = doc.get("format_version")
-    if not isinstance(version, int) or version < 1:
+    if not _is_int(version) or version < 1:
         raise ManifestError(f"{where} has no valid format_version")
     if version > FORMAT_VERSION:
         raise ManifestError(
             f"{where} has format_version {version}, newer than this spot_callbacks "
             f"reads ({FORMAT_VERSION}); upgrade spot_callbacks to use it"
         )
-    if doc.get("step") != step:
+    if not _is_int(doc.get("step")) or doc.get("step") != step:
         raise ManifestError(f"{where} says step {doc.get('step')!r} but lies in the folder of step {step}")
-    files = _parse_files(doc.get("files"), where)
-    try:
-        created = datetime.fromisoformat(doc["created"])
-    except (KeyError, TypeError, ValueError):
-        raise ManifestError(f"{where} has no valid 'created' time") from None
-    if created.tzinfo is None:
-        created = created.replace(tzinfo=timezone.utc)
-    epoch = doc.get("epoch")
+    files = _parse_files(doc.get("files"), where, limits)
     return CheckpointInfo(
         step=step,
         url=url,
-        created=created,
-        reason=str(doc.get("reason", "")),
+        created=_parse_created(doc.get("created"), where),
+        reason=_optional(doc, "reason", str, where) or "",
         size_bytes=sum(digest.size for digest in files.values()),
-        framework=str(doc.get("framework", "")),
-        epoch=epoch if isinstance(epoch, int) else None,
+        framework=_optional(doc, "framework", str, where) or "",
+        epoch=_parse_epoch(doc.get("epoch"), where),
         files=files,
-        metrics=doc.get("metrics") if isinstance(doc.get("metrics"), dict) else {},
-        extra=doc.get("extra") if isinstance(doc.get("extra"), dict) else {},
+        metrics=_optional(doc, "metrics", dict, where) or {},
+        extra=_optional(doc, "extra", dict, where) or {},
     )
 
 
-def _parse_files(files_doc: Any, where: str) -> dict[str, FileDigest]:
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _optional(doc: dict[str, Any], key: str, kind: type, where: str) -> Any:
+    value = doc.get(key)
+    if value is not None and not isinstance(value, kind):
+        raise ManifestError(f"{where}: {key!r} is {type(value).__name__} {value!r:.60}, not {kind.__name__}")
+    return value
+
+
+def _parse_epoch(epoch: Any, where: str) -> int | None:
+    if epoch is not None and (not _is_int(epoch) or epoch < 0):
+        raise ManifestError(f"{where}: 'epoch' is {epoch!r:.60}, not an integer >= 0")
+    return epoch
+
+
+def _parse_created(created: Any, where: str) -> datetime:
+    try:
+        parsed = datetime.fromisoformat(created)
+    except (TypeError, ValueError):
+        raise ManifestError(f"{where} has no valid 'created' time") from None
+    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=timezone.utc)
+
+
+def _parse_files(files_doc: Any, where: str, limits: ManifestLimits) -> dict[str, FileDigest]:
     if not isinstance(files_doc, dict):
         raise ManifestError(f"{where} has no 'files' table")
+    limits.check_files(files_doc, where)
     files: dict[str, FileDigest] = {}
     for name, entry in files_doc.items():
         check_payload_name(name)
         size = entry.get("size") if isinstance(entry, dict) else None
         checksum = entry.get("checksum") if isinstance(entry, dict) else None
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0 or not isinstance(checksum, str):
-            raise ManifestError(f"{where} has a bad entry for {name!r}: {entry!r}")
+        if not _is_int(size) or size < 0 or not isinstance(checksum, str):
+            raise ManifestError(f"{where} has a bad entry for {name!r}: {entry!r:.120}")
+        limits.check_file_size(name, size, where)
         if checksum_algorithm(checksum) != CHECKSUM_ALGORITHM:
             raise ManifestError(
-                f"{where}: checksum algorithm of {name!r} is {checksum_algorithm(checksum)!r}; "
+                f"{where}: checksum algorithm of {name!r} is {checksum_algorithm(checksum)!r:.40}; "
                 f"this spot_callbacks reads {CHECKSUM_ALGORITHM!r}"
             )
         files[name] = FileDigest(size, checksum)
+    limits.check_total_size(sum(digest.size for digest in files.values()), where)
     return files

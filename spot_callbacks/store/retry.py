@@ -1,5 +1,11 @@
 """Which storage errors are worth retrying, the backoff used for them (tenacity), and how long
-one upload attempt may take before it counts as hung."""
+one attempt of a storage call may take before it counts as hung.
+
+Every call through :meth:`RetryPolicy.call` is bounded: a listing, read, delete or existence
+check that has not answered within ``attempt_timeout_s`` (``$SPOT_STORE_TIMEOUT_S``, default
+60 s) is abandoned and retried like a failed one; uploads take their own, size-based timeout
+(:class:`UploadTimeout`).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,8 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import EllipsisType
 from typing import Any, TypeVar
 
 import tenacity
@@ -40,6 +47,28 @@ _PERMANENT_NAMES = {
     "DefaultCredentialsError",  # google-auth
     "RefreshError",  # google-auth
 }
+# 4xx answers are the request's fault and come back the same, except a timeout and throttling.
+_TRANSIENT_4XX = {408, 429}
+
+
+def http_status(error: BaseException) -> int | None:
+    """The HTTP status a cloud SDK's exception carries (azure-core, gcsfs, aiohttp, botocore), or ``None``.
+
+    Example:
+        >>> class HttpResponseError(Exception):
+        ...     status_code = 403
+        >>> http_status(HttpResponseError()), http_status(OSError())
+        (403, None)
+    """
+    for name in ("status_code", "code", "status"):
+        value = getattr(error, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and 100 <= value <= 599:
+            return value
+    response = getattr(error, "response", None)
+    if isinstance(response, dict):  # botocore's ClientError
+        value = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return value if isinstance(value, int) else None
+    return None
 
 
 def is_transient(error: BaseException) -> bool:
@@ -50,23 +79,60 @@ def is_transient(error: BaseException) -> bool:
         return False
     if any(cls.__name__ in _PERMANENT_NAMES for cls in type(error).__mro__):
         return False
+    status = http_status(error)
+    if status is not None and 400 <= status < 500 and status not in _TRANSIENT_4XX:
+        return False
     return not (isinstance(error, OSError) and error.errno in _PERMANENT_ERRNOS)
+
+
+STORE_TIMEOUT_ENV = "SPOT_STORE_TIMEOUT_S"
+DEFAULT_STORE_TIMEOUT_S = 60.0
+
+
+def store_timeout_from_env(environ: Mapping[str, str] | None = None) -> float | None:
+    """``$SPOT_STORE_TIMEOUT_S``: seconds one attempt of a storage call may take (``0``/``off``: no limit).
+
+    Example:
+        >>> store_timeout_from_env({}), store_timeout_from_env({"SPOT_STORE_TIMEOUT_S": "off"})
+        (60.0, None)
+    """
+    environ = os.environ if environ is None else environ
+    return _seconds_or_off(STORE_TIMEOUT_ENV, environ.get(STORE_TIMEOUT_ENV, ""), DEFAULT_STORE_TIMEOUT_S)
 
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Exponential backoff with jitter for transient storage errors.
+    """Exponential backoff with jitter for transient storage errors, each attempt bounded in time.
+
+    ``attempt_timeout_s`` (default ``$SPOT_STORE_TIMEOUT_S``, 60 s; ``None``: no limit) is how long
+    one attempt may run before it is abandoned and retried as a hung one.
 
     Example:
         >>> RetryPolicy(attempts=3).call(lambda: 42, what="answer")
         42
+        >>> RetryPolicy(attempt_timeout_s=30).timeout_for(400_000_000)
+        130.0
     """
 
     attempts: int = 6
     initial_backoff_s: float = 0.5
     max_backoff_s: float = 30.0
+    attempt_timeout_s: float | None = field(default_factory=store_timeout_from_env)
 
-    def call(self, fn: Callable[[], T], what: str) -> T:
+    def call(
+        self,
+        fn: Callable[[], T],
+        what: str,
+        timeout_s: float | None | EllipsisType = ...,
+        fix: str | None = None,
+    ) -> T:
+        """``fn()``, retried on transient errors; an attempt past ``timeout_s`` (default
+        :attr:`attempt_timeout_s`; ``None``: no limit) is abandoned and retried. ``fix`` is what
+        the timeout's message tells a user to change."""
+        if timeout_s is ...:
+            timeout_s = self.attempt_timeout_s
+            fix = fix or f"raise {STORE_TIMEOUT_ENV} (seconds) for a slow store"
+
         def log_retry(state: tenacity.RetryCallState) -> None:
             error = state.outcome.exception() if state.outcome else None
             log.warning(
@@ -81,11 +147,20 @@ class RetryPolicy:
             before_sleep=log_retry,
             reraise=True,
         )
-        return retrying(fn)
+        return retrying(lambda: call_with_timeout(fn, timeout_s, what, fix))
+
+    def timeout_for(self, nbytes: int) -> float | None:
+        """The attempt timeout of a read of ``nbytes``: :attr:`attempt_timeout_s` plus the bytes at
+        the slowest speed an upload is allowed (``$SPOT_UPLOAD_MIN_MBPS``)."""
+        if self.attempt_timeout_s is None:
+            return None
+        min_mb_per_s = UploadTimeout.from_env().min_mb_per_s
+        return UploadTimeout(self.attempt_timeout_s, min_mb_per_s).seconds_for(nbytes)
 
 
 UPLOAD_TIMEOUT_ENV = "SPOT_UPLOAD_TIMEOUT_S"
 UPLOAD_MIN_SPEED_ENV = "SPOT_UPLOAD_MIN_MBPS"
+UPLOAD_TIMEOUT_FIX = f"raise {UPLOAD_TIMEOUT_ENV} (seconds) or lower {UPLOAD_MIN_SPEED_ENV}"
 
 
 @dataclass(frozen=True)
@@ -120,17 +195,19 @@ class UploadTimeout:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> UploadTimeout:
         environ = os.environ if environ is None else environ
         default = cls()
-        floor_text = environ.get(UPLOAD_TIMEOUT_ENV, "").strip()
-        floor_s: float | None = default.floor_s
-        if floor_text.lower() in ("0", "off", "none"):
-            floor_s = None
-        elif floor_text:
-            floor_s = _positive_number(UPLOAD_TIMEOUT_ENV, floor_text, "seconds, or 0/off for no timeout")
+        floor_s = _seconds_or_off(UPLOAD_TIMEOUT_ENV, environ.get(UPLOAD_TIMEOUT_ENV, ""), default.floor_s)
         speed_text = environ.get(UPLOAD_MIN_SPEED_ENV, "").strip()
         speed = (
             _positive_number(UPLOAD_MIN_SPEED_ENV, speed_text, "MB/s") if speed_text else default.min_mb_per_s
         )
         return cls(floor_s, speed)
+
+
+def _seconds_or_off(name: str, text: str, default: float | None) -> float | None:
+    text = text.strip()
+    if text.lower() in ("0", "off", "none"):
+        return None
+    return _positive_number(name, text, "seconds, or 0/off for no timeout") if text else default
 
 
 def _positive_number(name: str, text: str, unit: str) -> float:
@@ -143,9 +220,10 @@ def _positive_number(name: str, text: str, unit: str) -> float:
     return value
 
 
-def call_with_timeout(fn: Callable[[], T], timeout_s: float | None, what: str) -> T:
+def call_with_timeout(fn: Callable[[], T], timeout_s: float | None, what: str, fix: str | None = None) -> T:
     """Run ``fn`` in a daemon thread and raise :class:`AttemptTimeoutError` if it has not returned
-    within ``timeout_s`` (``None``: wait forever).
+    within ``timeout_s`` (``None``: wait forever); ``fix`` ends the message (default: the upload
+    timeout's settings).
 
     A thread cannot be killed: the late attempt is abandoned and may still finish in the
     background (the caller must make a late finish harmless). It is a daemon, so it never
@@ -172,7 +250,7 @@ def call_with_timeout(fn: Callable[[], T], timeout_s: float | None, what: str) -
     if not done.wait(timeout_s):
         raise AttemptTimeoutError(
             f"{what} did not finish within {timeout_s:.1f}s (hung?); abandoning that attempt. "
-            f"Slow links: raise {UPLOAD_TIMEOUT_ENV} (seconds) or lower {UPLOAD_MIN_SPEED_ENV}"
+            f"Slow links: {fix or UPLOAD_TIMEOUT_FIX}"
         )
     if "error" in outcome:
         raise outcome["error"]

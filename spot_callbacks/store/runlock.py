@@ -9,13 +9,21 @@ taken over with a warning: a run killed without notice (kill -9, a vanished mach
 lock behind, and the run that resumes it must not be blocked for long. ``SPOT_FORCE_LOCK=1``
 takes over any lock.
 
-Object stores have no compare-and-swap: two runs that start within the same second or so can both
-read "no lock" and both write one. The lock is read back after writing, which catches most of those
-races; the last writer wins the rest. The lock prevents mistakes, it is not a mutex.
+On the local disk (and a shared one) the lock is created atomically: a fully written temporary is
+hard-linked to the lock's name, which fails when a lock is there, so of runs that start at once
+exactly one takes it; a stale lock is taken over by renaming it aside first (only one rename of a
+file succeeds) and checking that what was renamed is the lock judged stale. Object stores have no
+compare-and-swap: two runs that start within the same second or so can both read "no lock" and
+both write one; the lock is read back after writing, which catches most of those races.
+
+Every heartbeat reads the lock back before refreshing it: a run whose lock now names another run
+has lost it (:attr:`RunLock.lost`, and ``on_lost`` is called once): it stops refreshing, and the
+engine stops checkpointing into that ``dirpath`` and says so.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -24,11 +32,13 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
 
 from spot_callbacks.errors import RunLockedError
 from spot_callbacks.store.checkpoint_store import CheckpointStore
+from spot_callbacks.store.layout import is_local_fs
 from spot_callbacks.store.transfer import put_bytes
 
 log = logging.getLogger("spot_callbacks")
@@ -38,6 +48,7 @@ FORCE_ENV = "SPOT_FORCE_LOCK"
 STALE_ENV = "SPOT_LOCK_STALE_S"
 DEFAULT_STALE_S = 120.0
 HEARTBEATS_PER_STALE = 4  # a live owner refreshes several times before its lock could look stale
+CLAIM_ATTEMPTS = 8  # each failed attempt means another run claimed the lock in between: judge it again
 
 
 def stale_after_s() -> float:
@@ -74,8 +85,15 @@ class RunLock:
         True
     """
 
-    def __init__(self, store: CheckpointStore, stale_s: float | None = None) -> None:
+    def __init__(
+        self,
+        store: CheckpointStore,
+        stale_s: float | None = None,
+        on_lost: Callable[[str], None] | None = None,
+    ) -> None:
         self.store = store
+        self.on_lost = on_lost
+        self.lost_reason: str | None = None
         self.stale_s = stale_s if stale_s is not None else stale_after_s()
         self.heartbeat_s = self.stale_s / HEARTBEATS_PER_STALE
         self.run_id = uuid.uuid4().hex
@@ -90,6 +108,11 @@ class RunLock:
         self._held = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    @property
+    def lost(self) -> bool:
+        """True once a heartbeat found the lock held by another run: stop writing into this dirpath."""
+        return self.lost_reason is not None
 
     # ----------------------------------------------------------------- reading
     def holder(self) -> dict[str, Any] | None:
@@ -149,8 +172,12 @@ class RunLock:
     # ----------------------------------------------------------------- writing
     def acquire(self) -> None:
         """Take the lock, or raise :class:`RunLockedError` naming the owner and the override."""
-        doc = self.holder()
-        if doc is not None:
+        for _ in range(CLAIM_ATTEMPTS):
+            doc = self.holder()
+            if doc is None:
+                if self._claim():
+                    break
+                continue  # another run created it since we read: judge that one
             why = self._why_free(doc)
             if why is None:
                 doc, why = self._watch_heartbeat(doc)
@@ -160,7 +187,10 @@ class RunLock:
                 log.warning(
                     "spot_callbacks: taking over the run lock %s (%s): %s", self.url, why, _owner(doc)
                 )
-        self._write()
+            if self._take_over(doc):
+                break
+        else:
+            raise self._locked_error(self.holder() or {})
         # No compare-and-swap on object stores: read back, so a run that wrote at the same moment
         # usually finds out here rather than after interleaving checkpoints.
         doc = self.holder()
@@ -170,6 +200,51 @@ class RunLock:
         self._stop.clear()
         self._thread = threading.Thread(target=self._beat, name="spot-lock-heartbeat", daemon=True)
         self._thread.start()
+
+    def _claim(self) -> bool:
+        """Create the lock where there is none; False when another run created one first (local only:
+        an object store just takes the write)."""
+        if not is_local_fs(self.store.fs):
+            self._write()
+            return True
+        folder = os.path.dirname(self.path)
+        os.makedirs(folder, exist_ok=True)
+        partial = os.path.join(folder, f"{LOCK_NAME}.{self.run_id}.tmp")
+        try:
+            with open(partial, "xb") as handle:
+                handle.write(self._encoded())
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.link(partial, self.path)  # fails if the name exists: the atomic create
+        except FileExistsError:
+            return False
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(partial)
+        return True
+
+    def _take_over(self, judged: dict[str, Any]) -> bool:
+        """Replace the lock ``judged`` free; False when another run replaced it first."""
+        if not is_local_fs(self.store.fs) or judged.get("run_id") == self.run_id:
+            self._write()
+            return True
+        aside = f"{self.path}.{self.run_id}.stale"
+        try:
+            os.rename(self.path, aside)  # of several runs taking over, one rename succeeds
+        except FileNotFoundError:
+            return self._claim()
+        try:
+            with open(aside, "rb") as handle:
+                moved = json.loads(handle.read())
+        except ValueError:
+            moved = None
+        if moved != judged:  # another run's fresh lock, created after we judged: put it back
+            with contextlib.suppress(FileExistsError):
+                os.link(aside, self.path)
+            os.remove(aside)
+            return False
+        os.remove(aside)
+        return self._claim()
 
     def release(self) -> None:
         """Stop the heartbeat and delete the lock if it is still ours."""
@@ -186,17 +261,34 @@ class RunLock:
         except Exception as err:  # noqa: BLE001 - a lock left behind goes stale; never fail the run for it
             log.warning("spot_callbacks: could not release the run lock %s: %s", self.url, err)
 
+    def _encoded(self) -> bytes:
+        return json.dumps({**self._owner, "heartbeat": time.time()}).encode()
+
     def _write(self) -> None:
-        raw = json.dumps({**self._owner, "heartbeat": time.time()}).encode()
+        raw = self._encoded()
         # put_bytes writes a local lock beside and renames it, so a reader never sees half a lock.
         self.store.retry.call(lambda: put_bytes(self.store.fs, self.path, raw), f"write {self.url}")
 
     def _beat(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
             try:
+                doc = self.holder()
+                if doc is None or doc.get("run_id") != self.run_id:
+                    self._lose(doc)
+                    return
                 self._write()
             except Exception as err:  # noqa: BLE001 - the next beat tries again
                 log.warning("spot_callbacks: could not refresh the run lock %s: %s", self.url, err)
+
+    def _lose(self, doc: dict[str, Any] | None) -> None:
+        whose = f"it is held by another run ({_owner(doc)})" if doc is not None else "it was deleted"
+        self.lost_reason = (
+            f"this run lost its run lock {self.url}: {whose}; it stops checkpointing into {self.store.url} "
+            "so the two runs do not interleave or prune each other's checkpoints"
+        )
+        log.error("spot_callbacks: %s", self.lost_reason)
+        if self.on_lost is not None:
+            self.on_lost(self.lost_reason)
 
     def _locked_error(self, doc: dict[str, Any]) -> RunLockedError:
         return RunLockedError(

@@ -1,5 +1,10 @@
 """Moving bytes: parallel uploads, pulls and checksum reads, per-attempt timeouts, and the local disk.
 
+Every call goes through a :class:`~spot_callbacks.store.retry.RetryPolicy`, so each attempt is
+bounded: uploads by :class:`~spot_callbacks.store.retry.UploadTimeout` for their size, payload
+reads by :meth:`~spot_callbacks.store.retry.RetryPolicy.timeout_for` theirs, the rest by the
+policy's ``attempt_timeout_s``.
+
 An object PUT replaces the object whole, and a local write does not: on the local disk every
 file is written beside its final name, fsynced and renamed (:func:`put_file`, :func:`put_bytes`),
 so a reader, or a late abandoned attempt, never sees or leaves half a file. This module knows
@@ -23,7 +28,7 @@ from spot_callbacks.errors import CorruptCheckpointError, ManifestError
 from spot_callbacks.store.checksums import FileDigest, digest_chunks, digest_local_file, read_blocks
 from spot_callbacks.store.layout import MANIFEST_NAME, is_local_fs
 from spot_callbacks.store.manifest import CheckpointInfo, parse_manifest
-from spot_callbacks.store.retry import RetryPolicy, UploadTimeout, call_with_timeout
+from spot_callbacks.store.retry import UPLOAD_TIMEOUT_FIX, RetryPolicy, UploadTimeout
 
 log = logging.getLogger("spot_callbacks")
 T = TypeVar("T")
@@ -45,8 +50,8 @@ def run_parallel(fn: Callable[[Any], T], items: Iterable[Any]) -> list[T]:
 
 
 def call_in_time(retry: RetryPolicy, fn: Callable[[], T], timeout_s: float | None, what: str) -> T:
-    """``fn`` retried by ``retry``, each attempt abandoned (and retried) after ``timeout_s``."""
-    return retry.call(lambda: call_with_timeout(fn, timeout_s, what), what)
+    """``fn`` (an upload) retried by ``retry``, each attempt abandoned (and retried) after ``timeout_s``."""
+    return retry.call(fn, what, timeout_s=timeout_s, fix=UPLOAD_TIMEOUT_FIX)
 
 
 # ----------------------------------------------------------------- writing
@@ -170,8 +175,10 @@ def verify_checksums(fs: Any, retry: RetryPolicy, info: CheckpointInfo, folder: 
             with fs.open(posixpath.join(folder, name), "rb") as handle:
                 return digest_chunks(read_blocks(handle))
 
-        actual = retry.call(read_digest, f"read {info.url}/{name}")
         expected = info.files[name]
+        actual = retry.call(
+            read_digest, f"read {info.url}/{name}", timeout_s=retry.timeout_for(expected.size)
+        )
         if actual != expected:
             raise CorruptCheckpointError(
                 f"{info.url}/{name} does not match its manifest: checksum {actual.checksum} "
@@ -196,8 +203,13 @@ def pull_into(fs: Any, retry: RetryPolicy, info: CheckpointInfo, folder: str, de
         local = staging / name
         local.parent.mkdir(parents=True, exist_ok=True)
         remote = posixpath.join(folder, name)
-        retry.call(lambda: fs.get_file(remote, str(local)), f"download {info.url}/{name}")
-        actual, expected = digest_local_file(local), info.files[name]
+        expected = info.files[name]
+        retry.call(
+            lambda: fs.get_file(remote, str(local)),
+            f"download {info.url}/{name}",
+            timeout_s=retry.timeout_for(expected.size),
+        )
+        actual = digest_local_file(local)
         if actual != expected:
             raise CorruptCheckpointError(
                 f"{info.url}/{name} downloaded as {actual.size} bytes with checksum {actual.checksum}; "

@@ -1,0 +1,197 @@
+"""Proving a store usable before training: write, read back, list and delete one probe object.
+
+A bucket that does not exist, a key the store refuses or a read-only folder otherwise shows
+only when the first checkpoint fails, after the run paid for its steps. :func:`preflight`
+runs on the writer before anything else is written: a permanent failure raises
+:class:`~spot_callbacks.errors.StoreUnavailableError` at once, a transient one (timeouts, 5xx,
+a refused connection) is retried within ``$SPOT_PREFLIGHT_TIMEOUT_S`` (default 60 s; a refused
+connection gets half of it) and then raises the same error. ``SPOT_PREFLIGHT=0`` skips it.
+
+The probe, ``<dirpath>/.spot-preflight-<token>``, is the only object it writes, and it is deleted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import posixpath
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from spot_callbacks.errors import StoreUnavailableError
+from spot_callbacks.store.diagnosis import Diagnosis, diagnose
+from spot_callbacks.store.layout import fs_protocols, list_folder, remove_file
+from spot_callbacks.store.retry import call_with_timeout
+from spot_callbacks.store.transfer import put_bytes
+
+if TYPE_CHECKING:
+    from spot_callbacks.store.checkpoint_store import CheckpointStore
+
+log = logging.getLogger("spot_callbacks")
+
+PREFLIGHT_ENV = "SPOT_PREFLIGHT"
+PREFLIGHT_TIMEOUT_ENV = "SPOT_PREFLIGHT_TIMEOUT_S"
+DEFAULT_BUDGET_S = 60.0
+PROBE_PREFIX = ".spot-preflight-"
+_BACKOFF_S = (0.5, 1.0, 2.0, 4.0)
+_TIMEOUT_FIX = f"raise {PREFLIGHT_TIMEOUT_ENV} for a slow store"
+
+
+class _ProbeMismatch(ValueError):
+    """The probe read back is not what was written (permanent: a store that changes bytes)."""
+
+
+class _ProbeNotListed(OSError):
+    """The probe is not in the listing yet (transient: an eventually consistent listing)."""
+
+
+def preflight(store: CheckpointStore, budget_s: float | None = None, enabled: bool | None = None) -> None:
+    """Prove that ``store`` can hold checkpoints, or raise :class:`StoreUnavailableError` within ``budget_s``.
+
+    ``budget_s`` defaults to ``$SPOT_PREFLIGHT_TIMEOUT_S`` (60 s); ``enabled`` to ``$SPOT_PREFLIGHT``
+    (``0`` skips the check, with a warning). The error is logged as one line; each failed attempt's
+    traceback only at debug level.
+
+    Example:
+        >>> from spot_callbacks.store import CheckpointStore
+        >>> store = CheckpointStore("memory://doc-preflight/run")
+        >>> preflight(store, budget_s=10); store.fs.exists(store.root)
+        False
+    """
+    if not preflight_enabled(enabled):
+        log.warning(
+            "spot_callbacks: %s=0: NOT checking that %s can hold checkpoints; training goes on without a "
+            "proven store, and checkpoints that cannot be persisted are reported as they fail, their local "
+            "copies kept",
+            PREFLIGHT_ENV, store.url,
+        )  # fmt: skip
+        return
+    budget_s = preflight_budget_s() if budget_s is None else budget_s
+    probe = _Probe(store, budget_s)
+    try:
+        probe.run()
+    except StoreUnavailableError as err:
+        log.error("spot_callbacks: %s", err)
+        raise
+
+
+def preflight_enabled(enabled: bool | None = None) -> bool:
+    """``enabled`` if given, else ``$SPOT_PREFLIGHT`` (on unless ``0``, ``false``, ``off`` or ``no``).
+
+    Example:
+        >>> preflight_enabled(), preflight_enabled(False)
+        (True, False)
+    """
+    if enabled is not None:
+        return enabled
+    return os.environ.get(PREFLIGHT_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def preflight_budget_s() -> float:
+    """``$SPOT_PREFLIGHT_TIMEOUT_S`` (default 60): how long the preflight may retry a transient failure.
+
+    Example:
+        >>> preflight_budget_s()
+        60.0
+    """
+    raw = os.environ.get(PREFLIGHT_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_BUDGET_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{PREFLIGHT_TIMEOUT_ENV}={raw!r} is not a positive number of seconds; use e.g. 60")
+    return value
+
+
+class _Probe:
+    """One preflight of one store: the probe's path, the deadline, and the steps against it."""
+
+    def __init__(self, store: CheckpointStore, budget_s: float) -> None:
+        self.store = store
+        self.budget_s = budget_s
+        self.started = time.monotonic()
+        self.deadline = self.started + budget_s
+        self.path = posixpath.join(store.root, f"{PROBE_PREFIX}{uuid.uuid4().hex[:12]}")
+        self.payload = f"spot_callbacks preflight of {store.url}\n".encode()
+        self.protocol = fs_protocols(store.fs)[0]
+        self.bucket = (
+            store.root if self.protocol in ("file", "local") else store.root.lstrip("/").split("/")[0]
+        )
+
+    def run(self) -> None:
+        fs = self.store.fs
+        self.attempt(lambda: put_bytes(fs, self.path, self.payload), "write a probe object")
+        try:
+            self.attempt(self.read_back, "read the probe back")
+            self.attempt(self.find_in_listing, "list dirpath")
+        except BaseException:
+            self.discard()
+            raise
+        self.attempt(lambda: remove_file(fs, self.path), "delete the probe object")
+        elapsed_s = time.monotonic() - self.started
+        log.debug("spot_callbacks: preflight of %s passed in %.2fs", self.store.url, elapsed_s)
+
+    def read_back(self) -> None:
+        if hasattr(self.store.fs, "invalidate_cache"):
+            self.store.fs.invalidate_cache(self.path)
+        raw = self.store.fs.cat_file(self.path)
+        if raw != self.payload:
+            raise _ProbeMismatch(f"read {len(raw)} bytes back from {self.path}, wrote {len(self.payload)}")
+
+    def find_in_listing(self) -> None:
+        names = {
+            posixpath.basename(entry.rstrip("/")) for entry in list_folder(self.store.fs, self.store.root)
+        }
+        if posixpath.basename(self.path) not in names:
+            raise _ProbeNotListed(f"{self.path} is not listed under {self.store.root} yet")
+
+    def attempt(self, step: Callable[[], Any], what: str) -> None:
+        """``step`` until it succeeds, fails permanently, or the budget is spent (then raise)."""
+        unreachable_until = self.started + self.budget_s / 2
+        waiter = threading.Event()
+        for tries in range(1, 10_000):
+            remaining_s = self.deadline - time.monotonic()
+            try:
+                call_with_timeout(step, max(remaining_s, 0.05), f"preflight: {what}", _TIMEOUT_FIX)
+                return
+            except Exception as err:  # noqa: BLE001 - every failure is diagnosed, the raw one kept at debug
+                log.debug("spot_callbacks: preflight of %s: %s failed", self.store.url, what, exc_info=True)
+                found = self.diagnose(err)
+                if found.permanent:
+                    raise self.error(what, found, err) from None
+                pause_s = _BACKOFF_S[min(tries - 1, len(_BACKOFF_S) - 1)]
+                give_up_at = unreachable_until if found.unreachable else self.deadline
+                if time.monotonic() + pause_s >= give_up_at:
+                    spent_s = time.monotonic() - self.started
+                    raise self.error(what, found, err, f" (still failing after {spent_s:.0f}s)") from None
+                waiter.wait(pause_s)
+
+    def diagnose(self, error: BaseException) -> Diagnosis:
+        if isinstance(error, _ProbeMismatch):
+            return Diagnosis(
+                True, f"the store returned other bytes than were written ({error})", "check the store"
+            )
+        return diagnose(error, self.protocol, self.bucket)
+
+    def error(
+        self, what: str, found: Diagnosis, err: BaseException, spent: str = ""
+    ) -> StoreUnavailableError:
+        fix = (
+            f"{found.fix}; or raise {PREFLIGHT_TIMEOUT_ENV} (now {self.budget_s:.0f}s)"
+            if spent
+            else found.fix
+        )
+        return StoreUnavailableError(self.store.dirpath, f"could not {what}: {found.cause}{spent}", fix, err)
+
+    def discard(self) -> None:
+        """Best effort, briefly: the probe of a preflight that failed after writing it."""
+        try:
+            call_with_timeout(lambda: remove_file(self.store.fs, self.path), 5.0, "delete the probe object")
+        except Exception:  # noqa: BLE001 - a stray probe is harmless; the failure that led here is the news
+            log.debug("spot_callbacks: could not delete the probe %s", self.path, exc_info=True)
