@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers.faultfs import FaultyFileSystem
 
 from spot_callbacks.errors import StoreUnavailableError, UnknownStoreError
 from spot_callbacks.store import CheckpointStore
@@ -34,9 +35,22 @@ def store_of(dirpath: str, options: dict | None = None) -> CheckpointStore:
     return store
 
 
-def refused(dirpath: str, options: dict | None, bound_s: float, caplog: pytest.LogCaptureFixture) -> str:
-    """Run the preflight, assert it raises within ``bound_s`` with one log line; return the message."""
+def refused(
+    dirpath: str,
+    options: dict | None,
+    bound_s: float,
+    caplog: pytest.LogCaptureFixture,
+    refuse_writes: bool = False,
+) -> str:
+    """Run the preflight, assert it raises within ``bound_s`` with one log line; return the message.
+
+    ``refuse_writes``: the real filesystem behind a wrapper that answers every write with
+    EACCES, as a read-only folder does (for root, whom modes do not stop, without chattr).
+    """
     store = store_of(dirpath, options)
+    if refuse_writes:
+        store.fs = FaultyFileSystem(store.fs)
+        store.fs.permanent = True
     caplog.clear()
     started = time.monotonic()
     with caplog.at_level(logging.INFO, logger="spot_callbacks"), pytest.raises(StoreUnavailableError) as info:
@@ -172,8 +186,8 @@ def test_a_wrong_azure_key_is_one_line_within_seconds(azurite_server, caplog) ->
 def test_a_read_only_folder_is_refused_at_once(tmp_path: Path, caplog) -> None:
     folder = tmp_path / "readonly"
     folder.mkdir()
-    with _read_only(folder):
-        message = refused(str(folder / "run"), None, 10, caplog)
+    with _read_only(folder) as folder_is_read_only:
+        message = refused(str(folder / "run"), None, 10, caplog, refuse_writes=not folder_is_read_only)
     assert "permission denied" in message
 
 
@@ -220,20 +234,24 @@ def _azurite_key(server) -> str:
 
 
 @contextlib.contextmanager
-def _read_only(folder: Path) -> Iterator[None]:
-    """chmod for a normal user; root ignores modes, so root makes the folder immutable instead."""
+def _read_only(folder: Path) -> Iterator[bool]:
+    """chmod for a normal user; root ignores modes, so root makes the folder immutable instead.
+
+    Yields False where neither works (root without CAP_LINUX_IMMUTABLE, e.g. in a container).
+    """
     import os
 
     if os.geteuid() != 0:
         folder.chmod(0o555)
         try:
-            yield
+            yield True
         finally:
             folder.chmod(0o755)
         return
     if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(folder)]).returncode != 0:
-        pytest.skip("running as root without chattr +i: cannot make a read-only folder")
+        yield False
+        return
     try:
-        yield
+        yield True
     finally:
         subprocess.run(["chattr", "-i", str(folder)], check=True)

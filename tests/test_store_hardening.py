@@ -117,9 +117,16 @@ class LostAnswerFileSystem(FaultyFileSystem):
             raise ConnectionError(f"injected: the answer to writing {path} was lost")
 
 
+# Object stores only: a local manifest is written beside and renamed, never by pipe_file.
+@pytest.mark.parametrize(
+    "store_url",
+    [
+        pytest.param(b, id=b, marks=[pytest.mark.remote_store] if b != "memory" else [])
+        for b in ("memory", "s3", "az", "gs")
+    ],
+    indirect=True,
+)
 def test_a_manifest_that_landed_although_its_answer_was_lost_is_committed(store_url, tmp_path, caplog):
-    if store_url.backend == "file":
-        pytest.skip("a local manifest is written by rename, not pipe_file")
     store = CheckpointStore(store_url.url, storage_options=store_url.storage_options, retry=FAST_RETRY)
     store.fs = LostAnswerFileSystem(store.fs)
     with caplog.at_level(logging.WARNING, logger="spot_callbacks"):
