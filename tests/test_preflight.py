@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers.faultfs import FaultyFileSystem
 
 from spot_callbacks.errors import StoreUnavailableError, UnknownStoreError
 from spot_callbacks.store import CheckpointStore
@@ -35,22 +34,9 @@ def store_of(dirpath: str, options: dict | None = None) -> CheckpointStore:
     return store
 
 
-def refused(
-    dirpath: str,
-    options: dict | None,
-    bound_s: float,
-    caplog: pytest.LogCaptureFixture,
-    refuse_writes: bool = False,
-) -> str:
-    """Run the preflight, assert it raises within ``bound_s`` with one log line; return the message.
-
-    ``refuse_writes``: the real filesystem behind a wrapper that answers every write with
-    EACCES, as a read-only folder does (for root, whom modes do not stop, without chattr).
-    """
+def refused(dirpath: str, options: dict | None, bound_s: float, caplog: pytest.LogCaptureFixture) -> str:
+    """Run the preflight, assert it raises within ``bound_s`` with one log line; return the message."""
     store = store_of(dirpath, options)
-    if refuse_writes:
-        store.fs = FaultyFileSystem(store.fs)
-        store.fs.permanent = True
     caplog.clear()
     started = time.monotonic()
     with caplog.at_level(logging.INFO, logger="spot_callbacks"), pytest.raises(StoreUnavailableError) as info:
@@ -186,8 +172,8 @@ def test_a_wrong_azure_key_is_one_line_within_seconds(azurite_server, caplog) ->
 def test_a_read_only_folder_is_refused_at_once(tmp_path: Path, caplog) -> None:
     folder = tmp_path / "readonly"
     folder.mkdir()
-    with _read_only(folder) as folder_is_read_only:
-        message = refused(str(folder / "run"), None, 10, caplog, refuse_writes=not folder_is_read_only)
+    with _read_only(folder) as read_only_folder:
+        message = refused(str(read_only_folder / f"run-{uuid.uuid4().hex}"), None, 10, caplog)
     assert "permission denied" in message
 
 
@@ -234,24 +220,23 @@ def _azurite_key(server) -> str:
 
 
 @contextlib.contextmanager
-def _read_only(folder: Path) -> Iterator[bool]:
-    """chmod for a normal user; root ignores modes, so root makes the folder immutable instead.
-
-    Yields False where neither works (root without CAP_LINUX_IMMUTABLE, e.g. in a container).
-    """
+def _read_only(folder: Path) -> Iterator[Path]:
+    """A folder nobody may create files in: ``folder`` made so by chmod for a normal user; root
+    ignores modes, so for root ``folder`` made immutable instead, or, where root may not do that
+    either (no CAP_LINUX_IMMUTABLE, e.g. in a container), sysfs, where even root cannot mkdir."""
     import os
 
     if os.geteuid() != 0:
         folder.chmod(0o555)
         try:
-            yield True
+            yield folder
         finally:
             folder.chmod(0o755)
         return
     if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(folder)]).returncode != 0:
-        yield False
+        yield Path("/sys/kernel")
         return
     try:
-        yield True
+        yield folder
     finally:
         subprocess.run(["chattr", "-i", str(folder)], check=True)
