@@ -169,9 +169,15 @@ class SpotEngine:
                 self.writer.all_records(), self._persister, self.trigger.interval_s, self.resumed
             )
         local = self.trigger.due(step)
-        interval, steps, notice, hint = agree_at_step(
-            local == "interval", local == "steps", self.watcher.notice, self.watcher.take_hint()
+        interval, steps, notice, hint, lease_lost = agree_at_step(
+            local == "interval",
+            local == "steps",
+            self.watcher.notice,
+            self.watcher.take_hint(),
+            self.lease.lost,
         )
+        if lease_lost:
+            self.writer.refuse(f"this run lost the run lock of {self.store.url} to another run")
         if notice is not None:
             self.watcher.report(notice)  # a rank that saw nothing adopts it
             self.emergency.agree(notice)

@@ -33,6 +33,23 @@ class CorruptCheckpointError(CheckpointError):
     """A committed checkpoint's files do not match its manifest (missing, truncated, altered)."""
 
 
+class DeleteIncompleteError(CheckpointError):
+    """The store answered a delete as done, yet objects stayed (a per-key refusal: a bucket policy,
+    an object lock); ``remaining`` names them."""
+
+    def __init__(self, message: str, remaining: list[str]) -> None:
+        super().__init__(message)
+        self.remaining = remaining
+
+
+class ForeignCheckpointError(CheckpointError):
+    """A step folder is a symbolic link: another run's checkpoint, never read as ours or deleted through."""
+
+
+class UnsafeDestinationError(CheckpointError):
+    """A pull's destination holds what is not the run's (or is a link, a file, the current directory)."""
+
+
 class RunLockedError(CheckpointError):
     """Another live run holds the lock of this ``dirpath``."""
 
@@ -127,6 +144,9 @@ def _no_space_hint(cause: BaseException, local_dir: Path | None) -> str:
 
 
 __all__ = [
+    "DeleteIncompleteError",
+    "ForeignCheckpointError",
+    "UnsafeDestinationError",
     "AttemptTimeoutError",
     "CheckpointError",
     "CheckpointNotFoundError",

@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from spot_callbacks.errors import CorruptCheckpointError, ManifestError
 from spot_callbacks.store import CheckpointInfo, CheckpointStore
+from spot_callbacks.store.commit import DAMAGE_ERRORS, damaged_message
 from spot_callbacks.trigger.collectives import barrier, broadcast_object
 
 log = logging.getLogger("spot_callbacks")
@@ -45,10 +45,12 @@ def pull_newest_valid(store: CheckpointStore, folder_for: Callable[[int], Path])
         try:
             store.pull(candidate.step, folder_for(candidate.step))
             return candidate
-        except (CorruptCheckpointError, ManifestError) as err:
-            log.warning("spot_callbacks: skipping %s: %s; trying the previous checkpoint", candidate.url, err)
+        except DAMAGE_ERRORS as err:  # deleted since the listing included: damaged, never the user's error
+            log.warning("%s", damaged_message(candidate.url, str(err) or type(err).__name__))
             older = [info for info in store.committed() if info.step < candidate.step]
-            candidate = store.newest_valid(older)
+            candidate = store.newest_valid(
+                older, on_damaged=lambda info, why: log.warning("%s", damaged_message(info.url, why))
+            )
     return None
 
 

@@ -2,16 +2,19 @@
 
 One training run per ``dirpath`` (see ``store/runlock.py`` for the lock itself): the writer takes
 the lock when training starts and releases it after the last upload. A lock another live run
-holds stops every rank with :class:`~spot_callbacks.errors.RunLockedError`; storage trouble
-while taking it is a warning (training goes on without it; the persister reports the storage).
+holds stops every rank with :class:`~spot_callbacks.errors.RunLockedError`. Before the lock, the
+store is proven usable (``store/preflight.py``): a misconfigured ``dirpath`` stops every rank with
+:class:`~spot_callbacks.errors.StoreUnavailableError` before the first step. A lock that another
+run takes over later is noticed by its heartbeat (:attr:`RunLease.lost`).
 """
 
 from __future__ import annotations
 
 import logging
 
-from spot_callbacks.errors import RunLockedError
+from spot_callbacks.errors import CheckpointError, RunLockedError, StoreUnavailableError
 from spot_callbacks.store import CheckpointStore
+from spot_callbacks.store.preflight import preflight
 from spot_callbacks.store.runlock import RunLock
 from spot_callbacks.trigger.collectives import broadcast_object, is_writer
 
@@ -35,15 +38,17 @@ class RunLease:
         self.lock: RunLock | None = None
 
     def acquire(self) -> None:
-        """Take the lock on the writer (collective); every rank raises if another run holds it."""
-        refusal = None
+        """Prove the store usable and take the lock on the writer (collective), before anything is
+        written; every rank raises :class:`StoreUnavailableError` or :class:`RunLockedError` alike."""
+        refusal: CheckpointError | None = None
         if is_writer() and self.lock is None:
             lock = RunLock(self.store)
             try:
+                preflight(self.store)
                 lock.acquire()
                 self.lock = lock
-            except RunLockedError as err:
-                refusal = str(err)
+            except (StoreUnavailableError, RunLockedError) as err:
+                refusal = err
             except Exception as err:  # noqa: BLE001 - storage trouble is the persister's to report
                 log.warning(
                     "spot_callbacks: could not take the run lock of %s, training without it: %s: %s",
@@ -51,7 +56,12 @@ class RunLease:
                 )  # fmt: skip
         refusal = broadcast_object(refusal)
         if refusal is not None:
-            raise RunLockedError(refusal)
+            raise refusal
+
+    @property
+    def lost(self) -> bool:
+        """True once the heartbeat found another run's lock in place of ours (see RunLock.lost)."""
+        return self.lock is not None and self.lock.lost
 
     def release(self) -> None:
         if self.lock is not None:

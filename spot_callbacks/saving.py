@@ -65,11 +65,12 @@ class CheckpointWriter:
         self.trigger = trigger
         self.staging = StagingArea()
         self.persister: Any = None  # made by the first save; its kind is remembered with it
-        self._persister_kind: PersisterKind | None = None
+        self.persister_kind: PersisterKind | None = None
         self._spans_nodes: bool | None = None  # several nodes (local main processes); see spans_nodes()
         self.last_saved_step: int | None = None
         self.last_stall_s: float | None = None
         self._reported_records = 0
+        self.refused_reason: str | None = None  # set once: every later save is refused (see refuse())
         self._earlier_records: list[PersistRecord] = []  # of the persisters close() closed
 
     def spans_nodes(self) -> bool:
@@ -80,6 +81,17 @@ class CheckpointWriter:
         if self._spans_nodes is None:
             self._spans_nodes = sum(gather_from_ranks(local_rank() == 0)) > 1
         return self._spans_nodes
+
+    def refuse(self, reason: str) -> None:
+        """Take no more checkpoints into this store (every rank calls it at the same step)."""
+        if self.refused_reason is None:
+            self.refused_reason = reason
+            log.error("spot_callbacks: %s: no more checkpoints are written there; training goes on", reason)
+
+    def _refused(self, step: int) -> bool:
+        if self.refused_reason is not None:
+            log.warning("spot_callbacks: not checkpointing step %d: %s", step, self.refused_reason)
+        return self.refused_reason is not None
 
     def persister_for(self, kind: PersisterKind) -> Any:
         """The persister of this kind of save; made on first use (for sharded kinds: on every rank at once)."""
@@ -99,6 +111,8 @@ class CheckpointWriter:
         seconds the caller was blocked.
         """
         started = time.perf_counter()
+        if self._refused(step):
+            return 0.0
         if is_writer():
             staged = self.staging.stage(state)
             terms = self._job_terms(reason, time.perf_counter() - started, extra, staged_bytes=staged.nbytes)
@@ -125,6 +139,8 @@ class CheckpointWriter:
         every rank's files are durable (see sharded.py). Returns the seconds this rank was blocked.
         """
         started = time.perf_counter()
+        if self._refused(step):
+            return 0.0
         persister = self.persister_for(SHARDED)
         staged, nbytes = persister.stage(state)
         terms = self._job_terms(reason, time.perf_counter() - started, extra, staged_bytes=nbytes)
@@ -151,6 +167,8 @@ class CheckpointWriter:
         """
         if not rules.needs_checkpoint(step, self.last_saved_step):
             log.info("spot_callbacks: step %d is already checkpointed; not uploading it again", step)
+            return False
+        if self._refused(step):
             return False
         barrier()
         if self.spans_nodes():

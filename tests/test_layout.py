@@ -37,7 +37,10 @@ def imported_modules(name: str, path: Path, known: set[str]) -> set[str]:
     """Every package module ``name`` imports, at any depth of its code (TYPE_CHECKING blocks excluded)."""
     tree = ast.parse(path.read_text())
     for node in ast.walk(tree):  # `if TYPE_CHECKING:` imports never run
-        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", "")) == "TYPE_CHECKING":
+        if (
+            isinstance(node, ast.If)
+            and getattr(node.test, "id", getattr(node.test, "attr", "")) == "TYPE_CHECKING"
+        ):
             node.body = []
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
@@ -47,7 +50,9 @@ def imported_modules(name: str, path: Path, known: set[str]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
         else:
             continue

@@ -14,7 +14,7 @@ import pytest
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from spot_callbacks import CheckpointStore, ConfigError, PersistError
+from spot_callbacks import CheckpointStore, ConfigError, PersistError, StoreUnavailableError
 from spot_callbacks.accounting.report import RunHistory
 from spot_callbacks.lightning import SpotCheckpoint
 
@@ -285,15 +285,48 @@ def test_exception_inside_a_step_takes_no_half_done_checkpoint(tmp_path):
     assert committed[-1] == (4, "steps") and set(committed) <= {(2, "steps"), (4, "steps")}
 
 
-def test_a_permanent_storage_failure_fails_fit_with_the_url_and_keeps_training_state(tmp_path, s3_server):
+def test_a_missing_bucket_stops_fit_before_the_first_step_naming_dirpath(tmp_path, s3_server, caplog):
+    url = "s3://no-such-bucket-spot/run"
+    spot = SpotCheckpoint(dirpath=url, interval=None, every_n_steps=3, storage_options=s3_server.storage_options,
+                          preemption=[], scratch_dir=str(tmp_path / "scratch"))  # fmt: skip
+    steps_started: list[int] = []
+
+    class FirstStep(pl.Callback):
+        def on_train_batch_start(self, trainer, *args) -> None:  # noqa: ANN002
+            steps_started.append(trainer.global_step)
+
+    trainer = pl.Trainer(callbacks=[spot, FirstStep()], max_steps=6, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False)  # fmt: skip
+    with (
+        caplog.at_level(logging.INFO, logger="spot_callbacks"),
+        pytest.raises(StoreUnavailableError) as failure,
+    ):
+        trainer.fit(BoringModel())
+    assert steps_started == []  # found before the first training step
+    message = str(failure.value)
+    assert f"dirpath={url!r}" in message and "does not exist" in message and "Fix:" in message
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and errors[0].exc_info is None  # one line, no backend traceback
+    assert not (tmp_path / "scratch").exists() or not any((tmp_path / "scratch").rglob("step-*"))
+
+
+def test_a_permanent_storage_failure_fails_fit_with_the_url_and_keeps_training_state(
+    tmp_path, s3_server, monkeypatch, caplog
+):
+    # SPOT_PREFLIGHT=0 is the documented "train anyway, keep local copies" of an unusable store.
+    monkeypatch.setenv("SPOT_PREFLIGHT", "0")
     url = "s3://no-such-bucket-spot/run"
     spot = SpotCheckpoint(dirpath=url, interval=None, every_n_steps=3, storage_options=s3_server.storage_options,
                           preemption=[], scratch_dir=str(tmp_path / "scratch"))  # fmt: skip
     model = BoringModel()
-    with pytest.raises(PersistError, match="no-such-bucket-spot/run/step-000000006"):
+    with (
+        caplog.at_level(logging.WARNING, logger="spot_callbacks"),
+        pytest.raises(PersistError, match="no-such-bucket-spot/run/step-000000006"),
+    ):
         boring_trainer(spot).fit(model)
     kept = sorted(p.name for p in (tmp_path / "scratch").rglob("step-*"))
     assert "step-000000006" in kept  # the local copy is kept for the user
+    assert any("NOT checking" in r.getMessage() for r in caplog.records)  # said loudly
 
 
 def test_the_cost_summary_is_logged_once_at_the_end_of_fit(tmp_path, caplog):

@@ -19,10 +19,8 @@ import pytest
 
 from spot_callbacks import CheckpointStore
 from spot_callbacks.cli import main
-from spot_callbacks.errors import RunLockedError
+from spot_callbacks.errors import DeleteIncompleteError, RunLockedError, UnsafeDestinationError
 from spot_callbacks.store import MANIFEST_NAME, step_dirname
-from spot_callbacks.store.commit import DeleteIncompleteError
-from spot_callbacks.store.pull_dest import UnsafeDestinationError
 from spot_callbacks.store.retry import RetryPolicy
 from spot_callbacks.store.runlock import RunLock
 from tests.helpers.faultfs import FaultyFileSystem

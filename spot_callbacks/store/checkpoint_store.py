@@ -17,7 +17,7 @@ from typing import Any
 import spot_callbacks.store.commit as protocol
 import spot_callbacks.store.layout as layout
 import spot_callbacks.store.transfer as transfer
-from spot_callbacks.errors import CheckpointNotFoundError
+from spot_callbacks.errors import CheckpointNotFoundError, ForeignCheckpointError
 from spot_callbacks.store.checksums import FileDigest
 from spot_callbacks.store.layout import MANIFEST_NAME, step_dirname
 from spot_callbacks.store.manifest import CheckpointInfo, check_payload_name, parse_manifest
@@ -116,7 +116,7 @@ class CheckpointStore:
     def refuse_foreign(self, step: int) -> None:
         """Raise :class:`ForeignCheckpointError` when the folder of ``step`` is a symbolic link."""
         if layout.is_link(self.fs, self.step_path(step)):
-            raise protocol.ForeignCheckpointError(f"{self.step_url(step)}: {self._foreign(step)}")
+            raise ForeignCheckpointError(f"{self.step_url(step)}: {self._foreign(step)}")
 
     def _foreign(self, step: int) -> str:
         target = os.readlink(self.step_path(step))
@@ -139,7 +139,7 @@ class CheckpointStore:
         try:
             self.refuse_foreign(step)
             raw = self.retry.call(lambda: self.fs.cat_file(path), f"read {self.url_of(path)}")
-        except (FileNotFoundError, protocol.ForeignCheckpointError) as err:
+        except (FileNotFoundError, ForeignCheckpointError) as err:
             why = (
                 f"no {MANIFEST_NAME} in {self.step_url(step)}" if isinstance(err, FileNotFoundError) else err
             )

@@ -31,7 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from spot_callbacks.errors import CheckpointError, CorruptCheckpointError, ManifestError
+from spot_callbacks.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    DeleteIncompleteError,
+    ManifestError,
+)
 from spot_callbacks.store.checksums import FileDigest
 from spot_callbacks.store.layout import (
     MANIFEST_NAME,
@@ -48,21 +53,6 @@ if TYPE_CHECKING:
     from spot_callbacks.store.checkpoint_store import CheckpointStore
 
 log = logging.getLogger("spot_callbacks")
-
-
-# TODO(errors.py): move there beside CorruptCheckpointError.
-class DeleteIncompleteError(CheckpointError):
-    """The store answered a delete as done, yet objects stayed (a per-key refusal: a bucket policy,
-    an object lock); ``remaining`` names them."""
-
-    def __init__(self, message: str, remaining: list[str]) -> None:
-        super().__init__(message)
-        self.remaining = remaining
-
-
-# TODO(errors.py): move there beside CheckpointError.
-class ForeignCheckpointError(CheckpointError):
-    """A step folder is a symbolic link: another run's checkpoint, never read as ours or deleted through."""
 
 
 # Failures that make one checkpoint damaged (skip it, fall back, never delete), as opposed to the

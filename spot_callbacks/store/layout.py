@@ -15,6 +15,8 @@ from typing import Any
 
 import fsspec
 
+from spot_callbacks.store.backends import resolve_filesystem
+
 # torch.distributed.checkpoint's index of every shard: a hidden name, yet payload.
 DCP_METADATA_FILE = ".metadata"
 MANIFEST_NAME = "manifest.json"
@@ -72,7 +74,7 @@ def open_filesystem(dirpath: str, storage_options: dict[str, Any] | None) -> tup
     protocol, _ = fsspec.core.split_protocol(dirpath)
     if protocol in ("s3", "s3a"):
         options.setdefault("max_concurrency", S3_UPLOAD_CONCURRENCY)
-    fs, root = fsspec.core.url_to_fs(dirpath, **options)
+    fs, root = resolve_filesystem(dirpath, options)
     return fs, root.rstrip("/") or root, protocol if protocol in fs_protocols(fs) else None
 
 

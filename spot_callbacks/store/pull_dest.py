@@ -18,7 +18,11 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from spot_callbacks.errors import CheckpointError, CheckpointNotFoundError, ManifestError
+from spot_callbacks.errors import (
+    CheckpointNotFoundError,
+    ManifestError,
+    UnsafeDestinationError,
+)
 from spot_callbacks.store.layout import MANIFEST_NAME, is_temporary_name
 from spot_callbacks.store.manifest import CheckpointInfo
 
@@ -26,11 +30,6 @@ if TYPE_CHECKING:
     from spot_callbacks.store.checkpoint_store import CheckpointStore
 
 log = logging.getLogger("spot_callbacks")
-
-
-# TODO(errors.py): move there beside CheckpointError.
-class UnsafeDestinationError(CheckpointError):
-    """A pull's destination holds what is not the run's (or is a link, a file, the current directory)."""
 
 
 def check_pull_dest(store: CheckpointStore, info: CheckpointInfo | None, dest: Path, *, force: bool) -> None:

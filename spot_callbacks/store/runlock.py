@@ -160,7 +160,7 @@ class RunLock:
             waiter.wait(min(self.heartbeat_s / 4, 5.0))
             current = self.holder()
             if current is None:
-                if self.store.fs.exists(self.path):
+                if self.store.retry.call(lambda: self.store.fs.exists(self.path), f"check {self.url}"):
                     continue  # caught mid-write (a local write is not atomic): its owner is writing
                 return doc, "it was released"
             if current.get("heartbeat") != first_beat or current.get("run_id") != doc.get("run_id"):

@@ -24,20 +24,24 @@ def _collective_device() -> torch.device:
     return torch.device("cpu")
 
 
-def agree(rank0_interval_due: bool, steps_due: bool, notice_seen: bool) -> tuple[bool, bool, bool]:
-    """Make one decision for all ranks: rank 0's clock, and a notice seen by *any* rank.
+def agree(
+    rank0_interval_due: bool, steps_due: bool, notice_seen: bool, rank0_lease_lost: bool = False
+) -> tuple[bool, bool, bool, bool]:
+    """Make one decision for all ranks: rank 0's clock and lease, and a notice seen by *any* rank.
 
-    One all-reduce (MAX) of three flags; without torch.distributed the local flags stand.
+    One all-reduce (MAX) of four flags; without torch.distributed the local flags stand.
     """
     if not distributed_ready():
-        return rank0_interval_due, steps_due, notice_seen
-    interval_flag = rank0_interval_due if dist.get_rank() == 0 else False
+        return rank0_interval_due, steps_due, notice_seen, rank0_lease_lost
+    on_rank0 = dist.get_rank() == 0
     flags = torch.tensor(
-        [interval_flag, steps_due, notice_seen], dtype=torch.int32, device=_collective_device()
+        [rank0_interval_due and on_rank0, steps_due, notice_seen, rank0_lease_lost and on_rank0],
+        dtype=torch.int32,
+        device=_collective_device(),
     )
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    interval, steps, notice = (bool(v) for v in flags.tolist())
-    return interval, steps, notice
+    interval, steps, notice, lease_lost = (bool(v) for v in flags.tolist())
+    return interval, steps, notice, lease_lost
 
 
 def gather_from_ranks(value: Any) -> list[Any]:
@@ -67,16 +71,19 @@ def agree_on_alerts(notice: Any, hint: str | None) -> tuple[Any, str | None]:
 
 
 def agree_at_step(
-    interval_due: bool, steps_due: bool, notice: Any, hint: str | None
-) -> tuple[bool, bool, Any, str | None]:
-    """Every rank's view of a step boundary -> one for all: rank 0's clock, any rank's steps, and the
-    notice (earliest deadline) or hint any rank saw. One all-reduce; a gather only when alerted."""
+    interval_due: bool, steps_due: bool, notice: Any, hint: str | None, lease_lost: bool = False
+) -> tuple[bool, bool, Any, str | None, bool]:
+    """Every rank's view of a step boundary -> one for all: rank 0's clock and lease, any rank's
+    steps, and the notice (earliest deadline) or hint any rank saw. One all-reduce; a gather only
+    when alerted."""
     # One flag for both: the rare step that has either pays for one gather to tell them apart.
-    interval, steps, alerted = agree(interval_due, steps_due, notice is not None or hint is not None)
+    interval, steps, alerted, lease_lost = agree(
+        interval_due, steps_due, notice is not None or hint is not None, lease_lost
+    )
     if not alerted:
-        return interval, steps, None, None
+        return interval, steps, None, None, lease_lost
     notice, hint = agree_on_alerts(notice, hint)
-    return interval, steps, notice, hint
+    return interval, steps, notice, hint, lease_lost
 
 
 def barrier() -> None:

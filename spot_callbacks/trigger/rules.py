@@ -141,7 +141,8 @@ def on_exception(
     last_saved_step: int | None,
 ) -> ExceptionAction:
     """The save on exception: only between batches (a half-done step is no state to resume) and only
-    past the step resumed from. A termination signal the framework raised after the last step
+    when there is trained state newer than the newest committed (past the step resumed from, and
+    past step 0: a run that fails in set-up, or is refused by a live run's lock, commits nothing). A termination signal the framework raised after the last step
     boundary (``late_signal``) takes no checkpoint: the newest committed one is the resume point.
 
     Example:
@@ -150,6 +151,8 @@ def on_exception(
         >>> ask(between_batches=True, step=5, last_saved_step=3).save
         True
         >>> ask(between_batches=True, step=3, last_saved_step=3).save
+        False
+        >>> ask(between_batches=True, step=0, last_saved_step=None).save  # nothing trained yet
         False
         >>> ask(between_batches=False, step=5, last_saved_step=3).warning
         'ValueError inside a training step; no checkpoint of a half-done step is taken'
@@ -168,7 +171,7 @@ def on_exception(
         return ExceptionAction(
             False, f"{error_name} inside a training step; no checkpoint of a half-done step is taken"
         )
-    return ExceptionAction(last_saved_step is None or step > last_saved_step)
+    return ExceptionAction(step > (last_saved_step if last_saved_step is not None else 0))
 
 
 def after_emergency(on_preemption: str) -> AfterEmergency:
