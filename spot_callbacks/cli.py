@@ -45,6 +45,7 @@ from spot_callbacks.accounting.report import (
     resume_rows,
     write_plan_plot,
 )
+from spot_callbacks.cli_progress import is_terminal, reporting_pull
 from spot_callbacks.config import load_storage_options, parse_duration
 from spot_callbacks.errors import (
     CheckpointError,
@@ -398,17 +399,15 @@ def _cmd_verify(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
 
 def _cmd_pull(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
     store = _open_store(args.url, storage_options)
-    step = args.step
-    if step is None:
-        newest_valid = store.latest()
-        if newest_valid is None:
-            raise CheckpointNotFoundError(
-                f"no valid committed checkpoint in {store.url}; `{PROG} ls` shows what is there"
-            )
-        step = newest_valid.step
+    info = store.latest() if args.step is None else store.read_manifest(args.step)
+    if info is None:
+        raise CheckpointNotFoundError(
+            f"no valid committed checkpoint in {store.url}; `{PROG} ls` shows what is there"
+        )
+    step = info.step
     dest = Path(os.path.abspath(Path(args.dest).expanduser()))
     check_pull_dest(store, None, dest, force=args.force)  # stricter than the library: DEST is the user's
-    with _busy(f"pulling {store.step_url(step)} into {dest}"):
+    with reporting_pull(store, info):
         pulled = store.pull(step, dest, force=True)  # links, files and the working directory stay refused
     log.info("%s: pulled step %d from %s", PROG, step, store.url)
     print(pulled.resolve())
@@ -642,7 +641,7 @@ def _open_store(url: str, storage_options: dict[str, Any]) -> CheckpointStore:
 
 
 def _confirm(question: str) -> bool:
-    if not _is_terminal(sys.stdin):
+    if not is_terminal(sys.stdin):
         raise CliError("refusing to delete without confirmation: stdin is not a terminal; pass --yes")
     sys.stderr.write(f"{question} [y/N] ")
     sys.stderr.flush()
@@ -653,19 +652,12 @@ def _print_error(message: str, redact: Redactor) -> None:
     print(f"{PROG}: error: {redact(message)}", file=sys.stderr)
 
 
-def _is_terminal(stream: TextIO | None) -> bool:
-    try:
-        return stream is not None and stream.isatty()
-    except (AttributeError, ValueError):  # closed or replaced streams
-        return False
-
-
 def _rich_console(stream: TextIO, *, stderr: bool = False) -> Any:
     """A rich Console on ``stream`` when rich is installed and it is a terminal, else None.
 
     Piped output stays plain text, so scripts can read it.
     """
-    if not _is_terminal(stream):
+    if not is_terminal(stream):
         return None
     try:
         from rich.console import Console

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import inspect
 import json
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal, TypeVar, Union
 
 import yaml
 
@@ -213,10 +216,9 @@ class SpotConfig:
         accepted = cls.field_names()
         for key in values:
             if key not in accepted:
-                close = difflib.get_close_matches(str(key), accepted, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
                 raise ConfigError(
-                    f"unknown key {key!r} in {source}{hint}; accepted keys: {', '.join(accepted)}"
+                    f"unknown key {key!r} in {source}{closest_hint(key, accepted)}; "
+                    f"accepted keys: {', '.join(accepted)}"
                 )
         if "dirpath" not in values:
             raise ConfigError(f"{source} has no 'dirpath'; set it to an fsspec URL or a local folder")
@@ -254,6 +256,60 @@ class SpotConfig:
         # storage_options carry credentials; a repr ends up in logs and tracebacks.
         fields = ", ".join(f"{key}={value!r}" for key, value in self.redacted().items())
         return f"SpotConfig({fields})"
+
+
+def closest_hint(name: object, accepted: list[str]) -> str:
+    """`` (did you mean 'x'?)`` for the accepted name closest to a mistyped one, else ``""``.
+
+    Example:
+        >>> closest_hint("intervall", ["dirpath", "interval"])
+        " (did you mean 'interval'?)"
+    """
+    close = difflib.get_close_matches(str(name), accepted, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+_Init = TypeVar("_Init", bound=Callable[..., None])
+
+
+def checked_arguments(owner: str) -> Callable[[_Init], _Init]:
+    """Decorate an ``__init__`` so a wrong argument raises a TypeError that names ``owner`` (the
+    public class, not the class the hooks live in) and the closest accepted keyword.
+
+    The signature stays the decorated one (``inspect.signature``, jsonargparse and LightningCLI
+    read it through ``__wrapped__``).
+
+    Example:
+        >>> class Spot:
+        ...     @checked_arguments("SpotCheckpoint")
+        ...     def __init__(self, dirpath: str, interval: str = "30min") -> None:
+        ...         self.interval = interval
+        >>> Spot("runs/a", intervall="1h")
+        Traceback (most recent call last):
+        TypeError: SpotCheckpoint() got an unexpected keyword argument 'intervall' (did you mean 'interval'?); accepted: dirpath, interval
+    """
+
+    def decorate(init: _Init) -> _Init:
+        signature = inspect.signature(init)
+        accepted = [name for name in signature.parameters if name != "self"]
+
+        @functools.wraps(init)
+        def checked(self: Any, *args: Any, **kwargs: Any) -> None:
+            try:
+                signature.bind(self, *args, **kwargs)
+            except TypeError as err:
+                unknown = next((key for key in kwargs if key not in accepted), None)
+                problem = (
+                    f"got an unexpected keyword argument {unknown!r}{closest_hint(unknown, accepted)}"
+                    if unknown is not None
+                    else str(err)
+                )
+                raise TypeError(f"{owner}() {problem}; accepted: {', '.join(accepted)}") from None
+            init(self, *args, **kwargs)
+
+        return checked  # type: ignore[return-value]
+
+    return decorate
 
 
 def _check_dirpath(dirpath: Any) -> str:

@@ -8,14 +8,13 @@ joins it with the ``Checkpoint`` of a Lightning package (``lightning.pytorch`` h
 from __future__ import annotations
 
 import os
-import time
 import types
 from typing import Any, Literal, Union
 
 from spot_callbacks._compat import lightning as compat
-from spot_callbacks.config import SpotConfig
+from spot_callbacks.config import SpotConfig, checked_arguments
 from spot_callbacks.engine import STATE_FILE, SpotEngine
-from spot_callbacks.notices import PREEMPTED_EXIT_CODE, Notice, signal_grace_s
+from spot_callbacks.notices import PREEMPTED_EXIT_CODE
 from spot_callbacks.store import CheckpointStore
 from spot_callbacks.trigger.rules import AfterEmergency, StepAction
 
@@ -55,6 +54,7 @@ class _SpotCheckpointHooks:
     _sigterm_exception: type[BaseException]  # the package's SIGTERMException
     _fitting: Any  # the package's TrainerFn.FITTING
 
+    @checked_arguments("SpotCheckpoint")
     def __init__(
         self,
         dirpath: str,
@@ -104,10 +104,9 @@ class _SpotCheckpointHooks:
         self.engine.start()
 
     def _resolve_latest(self) -> str | None:
-        local_dir = self.engine.pull_latest()
-        if local_dir is None:
+        if self.engine.pull_latest() is None:
             return None
-        return compat.path_to_load(self._trainer, local_dir, STATE_FILE, self.engine.resumed.info.url)
+        return compat.path_to_load(self._trainer, self.engine.resumed, STATE_FILE)
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         self._position.fit_starts()
@@ -121,8 +120,7 @@ class _SpotCheckpointHooks:
         if self._resume_state is not None:
             self._position.restore(trainer, self._resume_state)
             self._resume_state = None
-            resumed = self.engine.resumed
-            compat.log_metrics(trainer, {"spot/resume_s": resumed.pull_s} if resumed else {})
+            compat.log_metrics(trainer, {"spot/resume_s": getattr(self.engine.resumed, "pull_s", None)})
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         self._position.epoch_starts()
@@ -146,49 +144,39 @@ class _SpotCheckpointHooks:
             self._step_boundary(trainer, report_failures=False)
 
     def _step_boundary(self, trainer: Any, report_failures: bool) -> None:
-        notice = None
-        if getattr(trainer, "received_sigterm", False) and self.engine.watcher.notice is None:
-            notice = Notice("SIGTERM", time.time() + signal_grace_s(), "Lightning signal connector")
+        notice = compat.signal_connector_notice(trainer, self.engine.watcher.notice)
         ask = self.engine.step_boundary if report_failures else self.engine.decide
         action = ask(trainer.global_step, notice)
+        compat.log_persist_records(trainer, self.engine.new_records())  # commits since the last boundary
         if action.emergency:
             self._emergency(trainer, action)
         elif action.save:
             self._save(trainer, action.reason)
 
     def _save(self, trainer: Any, reason: str) -> None:
-        step, epoch, sharded = trainer.global_step, trainer.current_epoch, compat.saves_sharded(trainer)
+        step, epoch = trainer.global_step, trainer.current_epoch
         self._saving = True  # the dump calls state_dict(): see there
         try:
-            state, meta = (
-                compat.dump_sharded_checkpoint(trainer)
-                if sharded
-                else (compat.dump_checkpoint(trainer), None)
-            )
+            state, sharded_meta = compat.dump_for_save(trainer)
         finally:
             self._saving = False
-        if sharded:  # FSDP: every rank persists its own shards
-            self.engine.save_sharded_state(step, epoch, state, reason, meta=meta)
+        if sharded_meta is not None:  # FSDP: every rank persists its own shards
+            self.engine.save_sharded_state(step, epoch, state, reason, meta=sharded_meta)
         else:
             self.engine.save_state(step, epoch, state, reason)
-        metrics = {
-            "spot/stall_s": self.engine.last_stall_s,
-            "spot/persist_lag_s": self.engine.persist_lag_s(),
-        }
-        compat.log_metrics(trainer, metrics)
+        lag_s = self.engine.persist_lag_s()
+        compat.log_metrics(trainer, {"spot/stall_s": self.engine.last_stall_s, "spot/persist_lag_s": lag_s})
 
     def _emergency(self, trainer: Any, action: StepAction) -> None:
         if action.save:
             self._save(trainer, action.reason)
         after = self.engine.finish_emergency(action.notice)
-        self._log_persist_records(trainer)
-        if after is AfterEmergency.STOP:
-            self.preempted = True
-            # Every rank stops the same way: Lightning raises SIGTERMException after this batch.
-            compat.set_received_sigterm(trainer, True)
-            trainer.should_stop = True
-        else:
-            compat.set_received_sigterm(trainer, False)
+        compat.log_persist_records(trainer, self.engine.new_records())
+        stop = after is AfterEmergency.STOP
+        # Every rank stops the same way: Lightning raises SIGTERMException after this batch.
+        compat.set_received_sigterm(trainer, stop)
+        if stop:
+            self.preempted = trainer.should_stop = True
 
     # ----------------------------------------------------------- ending
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
@@ -196,7 +184,7 @@ class _SpotCheckpointHooks:
         if reason is not None:
             self._save(trainer, reason)
         self.engine.finish()
-        self._log_persist_records(trainer)
+        compat.log_persist_records(trainer, self.engine.new_records())
         self.engine.log_cost_summary()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
@@ -225,7 +213,7 @@ class _SpotCheckpointHooks:
             "format": STATE_FORMAT,
             # Inside our own save the clock restarts with this checkpoint; in anyone else's it runs on.
             "engine": self.engine.state_dict(at_checkpoint=self._saving),
-            **self._position.state_dict(),
+            **self._position.state_dict(self._trainer),
             "seed_environment": compat.seed_environment(),
         }
 
@@ -233,12 +221,6 @@ class _SpotCheckpointHooks:
         self.engine.load_state_dict(state_dict.get("engine", {}))
         compat.restore_seed_environment(state_dict.get("seed_environment", {}))
         self._resume_state = state_dict
-
-    def _log_persist_records(self, trainer: Any) -> None:
-        for record in self.engine.new_records():
-            compat.log_metrics(
-                trainer, {"spot/persist_s": record.persist_s, "spot/persist_MBps": record.mb_per_s}
-            )
 
 
 def spot_checkpoint_class(pl: types.ModuleType, module: str = __name__) -> type:

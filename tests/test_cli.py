@@ -316,7 +316,7 @@ def test_ls_rich_table_on_a_terminal(tmp_path, capsys, monkeypatch):
     for step in (10, 20):
         commit(store, tmp_path, step)
     store.fs.pipe_file(remote_file(store, 20, "state.pt"), b"[bold]x")  # markup-like text stays text
-    monkeypatch.setattr(cli, "_is_terminal", lambda stream: True)
+    monkeypatch.setattr(cli, "is_terminal", lambda stream: True)
     monkeypatch.setenv("COLUMNS", "200")
     assert main(["ls", store.url]) == 0
     out = capsys.readouterr().out
@@ -439,7 +439,7 @@ def test_report_without_prices_without_a_ledger_and_without_checkpoints(capsys, 
 def test_report_rich_tables_on_a_terminal(tmp_path, capsys, monkeypatch):
     store = CheckpointStore(f"memory://cli-report-rich-{tmp_path.name}/run")
     a_run_with_two_resumes_and_a_pending_preemption(store, tmp_path)
-    monkeypatch.setattr(cli, "_is_terminal", lambda stream: True)
+    monkeypatch.setattr(cli, "is_terminal", lambda stream: True)
     monkeypatch.setenv("COLUMNS", "200")
     assert main(["report", store.url, "--spot-price", "1.5"]) == 0
     out = capsys.readouterr().out

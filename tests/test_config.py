@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import uuid
 import pytest
 
 from spot_callbacks import CheckpointStore, ConfigError, SpotConfig, parse_duration
+from spot_callbacks.config import checked_arguments
 
 
 @pytest.mark.parametrize(
@@ -307,3 +309,19 @@ def test_lightning_cli_credentials_from_the_environment_reach_the_store_and_no_f
     leaks = [name for name, text in texts.items() if KEY_MARKER in text or SECRET_MARKER in text]
     print(f"\ncredentials: grepped {len(texts)} outputs and files, {len(leaks)} leaks")
     assert not leaks, leaks
+
+
+def test_checked_arguments_names_the_public_class_for_every_wrong_call():
+    class Hooks:
+        @checked_arguments("SpotThing")
+        def __init__(self, dirpath: str, keep_last: int = 3) -> None:
+            self.keep_last = keep_last
+
+    assert Hooks("x", keep_last=2).keep_last == 2
+    expected = r"^SpotThing\(\) got an unexpected keyword argument 'keeplast' \(did you mean 'keep_last'\?\)"
+    with pytest.raises(TypeError, match=expected + "; accepted: dirpath, keep_last$"):
+        Hooks("x", keeplast=2)
+    with pytest.raises(TypeError, match=r"^SpotThing\(\) too many positional arguments; accepted"):
+        Hooks("x", 2, 3)
+    parameters = list(inspect.signature(Hooks.__init__).parameters)  # what jsonargparse reads
+    assert parameters == ["self", "dirpath", "keep_last"]

@@ -72,3 +72,33 @@ def test_lightning_spot_stops_on_sigterm_and_the_same_command_resumes(tmp_path: 
     )
     assert "done: newest committed checkpoint is step 300" in second.stdout
     assert "PID" in second.stdout  # every run says how to stop it
+
+
+@pytest.mark.slow
+def test_lightning_cli_example_resumes_when_the_same_command_runs_again(tmp_path: Path) -> None:
+    # As documented in examples/lightning_cli.yaml, from a working directory of the user's.
+    command = [
+        sys.executable,
+        str(EXAMPLES / "lightning_cli.py"),
+        "fit",
+        "--config",
+        str(EXAMPLES / "lightning_cli.yaml"),
+    ]
+    store = CheckpointStore(str(tmp_path / "spot_runs" / "lightning-cli"))
+    runs = []
+    for machine in ("a", "b"):
+        runs.append(
+            subprocess.run(
+                command,
+                cwd=tmp_path,
+                capture_output=True,
+                text=True,
+                env=example_env(tmp_path, machine),
+                timeout=RUN_TIMEOUT_S,
+            )
+        )
+        assert runs[-1].returncode == 0, runs[-1].stdout[-2000:] + runs[-1].stderr[-4000:]
+    [end] = store.committed()
+    assert end.reason == "end" and (tmp_path / "config.yaml").is_file()
+    assert "resuming from" not in runs[0].stderr
+    assert f"resuming from {end.url} (step {end.step}, end)" in runs[1].stderr, runs[1].stderr[-4000:]

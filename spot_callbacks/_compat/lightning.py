@@ -15,6 +15,7 @@
 - ``fit_loop._data_fetcher`` / ``CombinedLoader._iterator``: to put a plain (non-stateful)
   train loader back at its mid-epoch position.
 - ``fit_loop.epoch_loop.batch_progress``: whether an exception came between batches.
+- ``fit_loop.epoch_loop._batches_that_stepped``: the step Lightning's logger rows carry.
 """
 
 from __future__ import annotations
@@ -24,14 +25,19 @@ import logging
 import os
 import pickle
 import re
+import time
 import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from spot_callbacks.accounting.throughput import log_slow_pull
+from spot_callbacks.data_position import DataPosition, warn_if_changed
 from spot_callbacks.errors import CheckpointError, IncompatibleCheckpointError
+from spot_callbacks.notices import Notice, signal_grace_s
+from spot_callbacks.persist.tracking import PersistRecord
+from spot_callbacks.resume import ResumeInfo
 from spot_callbacks.staging import capture_rng_state, restore_rng_state, unsafe_checkpoint_error
 from spot_callbacks.store.layout import DCP_METADATA_FILE
 from spot_callbacks.trigger.collectives import gather_from_ranks, rank, world_size
@@ -61,8 +67,13 @@ def package_internals(pl: types.ModuleType) -> PackageInternals:
     )
 
 
-def path_to_load(trainer: Any, local_dir: Path, state_file: str, url: str) -> str:
-    """What ``resume_start`` loads from a pulled checkpoint: the state file, or the folder of a sharded one."""
+def path_to_load(trainer: Any, resumed: ResumeInfo, state_file: str) -> str:
+    """What ``resume_start`` loads from a pulled checkpoint: the state file, or the folder of a sharded one.
+
+    A slow pull is explained first (its size and rate), before Lightning loads it.
+    """
+    log_slow_pull(resumed.info, resumed.pull_s)
+    local_dir, url = resumed.local_dir, resumed.info.url
     # We put plain loaders back at their mid-epoch position ourselves (restore_position).
     warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
     if not (local_dir / DCP_METADATA_FILE).is_file():
@@ -141,6 +152,13 @@ def install_latest_resolution(trainer: Any, resolve: Callable[[], str | None]) -
     connector._spot_resolves_latest = True
 
 
+def signal_connector_notice(trainer: Any, known: Notice | None) -> Notice | None:
+    """A SIGTERM that Lightning's own handler caught (``received_sigterm``) and no watcher saw."""
+    if getattr(trainer, "received_sigterm", False) and known is None:
+        return Notice("SIGTERM", time.time() + signal_grace_s(), "Lightning signal connector")
+    return None
+
+
 def set_received_sigterm(trainer: Any, value: bool) -> None:
     """``Trainer.received_sigterm`` is read-only; the loop raises SIGTERMException when it is set."""
     trainer._signal_connector.received_sigterm = value
@@ -159,6 +177,13 @@ def saves_sharded(trainer: Any) -> bool:
     return (
         type(strategy).__name__ == "FSDPStrategy" and getattr(strategy, "_state_dict_type", None) == "sharded"
     )
+
+
+def dump_for_save(trainer: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The checkpoint to persist and, for a sharded strategy, its ``meta.pt`` part (else None)."""
+    if saves_sharded(trainer):
+        return dump_sharded_checkpoint(trainer)
+    return dump_checkpoint(trainer), None
 
 
 def dump_sharded_checkpoint(trainer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -391,25 +416,71 @@ class LoopPosition:
     def batch_ends(self, batch_idx: int) -> None:
         self.batches_done_in_epoch = batch_idx + 1
 
-    def state_dict(self) -> dict[str, Any]:
-        """Every rank's RNG now and at the epoch's start (collective), and the batches done."""
+    def state_dict(self, trainer: Any = None) -> dict[str, Any]:
+        """Every rank's RNG now and at the epoch's start (collective), the batches done, and (with
+        the ``trainer``) the settings they are counted in."""
         return {
             "rng": gather_from_ranks(capture_rng_state()),
             "epoch_start_rng": gather_from_ranks(self.epoch_start_rng),
             "batches_done_in_epoch": self.batches_done_in_epoch,
+            **({"data_position": data_position(trainer).to_dict()} if trainer is not None else {}),
         }
 
     def restore(self, trainer: Any, state: dict[str, Any]) -> None:
+        """Put the loop back where ``state`` was taken; warn once if it was counted in other settings."""
         position = restore_position(trainer, state)
         if position is not None:  # a plain loader, put back where the checkpoint was taken
             self.epoch_start_rng, batches_done = position
             if batches_done is not None:
                 self.batches_done_in_epoch = batches_done
+        if trainer.is_global_zero:
+            where = f"step {trainer.global_step}, {self.batches_done_in_epoch} batches into epoch {trainer.current_epoch}"
+            warn_if_changed(state.get("data_position"), data_position(trainer), where)
+
+
+def data_position(trainer: Any) -> DataPosition:
+    """The settings the train loop's position is counted in, read from the trainer and its train loaders."""
+    combined = getattr(trainer.fit_loop, "_combined_loader", None)
+    loaders = list(combined.flattened) if combined is not None else []
+    return DataPosition(
+        batch_size=tuple(_batch_size(loader) for loader in loaders),
+        world_size=int(trainer.world_size),
+        accumulate_grad_batches=int(trainer.accumulate_grad_batches),
+        dataset_length=tuple(_length(getattr(loader, "dataset", None)) for loader in loaders),
+    )
+
+
+def _batch_size(loader: Any) -> int | None:
+    size = getattr(loader, "batch_size", None)
+    if size is None:  # a DataLoader built on a batch_sampler
+        size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+    return size if isinstance(size, int) else None
+
+
+def _length(dataset: Any) -> int | None:
+    try:
+        return len(dataset)  # an IterableDataset may have none
+    except TypeError:
+        return None
+
+
+def log_persist_records(trainer: Any, records: Iterable[PersistRecord]) -> None:
+    """One row per commit: what persisting it took (``spot/persist_s``) and its upload rate."""
+    for record in records:
+        log_metrics(trainer, {"spot/persist_s": record.persist_s, "spot/persist_MBps": record.mb_per_s})
+
+
+def logger_step(trainer: Any) -> int:
+    """The step Lightning's own rows carry now: ``_batches_that_stepped``, which at a batch's end is
+    one less than ``global_step`` (the optimizer step already counted there)."""
+    return int(getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step))
 
 
 def log_metrics(trainer: Any, metrics: dict[str, float | None]) -> None:
-    """Send the ``spot/...`` values that are known to the trainer's loggers, from rank 0."""
+    """Send the ``spot/...`` values that are known to the trainer's loggers, from rank 0, at the
+    step numbering of Lightning's own rows."""
     values = {key: float(value) for key, value in metrics.items() if value is not None}
     if values and trainer.is_global_zero:
+        step = logger_step(trainer)
         for logger in trainer.loggers:
-            logger.log_metrics(values, step=trainer.global_step)
+            logger.log_metrics(values, step=step)

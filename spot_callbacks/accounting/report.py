@@ -138,49 +138,20 @@ def history_rows(
     without them, persist times come from the manifests at hand.
     """
     ledger = history.ledger
-    rows: list[tuple[str, str]] = []
-    kept = len(history.checkpoints)
-    taken = ledger.checkpoint_count
-    newest = history.newest
-    what = f"{taken} taken" + (f" ({_by_reason(ledger.checkpoints)})" if ledger.checkpoints else "")
-    if kept and kept != taken:
-        what += f"; {kept} {history.at_hand}"
-    if newest is not None:
-        what += f"; newest step {newest.step} ({human_size(newest.size_bytes)})"
-    rows.append(("checkpoints", what))
+    rows: list[tuple[str, str]] = [("checkpoints", _checkpoints_row(history))]
     runs = ledger.resumes + 1
     rows.append(("training time", f"{format_seconds(ledger.train_s)} in {runs} run{'s' if runs > 1 else ''}"))
-    stall = f"{format_seconds(ledger.stall_s)} total ({_percent(ledger.stall_s, ledger.train_s)} of training)"
-    stalls = [finite_number(info.metrics.get("stall_s")) for info in history.checkpoints]
-    if _median(stalls) is not None:
-        stall += f", median {format_seconds(_median(stalls))} per checkpoint"
-    if ledger.slowdown_s >= 0.005:
-        stall += f"; + {format_seconds(ledger.slowdown_s)} background slowdown (estimated)"
-    rows.append(("training stall", stall))
+    rows.append(("training stall", _stall_row(history)))
     persist = _persist_row(history, records)
     if persist:
         rows.append(("persist (background)", persist))
-    interruptions = f"{history.interruptions}"
-    if history.interruptions:
-        parts = [f"{ledger.interruptions} resumed"] if ledger.interruptions else []
-        if history.awaiting_resume:
-            parts.append(f"1 awaiting resume from step {newest.step} ({newest.reason})")
-        interruptions += f" ({', '.join(parts)})"
-    continued = ledger.resumes - ledger.interruptions
-    if continued:
-        interruptions += f"; {continued} finished run{'s' if continued > 1 else ''} continued"
-    rows.append(("interruptions", interruptions))
+    rows.append(("interruptions", _interruptions_row(history)))
     lost = f"{format_seconds(ledger.lost_work_measured_s)} measured"
     if ledger.lost_work_estimated_s > 0 or any(not r.lost_work_measured for r in ledger.recent_resumes):
         lost += f" + up to {format_seconds(ledger.lost_work_estimated_s)} estimated (resumes after a crash)"
     rows.append(("lost work", lost))
     if ledger.resumes:
-        n = ledger.resumes
-        resume = f"{n}: pull {format_seconds(ledger.pull_s / n)}, load {format_seconds(ledger.load_s / n)} on average"
-        downtime = f"downtime {format_seconds(ledger.downtime_s)} total"
-        if ledger.downtime_unknown:
-            downtime += f" ({ledger.downtime_unknown} unknown)"
-        rows.append(("resumes", f"{resume}; {downtime}"))
+        rows.append(("resumes", _resumes_row(history)))
     goodput = ledger.goodput
     rows.append(
         (
@@ -191,30 +162,86 @@ def history_rows(
         )
     )
     if spot_price is not None:
-        billed_h = ledger.billed_s / SECONDS_PER_HOUR
-        spot_cost = billed_h * spot_price
-        rows.append(
-            (
-                "spot cost",
-                f"{format_money(spot_cost)} ({billed_h:.2f} h billed x {format_money(spot_price)}/h)",
-            )
-        )
-        if on_demand_price is not None:
-            on_demand_cost = ledger.train_s / SECONDS_PER_HOUR * on_demand_price
-            saved = on_demand_cost - spot_cost
-            verdict = (
-                f"spot saved {format_money(saved)} ({_percent(saved, on_demand_cost)})"
-                if saved >= 0
-                else f"spot cost {format_money(-saved)} more"
-            )
-            rows.append(
-                (
-                    "on-demand cost",
-                    f"{format_money(on_demand_cost)} for the training time, uninterrupted: {verdict}",
-                )
-            )
+        rows.extend(_price_rows(history, spot_price, on_demand_price))
     if not history.from_ledger:
         rows.append(("note", "these manifests carry no ledger: totals cover the checkpoints at hand only"))
+    return rows
+
+
+def _checkpoints_row(history: RunHistory) -> str:
+    ledger = history.ledger
+    kept = len(history.checkpoints)
+    taken = ledger.checkpoint_count
+    newest = history.newest
+    what = f"{taken} taken" + (f" ({_by_reason(ledger.checkpoints)})" if ledger.checkpoints else "")
+    if kept and kept != taken:
+        what += f"; {kept} {history.at_hand}"
+    if newest is not None:
+        what += f"; newest step {newest.step} ({human_size(newest.size_bytes)})"
+    return what
+
+
+def _stall_row(history: RunHistory) -> str:
+    ledger = history.ledger
+    stall = f"{format_seconds(ledger.stall_s)} total ({_percent(ledger.stall_s, ledger.train_s)} of training)"
+    stalls = [finite_number(info.metrics.get("stall_s")) for info in history.checkpoints]
+    if _median(stalls) is not None:
+        stall += f", median {format_seconds(_median(stalls))} per checkpoint"
+    if ledger.slowdown_s >= 0.005:
+        stall += f"; + {format_seconds(ledger.slowdown_s)} background slowdown (estimated)"
+    return stall
+
+
+def _interruptions_row(history: RunHistory) -> str:
+    ledger = history.ledger
+    interruptions = f"{history.interruptions}"
+    if history.interruptions:
+        parts = [f"{ledger.interruptions} resumed"] if ledger.interruptions else []
+        if history.awaiting_resume:
+            newest = history.newest
+            parts.append(f"1 awaiting resume from step {newest.step} ({newest.reason})")
+        interruptions += f" ({', '.join(parts)})"
+    continued = ledger.resumes - ledger.interruptions
+    if continued:
+        interruptions += f"; {continued} finished run{'s' if continued > 1 else ''} continued"
+    return interruptions
+
+
+def _resumes_row(history: RunHistory) -> str:
+    ledger = history.ledger
+    n = ledger.resumes
+    resume = (
+        f"{n}: pull {format_seconds(ledger.pull_s / n)}, load {format_seconds(ledger.load_s / n)} on average"
+    )
+    downtime = f"downtime {format_seconds(ledger.downtime_s)} total"
+    if ledger.downtime_unknown:
+        downtime += f" ({ledger.downtime_unknown} unknown)"
+    return f"{resume}; {downtime}"
+
+
+def _price_rows(
+    history: RunHistory, spot_price: float, on_demand_price: float | None
+) -> list[tuple[str, str]]:
+    ledger = history.ledger
+    billed_h = ledger.billed_s / SECONDS_PER_HOUR
+    spot_cost = billed_h * spot_price
+    rows = [
+        ("spot cost", f"{format_money(spot_cost)} ({billed_h:.2f} h billed x {format_money(spot_price)}/h)")
+    ]
+    if on_demand_price is not None:
+        on_demand_cost = ledger.train_s / SECONDS_PER_HOUR * on_demand_price
+        saved = on_demand_cost - spot_cost
+        verdict = (
+            f"spot saved {format_money(saved)} ({_percent(saved, on_demand_cost)})"
+            if saved >= 0
+            else f"spot cost {format_money(-saved)} more"
+        )
+        rows.append(
+            (
+                "on-demand cost",
+                f"{format_money(on_demand_cost)} for the training time, uninterrupted: {verdict}",
+            )
+        )
     return rows
 
 

@@ -1,0 +1,205 @@
+"""What ``spot-callbacks pull`` shows while it downloads: bytes, total, rate and time left, per file and overall.
+
+On a terminal (stderr) a rich bar per file in flight and one for the whole checkpoint; piped (or
+without rich), one plain line per file as it completes and a closing total, so a log keeps a
+record and a script can read it. stdout carries only the pulled folder's path either way.
+
+The store's pull takes no progress callback, so :func:`reporting_pull` sees each file through
+the store's filesystem: a file starts and completes with its ``get_file`` call, and the bytes of
+the files in flight are the sizes of their local copies so far (any backend writes progressively).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import posixpath
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TextIO
+
+from spot_callbacks.accounting.report import human_size
+from spot_callbacks.accounting.throughput import eta_s, human_duration, human_rate
+from spot_callbacks.store import CheckpointInfo, CheckpointStore
+
+REFRESH_S = 0.2  # how often a terminal's bars are redrawn from the local file sizes
+
+
+def is_terminal(stream: TextIO | None) -> bool:
+    """The stream is an interactive terminal (closed or replaced streams are not)."""
+    try:
+        return stream is not None and stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+class PlainPullProgress:
+    """One line per completed file on ``stream``, then the total.
+
+    Example:
+        >>> import io
+        >>> from spot_callbacks.store.checksums import FileDigest
+        >>> sink, now = io.StringIO(), iter([0.0, 0.0, 2.0, 2.0]).__next__
+        >>> progress = PlainPullProgress({"state.pt": 4_000_000}, sink, clock=now)
+        >>> progress.file_started("state.pt", "/tmp/state.pt"); progress.file_done("state.pt"); progress.close()
+        >>> print(sink.getvalue(), end="")
+        state.pt: 4.0 MB in 2s (2.0 MB/s); 1/1 files, 4.0 MB of 4.0 MB, ETA 0s
+        pulled 1 files, 4.0 MB in 2s (2.0 MB/s)
+    """
+
+    def __init__(self, sizes: dict[str, int], stream: TextIO, clock: Callable[[], float] = time.monotonic):
+        self.sizes = sizes
+        self.total = sum(sizes.values())
+        self.stream = stream
+        self.clock = clock
+        self.started_at = clock()
+        self.done_bytes = 0
+        self.done_files = 0
+        self.in_flight: dict[str, tuple[str, float]] = {}  # name -> (local path, start time)
+        self._lock = threading.RLock()  # files arrive on the store's download threads
+
+    def file_started(self, name: str, local_path: str) -> None:
+        with self._lock:
+            self.in_flight[name] = (local_path, self.clock())
+
+    def file_done(self, name: str) -> None:
+        with self._lock:
+            _, started = self.in_flight.pop(name, ("", self.started_at))
+            size = self.sizes.get(name, 0)
+            now = self.clock()
+            self.done_bytes += size
+            self.done_files += 1
+            self._file_line(name, size, now - started, now - self.started_at)
+
+    def bytes_so_far(self) -> int:
+        """The completed files and what the files in flight have written so far."""
+        return self.done_bytes + sum(_local_size(path) for path, _ in self.in_flight.values())
+
+    def _file_line(self, name: str, size: int, file_s: float, elapsed_s: float) -> None:
+        # Files download in parallel: the time left counts the bytes of those still in flight too.
+        left = eta_s(self.bytes_so_far(), self.total, elapsed_s)
+        print(
+            f"{name}: {human_size(size)} in {human_duration(file_s)} ({human_rate(size, file_s)}); "
+            f"{self.done_files}/{len(self.sizes)} files, {human_size(self.done_bytes)} of "
+            f"{human_size(self.total)}, ETA {human_duration(left)}",
+            file=self.stream,
+            flush=True,
+        )
+
+    def close(self) -> None:
+        if self.done_files:
+            elapsed = self.clock() - self.started_at
+            print(
+                f"pulled {self.done_files} files, {human_size(self.done_bytes)} in {human_duration(elapsed)} "
+                f"({human_rate(self.done_bytes, elapsed)})",
+                file=self.stream,
+                flush=True,
+            )
+
+
+class RichPullProgress(PlainPullProgress):
+    """Bars on a terminal: the checkpoint overall and each file in flight (bytes, rate, time left)."""
+
+    def __init__(self, sizes: dict[str, int], stream: TextIO, console: Any) -> None:
+        super().__init__(sizes, stream)
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
+        self.bars = Progress(*columns, TimeRemainingColumn(), console=console, transient=False)
+        self.overall = self.bars.add_task("checkpoint", total=self.total)
+        self.tasks: dict[str, Any] = {}
+        self._stopped = threading.Event()
+        self.bars.start()
+        self._refresher = threading.Thread(target=self._refresh, name="spot-pull-progress", daemon=True)
+        self._refresher.start()
+
+    def file_started(self, name: str, local_path: str) -> None:
+        with self._lock:
+            super().file_started(name, local_path)
+            if name not in self.tasks:
+                self.tasks[name] = self.bars.add_task(name, total=self.sizes.get(name))
+
+    def _file_line(self, name: str, size: int, file_s: float, elapsed_s: float) -> None:
+        with self._lock:
+            task = self.tasks.pop(name, None)
+            if task is not None:
+                self.bars.remove_task(task)
+            self.bars.update(self.overall, completed=self.done_bytes)
+
+    def _refresh(self) -> None:
+        while not self._stopped.wait(REFRESH_S):
+            with self._lock:
+                for name, (local_path, _) in self.in_flight.items():
+                    if name in self.tasks:
+                        self.bars.update(self.tasks[name], completed=_local_size(local_path))
+                self.bars.update(self.overall, completed=self.bytes_so_far())
+
+    def close(self) -> None:
+        self._stopped.set()
+        self._refresher.join()
+        self.bars.update(self.overall, completed=self.done_bytes)
+        self.bars.stop()
+        super().close()
+
+
+def _local_size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:  # not created yet, or renamed into place already
+        return 0
+
+
+def pull_progress(info: CheckpointInfo, stream: TextIO | None = None) -> PlainPullProgress:
+    """Bars when ``stream`` (default stderr) is a terminal and rich is installed, plain lines otherwise."""
+    stream = sys.stderr if stream is None else stream
+    sizes = {name: digest.size for name, digest in info.files.items()}
+    if is_terminal(stream):
+        try:
+            from rich.console import Console
+        except ImportError:
+            return PlainPullProgress(sizes, stream)
+        return RichPullProgress(sizes, stream, Console(file=stream, stderr=True, highlight=False))
+    return PlainPullProgress(sizes, stream)
+
+
+class _ReportingFilesystem:
+    """The store's filesystem, telling ``progress`` when each payload file of ``folder`` starts and ends."""
+
+    def __init__(self, fs: Any, folder: str, progress: PlainPullProgress) -> None:
+        self._fs = fs
+        self._folder = folder.rstrip("/")
+        self._progress = progress
+
+    def get_file(self, rpath: str, lpath: str, *args: Any, **kwargs: Any) -> Any:
+        name = posixpath.relpath(str(rpath), self._folder)
+        self._progress.file_started(name, os.fspath(lpath))
+        result = self._fs.get_file(rpath, lpath, *args, **kwargs)
+        self._progress.file_done(name)
+        return result
+
+    def __getattr__(self, attribute: str) -> Any:
+        return getattr(self._fs, attribute)
+
+
+@contextlib.contextmanager
+def reporting_pull(
+    store: CheckpointStore, info: CheckpointInfo, stream: TextIO | None = None
+) -> Iterator[None]:
+    """Show the progress of a ``store.pull`` of ``info`` run inside the block."""
+    progress = pull_progress(info, stream)
+    original = store.fs
+    store.fs = _ReportingFilesystem(original, store.step_path(info.step), progress)
+    try:
+        yield
+    finally:
+        store.fs = original
+        progress.close()
