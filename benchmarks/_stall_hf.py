@@ -1,12 +1,16 @@
 """The Hugging Face adapter of ``benchmarks/stall.py``: the model, the two probe callbacks, three variants.
 
-``hf-spot`` (SpotCheckpointCallback), ``hf-local`` (the Trainer's own save, local only) and
-``hf-sync`` (the Trainer's save + an ``on_save`` that ``fs.put``'s the folder to S3). Imported only
-when those variants are asked for, so the Lightning variants run without transformers.
+``hf-spot`` (SpotCheckpointCallback: a RAM snapshot, ``checkpoint-N`` written and uploaded in the
+background; with ``SPOT_HF_SAVE=trainer`` in the environment, the Trainer's save then a background
+upload), ``hf-local`` (the Trainer's own save, local only) and ``hf-sync`` (the Trainer's save + an
+``on_save`` that ``fs.put``'s the folder to S3). Imported only when those variants are asked for, so
+the Lightning variants run without transformers.
 
 Blocked time ("hook") = from ``Head.on_step_end`` of a checkpoint step to the end of
 ``Tail.on_save``: every callback's ``on_step_end`` (the save request), the Trainer's own
-``_save_checkpoint`` and every ``on_save`` (an upload, for ``hf-sync``). Split into "Trainer
+``_save_checkpoint`` and every ``on_save`` (an upload, for ``hf-sync``). A staged checkpoint has no
+``on_save``: its blocked time ends with ``Tail.on_step_end`` (the snapshot is taken in the spot
+callback's ``on_step_end``; the benchmark logs nothing, so it is submitted there too). Split into "Trainer
 save" (``Tail.on_step_end`` end → ``Head.on_save``) and "on_save callbacks". "to next step" =
 from ``Head.on_step_end`` to the next ``on_step_begin`` (or ``on_train_end``).
 """
@@ -18,6 +22,7 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,6 +44,7 @@ from _stall import (
 )
 
 from spot_callbacks.hf import SpotCheckpointCallback
+from spot_callbacks.hf_checkpoint import SAVE_PATH_ENV
 
 REFERENCE = "hf-local"
 
@@ -65,6 +71,7 @@ class Marks:
         self.meter = HookMeter(recorder)
         self.step_end_done_at: float | None = None  # every on_step_end has run
         self.on_save_at: float | None = None  # the first on_save starts
+        self.staged_steps: Callable[[], list[int]] = list  # the steps checkpointed without on_save
 
 
 class Head(transformers.TrainerCallback):
@@ -100,6 +107,8 @@ class Tail(transformers.TrainerCallback):
 
     def on_step_end(self, targs: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.marks.step_end_done_at = time.perf_counter()
+        if state.global_step in self.marks.staged_steps():
+            self.marks.meter.stop(state.global_step)
 
     def on_save(self, targs: Any, state: Any, control: Any, **kwargs: Any) -> None:
         marks = self.marks
@@ -119,6 +128,8 @@ def run(ctx: Context, variant: Variant) -> FitResult:
     setup = variant.make_setup(ctx, recorder)
     clock = StepClock(args, recorder, setup.settle)
     marks = Marks(clock, recorder)
+    if isinstance(setup.timed, SpotCheckpointCallback):
+        marks.staged_steps = lambda: setup.timed._staged.submitted_steps
     output_dir = ctx.scratch / f"hf-{uuid.uuid4().hex[:6]}"
     targs = transformers.TrainingArguments(
         output_dir=str(output_dir),
@@ -152,9 +163,25 @@ def run(ctx: Context, variant: Variant) -> FitResult:
 def hf_spot_setup(ctx: Context, recorder: Recorder) -> Setup:
     ckpt = SpotCheckpointCallback(**spot_options(ctx))
     record_stall(ckpt.engine, "save_folder", recorder)
+    record_stall_of_staged(ckpt, recorder)
     setup = spot_setup(ctx, ckpt, landed_folders)
     setup.trainer_options["save_strategy"] = "no"  # the callback asks for the saves
     return setup
+
+
+def record_stall_of_staged(ckpt: SpotCheckpointCallback, recorder: Recorder) -> None:
+    """After each staged submission, record the engine's ``last_stall_s`` (as ``record_stall`` does)."""
+    staged = ckpt._staged
+    submit = staged.submit
+
+    @functools.wraps(submit)
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return submit(*args, **kwargs)
+        finally:
+            recorder.record("engine.last_stall_s", ckpt.engine.last_stall_s)
+
+    staged.submit = recorded
 
 
 def hf_local_setup(ctx: Context, recorder: Recorder) -> Setup:
@@ -189,7 +216,12 @@ VARIANTS: dict[str, Variant] = {
     for v in (
         Variant(
             "hf-spot",
-            "SpotCheckpointCallback(every_n_steps=N, dirpath=s3://…): Trainer save + background upload",
+            "SpotCheckpointCallback(every_n_steps=N, dirpath=s3://…): "
+            + (
+                "Trainer save + background upload (SPOT_HF_SAVE=trainer)"
+                if os.environ.get(SAVE_PATH_ENV) == "trainer"
+                else "RAM snapshot; checkpoint-N written and uploaded in the background"
+            ),
             hf_spot_setup,
         ),
         Variant(

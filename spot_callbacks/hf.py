@@ -14,10 +14,10 @@ import transformers
 from spot_callbacks._compat import transformers as compat
 from spot_callbacks.config import SpotConfig
 from spot_callbacks.engine import SpotEngine
-from spot_callbacks.hf_saves import RequestedSaves, SaveRequest
+from spot_callbacks.hf_checkpoint import STAGED, TRAINER, StagedSaves
+from spot_callbacks.hf_saves import RequestedSaves, SaveRequest, jit_checkpoint_to_persist
 from spot_callbacks.notices import PREEMPTED_EXIT_CODE, Notice
 from spot_callbacks.store import CheckpointStore
-from spot_callbacks.trigger.collectives import gather_from_ranks
 from spot_callbacks.trigger.rules import AfterEmergency
 
 log = logging.getLogger("spot_callbacks")
@@ -30,13 +30,12 @@ UNCOMMITTED_PREFIX = ".spot-uncommitted-"
 class SpotCheckpointCallback(transformers.TrainerCallback):
     """Time-interval checkpoints for spot instances, uploaded in the background and committed atomically.
 
-    The Trainer writes ``checkpoint-N`` into ``output_dir`` as usual (the callback only tells it
-    when); the callback uploads that folder to ``dirpath`` off the training loop and commits it
-    with a manifest written last. ``latest()`` brings the newest committed checkpoint back, on a
-    fresh machine included. SIGTERM (and the configured notices) trigger an emergency checkpoint at
-    the next step boundary; training then stops, ``preempted`` is True, and the launcher should
-    exit with :data:`PREEMPTED_EXIT_CODE` (143) after ``train()`` returns. The Trainer offers no way
-    to end the process earlier that still runs its own shutdown, so that choice is left to the script.
+    A checkpoint costs the loop a RAM snapshot; a background writer makes the Trainer's own
+    ``checkpoint-N`` from it (or the Trainer writes it: ``SPOT_HF_SAVE=trainer``, or where a snapshot
+    cannot be exact), uploads it to ``dirpath`` and commits it. ``latest()`` brings the newest
+    committed one back, on a fresh machine too. SIGTERM (and the configured notices) trigger an
+    emergency checkpoint at the next step boundary; training then stops, ``preempted`` is True,
+    and the launcher should exit with :data:`PREEMPTED_EXIT_CODE` (143) after ``train()`` returns.
 
     Args: the fields of :class:`spot_callbacks.SpotConfig` (see its docstring).
 
@@ -81,6 +80,7 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
         self._materialised: Path | None = None  # pulled by on_init_end, valid until training starts
         self._resolved_at_init = False
         self._saves = RequestedSaves()
+        self._staged = StagedSaves()
         self._save_started_at: float | None = None
         self._metrics: dict[str, float] = {}
 
@@ -93,7 +93,6 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
     def store(self) -> CheckpointStore:
         return self.engine.store
 
-    # ------------------------------------------------------------ resuming
     def latest(self) -> str | None:
         """The local folder of the newest committed checkpoint, or ``None`` when nothing is committed.
 
@@ -122,7 +121,6 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
         else:
             self.engine.barrier()
 
-    # ------------------------------------------------------------- training
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._args = args
         self._materialised, self._resolved_at_init = None, False
@@ -131,17 +129,14 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
         if compat.jit_checkpoint_enabled(args) and "SIGTERM" in self.engine.watcher.sources:
             compat.bypass_jit_sigterm_handler(self.store.url)
         self.engine.start()
+        self._staged.start(compat.running_trainer(), args, self.engine.writer.spans_nodes())
         resumed = self.engine.resumed
         if resumed is not None and state.global_step == resumed.info.step and state.global_step > 0:
             self.engine.load_state_dict(resumed.info.extra.get("engine", {}))
             self._metrics["spot/resume_s"] = resumed.pull_s
-        if args.save_only_model:
-            log.warning(
-                "spot_callbacks: save_only_model=True: checkpoints hold no optimizer, scheduler or RNG state, "
-                "so a resume from them is not exact"
-            )
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._submit_staged(control)
         self._saves.check_dropped(state.global_step, compat.save_strategy(args))
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -157,7 +152,11 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
             request = SaveRequest(step, dropped.reason, dropped.notice)
         elif step >= state.max_steps and (reason := self.engine.end_reason(step)) is not None:
             request = SaveRequest(step, reason)
-        if request is not None:
+        if request is not None and self._staged.applies(control.should_save, control.should_evaluate):
+            self._staged.stage(request, math.floor(state.epoch or 0), self.engine.staging)
+            if not control.should_log:  # else on_log submits it, once this step's logs are in TrainerState
+                self._submit_staged(control)
+        elif request is not None:
             self._saves.ask(request)
             control.should_save = True
         if control.should_save:
@@ -167,42 +166,49 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
     def on_log(
         self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **kwargs: Any
     ) -> None:
-        if self._save_started_at is not None:
-            self._save_started_at = time.perf_counter()
+        self._save_started_at = time.perf_counter() if self._save_started_at is not None else None
         self._collect_persist_records()
-        if logs is None or not self._metrics:
-            return
-        # Report_to integrations run before user callbacks and have already sent `logs`; the
-        # progress printer and state.log_history (trainer_state.json) still see these values.
-        logs.update(self._metrics)
-        if state.log_history and state.log_history[-1].get("step") == state.global_step:
-            state.log_history[-1].update(self._metrics)
-        self._metrics = {}
+        if logs is not None and self._metrics:
+            # Report_to integrations run before user callbacks and have already sent `logs`; the
+            # progress printer and state.log_history (trainer_state.json) still see these values.
+            logs.update(self._metrics)
+            if state.log_history and state.log_history[-1].get("step") == state.global_step:
+                state.log_history[-1].update(self._metrics)
+            self._metrics = {}
+        self._submit_staged(control)
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self._save_started_at is not None:
-            self._save_started_at = time.perf_counter()
+        self._save_started_at = time.perf_counter() if self._save_started_at is not None else None
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         step = state.global_step
         stall_s = time.perf_counter() - self._save_started_at if self._save_started_at is not None else 0.0
         self._save_started_at = None
-        request = self._saves.saved(step)
-        # The Trainer's own saves (save_strategy) are persisted too. With save_strategy="no" nothing
-        # rotates checkpoint-N folders: the persister keeps only the newest committed one.
+        request = self._saves.saved(step)  # None: one of the Trainer's own saves, persisted too
         reason = request.reason if request is not None else "steps"
-        if self._persist(state, reason, stall_s, owns_folder=compat.save_strategy(args) == "no"):
+        persisted = self._persist(state, reason, stall_s, owns_folder=self._staged.owns_folders)
+        self._after_checkpoint(control, request, stall_s if persisted else None)
+
+    def _submit_staged(self, control: Any) -> None:
+        if self._staged.pending is not None:
+            self._after_checkpoint(control, *self._staged.submit(self.engine.writer, self._extra(STAGED)))
+
+    def _extra(self, save_path: str) -> dict[str, Any]:
+        return {"engine": self.engine.state_dict(at_checkpoint=True), "hf_save": save_path}
+
+    def _after_checkpoint(self, control: Any, request: SaveRequest | None, stall_s: float | None) -> None:
+        if stall_s is not None:  # persisted
             self._metrics["spot/stall_s"] = stall_s
             self._metrics["spot/persist_lag_s"] = self.engine.persist_lag_s()
         if request is not None and request.reason == "preemption":
             self._after_emergency(control, request.notice)
 
     def _persist(self, state: Any, reason: str, stall_s: float = 0.0, owns_folder: bool = False) -> bool:
-        step = state.global_step
+        step, epoch = state.global_step, math.floor(state.epoch or 0)
+        folder = self._checkpoint_dir(step)
         return self.engine.save_folder(
-            step, math.floor(state.epoch or 0), self._checkpoint_dir(step), reason, stall_s=stall_s,
-            owns_folder=owns_folder, extra={"engine": self.engine.state_dict(at_checkpoint=True)},
-        )  # fmt: skip
+            step, epoch, folder, reason, stall_s, owns_folder, self._extra(TRAINER)
+        )
 
     def _after_emergency(self, control: Any, notice: Notice | None) -> None:
         if self.engine.finish_emergency(notice) is AfterEmergency.STOP:
@@ -210,6 +216,7 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
             control.should_training_stop = True
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._submit_staged(control)
         if self._saves.check_dropped(state.global_step, compat.save_strategy(args)):
             # The epoch-end save point comes next, at the same step: ask there.
             self._saves.ask(self._saves.take_dropped())
@@ -221,9 +228,14 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
             self._save_started_at = time.perf_counter()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._submit_staged(control)
         self._save_started_at = None
         self._saves.give_up()
-        self._persist_jit_checkpoint(args, state)
+        if (folder := jit_checkpoint_to_persist(self.engine, args, state)) is not None:
+            log.warning("spot_callbacks: persisting the Trainer's JIT checkpoint %s", folder)
+            self._persist(state, "preemption")
+            self.engine.wait_for_commit()
+            self.preempted = True
         self.engine.finish()
         self._collect_persist_records()
         self.engine.log_cost_summary()
@@ -232,23 +244,6 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
         for record in self.engine.new_records():
             self._metrics["spot/persist_s"] = record.persist_s
             self._metrics["spot/persist_MBps"] = record.mb_per_s
-
-    def _persist_jit_checkpoint(self, args: Any, state: Any) -> None:
-        # enable_jit_checkpoint without SIGTERM among our notice sources: the Trainer saved on SIGTERM
-        # without calling on_save. Upload that checkpoint so it survives the machine.
-        if not compat.jit_checkpoint_enabled(args) or "SIGTERM" in self.engine.watcher.sources:
-            return
-        step = state.global_step
-        if step >= state.max_steps or not self.engine.needs_checkpoint(step):
-            return
-        folder = self._checkpoint_dir(step)
-        # Every rank gets here together; with node-local output dirs each node sees its own copy,
-        # and the checkpoint is whole only if every node's is (else one node would wait forever).
-        if all(gather_from_ranks(compat.jit_checkpoint_complete(folder))):
-            log.warning("spot_callbacks: persisting the Trainer's JIT checkpoint %s", folder)
-            self._persist(state, "preemption")
-            self.engine.wait_for_commit()
-            self.preempted = True
 
 
 __all__ = ["PREEMPTED_EXIT_CODE", "SpotCheckpointCallback"]

@@ -2,15 +2,20 @@
 
 The Trainer can drop a save a callback asked for: with ``save_strategy="best"`` it overwrites
 ``control.should_save`` on evaluation steps with "is this a new best metric". A request that
-never reached ``on_save`` is dropped; it is asked for again at the next save point.
+never reached ``on_save`` is dropped; it is asked for again at the next save point. With
+``enable_jit_checkpoint`` the Trainer may also save on its own at SIGTERM (:func:`jit_checkpoint_to_persist`).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+from spot_callbacks._compat import transformers as compat
 from spot_callbacks.notices import Notice
+from spot_callbacks.trigger.collectives import gather_from_ranks
 
 log = logging.getLogger("spot_callbacks")
 
@@ -75,3 +80,20 @@ class RequestedSaves:
                 "the newest committed checkpoint is the resume point", self.pending.step, self.pending.reason,
             )  # fmt: skip
         self.clear()
+
+
+def jit_checkpoint_to_persist(engine: Any, args: Any, state: Any) -> Path | None:
+    """The folder of a Trainer JIT checkpoint to upload at the end of ``train()``, if one was saved.
+
+    With ``enable_jit_checkpoint`` and SIGTERM not among the engine's notice sources, the Trainer
+    saved on SIGTERM without calling ``on_save``. Collective: every rank calls it together.
+    """
+    if not compat.jit_checkpoint_enabled(args) or "SIGTERM" in engine.watcher.sources:
+        return None
+    step = state.global_step
+    if step >= state.max_steps or not engine.needs_checkpoint(step):
+        return None
+    folder = compat.checkpoint_dir(args.output_dir, step)
+    # With node-local output dirs each node sees its own copy, and the checkpoint is whole only if
+    # every node's is (else one node would wait forever).
+    return folder if all(gather_from_ranks(compat.jit_checkpoint_complete(folder))) else None

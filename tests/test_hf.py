@@ -74,6 +74,7 @@ def make_trainer(output_dir: Path, callbacks: list, max_steps: int, **overrides:
     """The in-process twin of hf_run.py's Trainer (same model, data, schedule)."""
     eval_dataset = overrides.pop("eval_dataset", None)
     compute_metrics = overrides.pop("compute_metrics", None)
+    model = overrides.pop("model") if "model" in overrides else hf_run.build_model()
     settings = dict(
         output_dir=str(output_dir), max_steps=max_steps, per_device_train_batch_size=8, learning_rate=5e-3,
         lr_scheduler_type="linear", warmup_steps=3, seed=1, data_seed=7, save_strategy="no", logging_steps=5,
@@ -81,7 +82,7 @@ def make_trainer(output_dir: Path, callbacks: list, max_steps: int, **overrides:
     )  # fmt: skip
     args = transformers.TrainingArguments(**{**settings, **overrides})
     return transformers.Trainer(
-        model=hf_run.build_model(), args=args, train_dataset=hf_run.TokenData(), eval_dataset=eval_dataset,
+        model=model, args=args, train_dataset=hf_run.TokenData(), eval_dataset=eval_dataset,
         compute_metrics=compute_metrics, callbacks=callbacks,
     )  # fmt: skip
 

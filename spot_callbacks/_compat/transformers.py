@@ -5,15 +5,27 @@
   ``_original_sigterm_handler``; it saves locally, without rank agreement, ~3 s later.
 - ``checkpoint-is-incomplete.txt``: the marker that JIT handler leaves in a folder it has not finished.
 - ``TrainingArguments.save_strategy``: an enum (``.value``) or a plain string, depending on the version.
+- For the two-phase save: the running Trainer is found on the call stack; ``Trainer._save_checkpoint``'s
+  steps are mirrored from its attributes (``is_deepspeed_enabled``, ``is_fsdp_enabled``, ``hp_search_backend``,
+  ``accelerator.scaler``, ``callback_handler``, ``store_flos``, ``_get_output_dir``) and
+  ``Trainer._save_rng_state``'s dict layout.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
+import os
+import random
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import safetensors.torch
+import torch
+import transformers
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 log = logging.getLogger("spot_callbacks")
@@ -70,3 +82,124 @@ def local_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
         if suffix.isdigit():
             found.append((int(suffix), folder))
     return found
+
+
+# ------------------------------------------------ the two-phase save's view of the Trainer
+# Callbacks get no Trainer; the one running an event is ``self`` of a frame further up the stack
+# (``Trainer._inner_training_loop`` calls ``on_train_begin``).
+def running_trainer() -> transformers.Trainer | None:
+    """The Trainer whose event is running now, or ``None`` when none is on the call stack."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, transformers.Trainer):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def _unstaged_rng_device() -> str | None:
+    checks = {
+        "XLA": transformers.utils.is_torch_xla_available, "NPU": transformers.utils.is_torch_npu_available,
+        "HPU": transformers.utils.is_torch_hpu_available, "MLU": transformers.utils.is_torch_mlu_available,
+        "MUSA": transformers.utils.is_torch_musa_available,
+    }  # fmt: skip
+    return next((name for name, available in checks.items() if available()), None)
+
+
+def staging_blocker(trainer: transformers.Trainer | None) -> str | None:
+    """Why the Trainer's checkpoint cannot be staged faithfully, or ``None`` when it can."""
+    if trainer is None:
+        return "the Trainer is not on the call stack of its callbacks (an unknown Trainer loop)"
+    args = trainer.args
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model, keep_torch_compile=False)
+    reasons = [
+        (trainer.is_deepspeed_enabled, "DeepSpeed saves its own engine checkpoint"),
+        (trainer.is_fsdp_enabled, "FSDP (the accelerate plugin) saves sharded or gathered state"),
+        (transformers.utils.is_sagemaker_mp_enabled(), "SageMaker model parallelism saves partial state"),
+        (args.save_only_model, "save_only_model=True writes the model only"),
+        (args.save_on_each_node, "save_on_each_node=True writes a copy on every node"),
+        (args.push_to_hub, "push_to_hub=True pushes from the Trainer's own save"),
+        (trainer.hp_search_backend is not None, "a hyperparameter search names its own run folders"),
+        (_is_peft_model(unwrapped), "a PEFT model saves its adapters only"),
+    ]
+    reason = next((why for blocked, why in reasons if blocked), None)
+    if reason is None and (device := _unstaged_rng_device()) is not None:
+        reason = f"the {device} RNG streams are not staged"
+    return reason
+
+
+def _is_peft_model(model: Any) -> bool:
+    return type(model).__module__.startswith("peft.")
+
+
+def rng_states(args: Any) -> dict[str, Any]:
+    """This rank's RNG streams as ``Trainer._save_rng_state`` records them (``rng_state[_{rank}].pth``)."""
+    states: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "cpu": torch.random.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        distributed = args.parallel_mode == transformers.training_args.ParallelMode.DISTRIBUTED
+        states["cuda"] = (
+            torch.cuda.random.get_rng_state_all() if distributed else torch.cuda.random.get_rng_state()
+        )
+    return states
+
+
+def rng_state_name(args: Any) -> str:
+    return "rng_state.pth" if args.world_size <= 1 else f"rng_state_{args.process_index}.pth"
+
+
+def trainer_state_at_save(trainer: transformers.Trainer) -> Any:
+    """A copy of ``trainer.state`` as ``Trainer._save_checkpoint`` writes it to ``trainer_state.json``.
+
+    Collective with several processes (``store_flos``): every rank calls it at the same point.
+    """
+    if trainer.hp_search_backend is None:
+        trainer.store_flos()
+    state = copy.deepcopy(trainer.state)
+    run_dir = trainer._get_output_dir(trial=None)
+    if save_strategy(trainer.args) in ("steps", "epoch", "best") and state.best_global_step:
+        best = checkpoint_dir(run_dir, state.best_global_step)
+        if best.exists():
+            trainer.state.best_model_checkpoint = state.best_model_checkpoint = str(best)
+    exportable = transformers.trainer_callback.ExportableState
+    for callback in [*trainer.callback_handler.callbacks, trainer.control]:
+        if not isinstance(callback, exportable):
+            continue
+        name, callback_state = type(callback).__name__, copy.deepcopy(callback.state())
+        if callback is trainer.control:
+            callback_state["args"]["should_save"] = True  # as it reads while the Trainer saves
+        if isinstance(state.stateful_callbacks.get(name), list):
+            state.stateful_callbacks[name].append(callback_state)
+        else:
+            state.stateful_callbacks[name] = callback_state
+    return state
+
+
+def save_model_weights(trainer: transformers.Trainer, state_dict: dict[str, Any], folder: Path) -> None:
+    """Write ``state_dict`` (of ``trainer.model``) into ``folder`` as ``Trainer._save`` writes the model."""
+    model = trainer.model
+    unwrapped = trainer.accelerator.unwrap_model(model, keep_torch_compile=False)
+    if isinstance(model, transformers.PreTrainedModel):
+        model.save_pretrained(folder, state_dict=state_dict, is_main_process=True)
+    elif isinstance(unwrapped, transformers.PreTrainedModel):
+        unwrapped.save_pretrained(folder, state_dict=state_dict, is_main_process=True)
+    else:
+        safetensors.torch.save_file(
+            state_dict, os.fspath(folder / transformers.trainer.SAFE_WEIGHTS_NAME), metadata={"format": "pt"}
+        )
+
+
+def processing_class_of(trainer: transformers.Trainer) -> Any:
+    """What ``Trainer._save`` saves beside the model: the processing class, else the collator's tokenizer."""
+    if trainer.processing_class is not None:
+        return trainer.processing_class
+    return getattr(trainer.data_collator, "tokenizer", None)
+
+
+def grad_scaler(trainer: transformers.Trainer) -> Any:
+    """The accelerator's gradient scaler (``scaler.pt``), or ``None``."""
+    return getattr(trainer.accelerator, "scaler", None)

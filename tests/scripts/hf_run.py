@@ -158,7 +158,8 @@ def main() -> int:
         "global_step": trainer.state.global_step,
         "preempted": bool(spot and spot.preempted),
         "resumed_from": resume if isinstance(resume, (str, bool)) else None,
-        "saves": callbacks[0].steps,
+        # The Trainer's saves (on_save) and the callback's staged ones, which the Trainer never sees.
+        "saves": sorted(callbacks[0].steps + (spot._staged.submitted_steps if spot else [])),
         "jit_fired": jit_fired,
         "log_keys": sorted({key for entry in trainer.state.log_history for key in entry}),
         "uploaded": uploaded,

@@ -1,0 +1,245 @@
+"""The Hugging Face checkpoint in two phases: the loop pays for a RAM snapshot, a writer makes ``checkpoint-N``.
+
+At the step boundary :meth:`StagedSaves.stage` copies what a resume needs into the run's
+:class:`~spot_callbacks.staging.StagingArea` (model, optimizer, scheduler and scaler state dicts,
+this rank's RNG streams); once the step's logging is done :meth:`StagedSaves.submit` copies the
+``TrainerState`` and hands the folder to the persister. Its writer thread then writes the files
+``Trainer._save_checkpoint`` would (``model.safetensors`` through ``save_pretrained(state_dict=...)``,
+``optimizer.pt``, ``scheduler.pt``, ``scaler.pt``, ``rng_state[_{rank}].pth``, ``trainer_state.json``,
+``training_args.bin``, the processing class) into a hidden folder renamed to ``checkpoint-N`` when
+complete; the existing pipeline uploads and commits it. Where the state cannot be staged faithfully
+(see :func:`~spot_callbacks._compat.transformers.staging_blocker`) the Trainer saves as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+from spot_callbacks._compat import transformers as compat
+from spot_callbacks.errors import ConfigError
+from spot_callbacks.jobs import SINGLE_WRITER, folder_job
+from spot_callbacks.saving import CheckpointWriter
+from spot_callbacks.staging import StagedState, StagingArea
+from spot_callbacks.store.checksums import FileDigest
+from spot_callbacks.trigger import rules
+from spot_callbacks.trigger.collectives import barrier, is_writer
+
+log = logging.getLogger("spot_callbacks")
+
+SAVE_PATH_ENV = "SPOT_HF_SAVE"  # "staged" (the default where it applies) or "trainer"
+STAGED, TRAINER = "staged", "trainer"  # the manifest's ``extra["hf_save"]``: the path a checkpoint took
+
+
+def save_path_setting() -> str:
+    """The path the user asked for in ``SPOT_HF_SAVE`` (default ``staged``)."""
+    setting = os.environ.get(SAVE_PATH_ENV, STAGED).strip().lower() or STAGED
+    if setting not in (STAGED, TRAINER):
+        raise ConfigError(f"{SAVE_PATH_ENV}={setting!r}: expected {STAGED!r} or {TRAINER!r}")
+    return setting
+
+
+@dataclass
+class StagedCheckpoint:
+    """One checkpoint between its snapshot and its submission.
+
+    Example:
+        >>> from spot_callbacks.hf_saves import SaveRequest
+        >>> StagedCheckpoint(SaveRequest(5, "interval"), epoch=0, staged=None, blocked_s=0.01).request.step
+        5
+    """
+
+    request: Any  # the adapter's SaveRequest (``step``, ``reason``), handed back by submit()
+    epoch: int
+    staged: StagedState | None  # None on ranks that write only their RNG file
+    blocked_s: float
+
+
+class StagedSaves:
+    """The two-phase saves of one ``train()``: which path applies, the snapshot waiting for its submission.
+
+    Example:
+        >>> saves = StagedSaves()  # below, no Trainer is on the stack: the Trainer saves
+        >>> saves.start(trainer=None, args=transformers.TrainingArguments("out"), spans_nodes=False)
+        >>> saves.applies(should_save=False, should_evaluate=False), saves.fallback_reason[:31]
+        (False, 'the Trainer is not on the call ')
+    """
+
+    def __init__(self) -> None:
+        self._trainer: Callable[[], transformers.Trainer | None] = lambda: None
+        self.fallback_reason: str | None = None
+        self.owns_folders = False
+        self.submitted_steps: list[int] = []  # of this train(), in order
+        self.pending: StagedCheckpoint | None = None
+        self._said: set[str] = set()
+
+    def start(self, trainer: transformers.Trainer | None, args: Any, spans_nodes: bool) -> None:
+        """At ``on_train_begin`` (every rank): choose the path for this run and log it once."""
+        self._trainer = weakref.ref(trainer) if trainer is not None else (lambda: None)
+        self.pending, self.submitted_steps = None, []
+        self.owns_folders = compat.save_strategy(args) == "no"  # nothing else rotates checkpoint-N
+        if args.save_only_model:
+            log.warning(
+                "spot_callbacks: save_only_model=True: checkpoints hold no optimizer, scheduler or RNG state, "
+                "so a resume from them is not exact"
+            )
+        reason = compat.staging_blocker(trainer)
+        if reason is None and spans_nodes:
+            reason = "several nodes write node-local folders"
+        if reason is None and save_path_setting() == TRAINER:
+            reason = f"{SAVE_PATH_ENV}={TRAINER}"
+        self.fallback_reason = reason
+        if reason is None:
+            self._say("spot_callbacks: checkpoints are staged in RAM and written in the background")
+        else:
+            self._say(f"spot_callbacks: the Trainer writes each checkpoint, then it is uploaded ({reason})")
+
+    def _say(self, line: str) -> None:
+        if line not in self._said:
+            self._said.add(line)
+            log.info("%s", line)
+
+    def applies(self, should_save: bool, should_evaluate: bool) -> bool:
+        """Whether this step's checkpoint is staged (else the adapter sets ``control.should_save``)."""
+        if self.fallback_reason is not None:
+            return False
+        if should_save:  # the Trainer saves this step anyway (save_strategy): that folder is persisted
+            return False
+        if should_evaluate:
+            # The evaluation draws random numbers and updates best_metric after the callbacks ran.
+            self._say(
+                "spot_callbacks: an evaluation runs at the checkpoint step: the Trainer writes that one"
+            )
+            return False
+        return True
+
+    def stage(self, request: Any, epoch: int, staging: StagingArea) -> None:
+        """At ``on_step_end``: snapshot the tensors and RNG streams (the writer rank stages them all)."""
+        started = time.perf_counter()
+        trainer = self._trainer()
+        staged = None
+        if is_writer():
+            staged = staging.stage(
+                {
+                    "model": trainer.model.state_dict(),
+                    "optimizer": trainer.optimizer.state_dict(),
+                    "scheduler": trainer.lr_scheduler.state_dict(),
+                    "scaler": None
+                    if (scaler := compat.grad_scaler(trainer)) is None
+                    else scaler.state_dict(),
+                    "rng": compat.rng_states(trainer.args),
+                }
+            )
+        else:  # a few KB: this rank's file goes into the folder now, before the writer rank submits
+            folder = partial_folder(compat.checkpoint_dir(trainer.args.output_dir, request.step))
+            folder.mkdir(parents=True, exist_ok=True)
+            torch.save(compat.rng_states(trainer.args), folder / compat.rng_state_name(trainer.args))
+        self.pending = StagedCheckpoint(request, epoch, staged, time.perf_counter() - started)
+
+    def submit(self, writer: CheckpointWriter, extra: dict[str, Any]) -> tuple[Any, float | None]:
+        """Once the step's logs are in ``TrainerState``: copy it, hand the folder to the writer (every rank).
+
+        Returns the pending save's request and the seconds the loop was blocked for it (``None``:
+        not persisted, the step was checkpointed already).
+        """
+        pending, self.pending = self.pending, None
+        started = time.perf_counter()
+        trainer = self._trainer()
+        trainer_state = compat.trainer_state_at_save(trainer)
+        step, reason = pending.request.step, pending.request.reason
+        folder = compat.checkpoint_dir(trainer.args.output_dir, step)
+        stall_s = pending.blocked_s + time.perf_counter() - started
+
+        def write(target: Path) -> dict[str, FileDigest]:
+            write_checkpoint_folder(trainer, pending.staged, trainer_state, target)
+            return {}  # the pipeline checksums the folder as it uploads it
+
+        on_written = pending.staged.release if pending.staged is not None else None
+        persisted = save_written_folder(
+            writer, step, pending.epoch, folder, reason, write=write, on_written=on_written,
+            stall_s=stall_s, owns_folder=self.owns_folders, extra=extra,
+        )  # fmt: skip
+        if persisted:
+            self.submitted_steps.append(step)
+        return pending.request, stall_s if persisted else None
+
+
+def partial_folder(folder: Path) -> Path:
+    """Where ``checkpoint-N`` is written until complete (not matched by the Trainer's ``checkpoint-*``)."""
+    return folder.with_name(f".{folder.name}.partial")
+
+
+def write_checkpoint_folder(
+    trainer: transformers.Trainer, staged: StagedState, trainer_state: Any, folder: Path
+) -> None:
+    """Write the staged checkpoint as ``Trainer._save_checkpoint`` lays it out, then rename it to ``folder``."""
+    staged.wait_copied()
+    partial = partial_folder(folder)
+    partial.mkdir(parents=True, exist_ok=True)
+    try:
+        _write_files(trainer, staged.state, trainer_state, partial)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)  # a failed write must not keep the disk full
+        raise
+    if folder.exists():  # a leftover of an earlier run at this step, never committed
+        shutil.rmtree(folder)
+    os.replace(partial, folder)
+
+
+def _write_files(
+    trainer: transformers.Trainer, state: dict[str, Any], trainer_state: Any, partial: Path
+) -> None:
+    compat.save_model_weights(trainer, state["model"], partial)
+    processing_class = compat.processing_class_of(trainer)
+    if processing_class is not None:
+        processing_class.save_pretrained(partial)
+    torch.save(trainer.args, partial / transformers.trainer.TRAINING_ARGS_NAME)
+    torch.save(state["optimizer"], partial / transformers.trainer.OPTIMIZER_NAME)
+    torch.save(state["scheduler"], partial / transformers.trainer.SCHEDULER_NAME)
+    if state["scaler"] is not None:
+        torch.save(state["scaler"], partial / transformers.trainer.SCALER_NAME)
+    torch.save(state["rng"], partial / compat.rng_state_name(trainer.args))
+    trainer_state.save_to_json(os.fspath(partial / transformers.trainer.TRAINER_STATE_NAME))
+
+
+def save_written_folder(
+    writer: CheckpointWriter,
+    step: int,
+    epoch: int | None,
+    folder: Path,
+    reason: str,
+    *,
+    write: Callable[[Path], dict[str, FileDigest]],
+    on_written: Callable[[], None] | None,
+    stall_s: float,
+    owns_folder: bool,
+    extra: dict[str, Any],
+) -> bool:
+    """:meth:`CheckpointWriter.save_folder` for a folder that ``write`` produces in the writer thread.
+
+    Single node only (the adapter falls back across nodes). Call it on every rank.
+    """
+    if not rules.needs_checkpoint(step, writer.last_saved_step) or writer._refused(step):
+        if on_written is not None:
+            on_written()
+        return False
+    barrier()  # every rank's RNG file is in the partial folder
+    if is_writer():
+        terms = writer._job_terms(reason, stall_s, extra)
+        job = folder_job(
+            step, reason, writer.framework, folder, owns_folder=owns_folder, epoch=epoch, **terms
+        )
+        job.write, job.on_written = write, on_written
+        writer.persister_for(SINGLE_WRITER).submit(job)
+    writer._after_save(step, stall_s)
+    return True
