@@ -19,7 +19,7 @@ import yaml
 
 from spot_callbacks.errors import ConfigError
 
-PREEMPTION_SOURCES = ("SIGTERM", "SIGUSR1", "aws", "gcp", "azure")
+PREEMPTION_SOURCES = ("SIGTERM", "SIGUSR1", "SIGINT", "aws", "gcp", "azure")
 ON_PREEMPTION_CHOICES = ("stop", "continue")
 
 _DURATION_UNITS_S = {
@@ -121,8 +121,9 @@ class SpotConfig:
             string, or ``"@FILE"`` (a JSON or YAML file read at construction); ``${NAME}`` in a
             value is the environment variable ``NAME``. Keep credentials out of configs that are
             saved (LightningCLI's ``config.yaml``) with either; see :func:`load_storage_options`.
-        preemption: notice sources: ``"SIGTERM"``, ``"SIGUSR1"``, ``"aws"``, ``"gcp"``,
-            ``"azure"``; ``"auto"`` is SIGTERM (and SIGUSR1 inside a SLURM job) plus the cloud
+        preemption: notice sources: ``"SIGTERM"``, ``"SIGUSR1"``, ``"SIGINT"`` (Ctrl-C: the first
+            checkpoints and stops, a second stops at once), ``"aws"``, ``"gcp"``, ``"azure"``;
+            ``"auto"`` is SIGTERM (and SIGUSR1 inside a SLURM job), SIGINT, plus the cloud
             detected; ``[]`` is none.
         on_preemption: after the emergency checkpoint commits, ``"stop"`` training gracefully
             or ``"continue"``.

@@ -30,25 +30,27 @@ from spot_callbacks.config import SpotConfig
 from spot_callbacks.errors import PersistError
 from spot_callbacks.log import show_info_lines
 from spot_callbacks.notices import Notice, PreemptionWatcher
-from spot_callbacks.persist import PersistRecord, default_scratch_root
+from spot_callbacks.persist import PersistRecord, exit_guard, private_scratch_root
 from spot_callbacks.resume import ResumeInfo, move_aside_uncommitted, pull_latest
 from spot_callbacks.run_lease import RunLease
 from spot_callbacks.saving import CheckpointWriter
 from spot_callbacks.staging import STATE_FILE, StagingArea
 from spot_callbacks.store import CheckpointStore, step_dirname
-from spot_callbacks.store.runlock import RunLock
+from spot_callbacks.store.runlock import RELEASE_TIMEOUT_S
 from spot_callbacks.trigger import CheckpointTrigger, rules
 from spot_callbacks.trigger.collectives import (
     agree_at_step,
     barrier,
-    broadcast_object,
     is_writer,
     local_rank,
     rank,
 )
-from spot_callbacks.trigger.emergency import EXIT_MARGIN_S, Emergency, time_left_s
+from spot_callbacks.trigger.emergency import EXIT_MARGIN_S, Emergency, time_left_s, warn_if_grace_too_short
 
 log = logging.getLogger("spot_callbacks")
+
+# Even past a deadline a local lock is deleted in far less; an object store that slow leaves it to go stale.
+RELEASE_FLOOR_S = 0.5
 
 __all__ = ["EXIT_MARGIN_S", "STATE_FILE", "ResumeInfo", "SpotEngine"]
 
@@ -75,13 +77,11 @@ class SpotEngine:
         self.config = config
         self.framework = framework
         self.store = CheckpointStore(config.dirpath, storage_options=config.storage_options)
-        self.scratch_root = default_scratch_root(self.store.url, config.scratch_dir)
+        self.scratch_root = private_scratch_root(self.store.url, config.scratch_dir)
         self.trigger = CheckpointTrigger(
-            config.interval_seconds,
-            config.every_n_steps,
-            auto=config.interval_is_auto,
+            config.interval_seconds, config.every_n_steps, auto=config.interval_is_auto,
             interruptions_per_hour=config.interruptions_per_hour,
-        )
+        )  # fmt: skip
         self.watcher = PreemptionWatcher.from_setting(config.preemption)
         self.emergency = Emergency(self.watcher)
         self.accounts = RunAccounts()  # the lineage's ledger goes into every manifest
@@ -120,10 +120,6 @@ class SpotEngine:
     def staging(self) -> StagingArea:
         return self.writer.staging
 
-    @property
-    def _persister(self) -> Any:
-        return self.writer.persister
-
     # ------------------------------------------------------- lifecycle
     def start(self) -> None:
         """Install notice sources and start the interval clock; call once training is about to run."""
@@ -133,16 +129,21 @@ class SpotEngine:
         self.lease.acquire()
         self.watcher.clear()  # a notice acted on in an earlier fit() in this process is spent
         self.watcher.start()
+        warn_if_grace_too_short(self.watcher.sources)
         self.watch.start(self.is_writer)
 
     def stop(self) -> None:
-        """Stop the notice sources and release the run lock (an exception ends training)."""
+        """An exception ends training: stop the notice sources and the workers, release the run lock."""
         self.watcher.stop()
-        self.lease.release()
+        self.writer.stop_persister()
+        self._release(self.emergency.active_notice())
 
-    @property
-    def _lock(self) -> RunLock | None:
-        return self.lease.lock
+    def _release(self, notice: Notice | None) -> None:
+        """Release the run lock within what is left before the deadline; a preempted exit is armed to end
+        with 143 by then, whatever a worker is still doing (``persist/exit_guard.py``)."""
+        left = max(time_left_s(notice, RELEASE_TIMEOUT_S) or 0.0, RELEASE_FLOOR_S)
+        exit_guard.arm_for(notice, self.config.on_preemption == "stop", self.watcher.interrupted_twice)
+        self.lease.release(left)
 
     @property
     def region_check(self) -> RegionCheck | None:
@@ -166,7 +167,7 @@ class SpotEngine:
         self.accounts.time_step(persisting=self.writer.persisting)
         if self.is_writer:
             self.watch.observe(
-                self.writer.all_records(), self._persister, self.trigger.interval_s, self.resumed
+                self.writer.all_records(), self.writer.persister, self.trigger.interval_s, self.resumed
             )
         local = self.trigger.due(step)
         interval, steps, notice, hint, lease_lost = agree_at_step(
@@ -181,10 +182,10 @@ class SpotEngine:
         if notice is not None:
             self.watcher.report(notice)  # a rank that saw nothing adopts it
             self.emergency.agree(notice)
-        last = self.last_saved_step
         action = rules.decide(
-            step, last_saved_step=last, notice=notice, hint=hint, interval_due=interval, steps_due=steps
-        )
+            step, last_saved_step=self.last_saved_step, notice=notice, hint=hint, interval_due=interval,
+            steps_due=steps,
+        )  # fmt: skip
         if action.warning is not None:
             log.warning("spot_callbacks: %s", action.warning)
         return action
@@ -202,18 +203,13 @@ class SpotEngine:
     ) -> rules.ExceptionAction:
         """What an exception out of training asks for (logged here); see :func:`rules.on_exception`."""
         action = rules.on_exception(
-            error_name,
-            late_signal=late_signal,
-            preempted=preempted,
-            between_batches=between_batches,
-            step=step,
-            last_saved_step=self.last_saved_step,
-        )
+            error_name, late_signal=late_signal, preempted=preempted, between_batches=between_batches,
+            step=step, last_saved_step=self.last_saved_step,
+        )  # fmt: skip
         if action.warning is not None:
             log.warning("spot_callbacks: %s", action.warning)
         return action
 
-    # ---------------------------------------------------------- saving
     # ---------------------------------------------------------- saving
     def save_state(
         self, step: int, epoch: int | None, state: Any, reason: str, extra: dict[str, Any] | None = None
@@ -255,31 +251,16 @@ class SpotEngine:
 
     # ------------------------------------------------------- committing
     def wait_for_commit(self, notice: Notice | None = None, timeout: float | None = None) -> bool:
-        """Block until every submitted checkpoint committed (writer) and all ranks know it.
+        """Block until every submitted checkpoint committed and all ranks know it; False if the wait ran out.
 
-        In an emergency (a ``notice``, or the one agreed at the last :meth:`decide`) only the newest
-        checkpoint is waited for, it goes ahead of older uploads (see
-        :func:`~spot_callbacks.persist.plan_emergency`), and the wait ends before the deadline (less
-        a margin to exit); see ``trigger/emergency.py``. Once it has committed and training is to
-        stop, the cloud is told (Azure). Returns False if the wait ran out.
+        In an emergency (``notice``, or the one agreed at the last :meth:`decide`) only the newest
+        checkpoint is waited for, ahead of older uploads, until the deadline less a margin to exit
+        (``trigger/emergency.py``); once it committed and training is to stop, the cloud is told (Azure).
         """
         notice = notice or self.emergency.active_notice()
-        timeout = time_left_s(notice, timeout)
-        committed = True
-        persister = self._persister  # the writer's, or every rank's when each persists its shards
-        if persister is not None:
-            step = self.last_saved_step
-            if notice is not None and step is not None:
-                committed = self.emergency.wait_for_checkpoint(
-                    persister, step, notice, timeout, self.is_writer
-                )
-            else:
-                committed = persister.wait(timeout=timeout)
-        self.barrier()
-        if notice is not None:
-            committed = bool(broadcast_object(committed))
-            if committed and self.config.on_preemption == "stop":
-                self.watcher.acknowledge()
+        committed = self.writer.wait_for_commit(notice, self.emergency.wait_limit(notice, timeout))
+        if notice is not None and committed and self.config.on_preemption == "stop":
+            self.watcher.acknowledge()
         return committed
 
     def finish_emergency(self, notice: Notice | None) -> rules.AfterEmergency:
@@ -288,28 +269,31 @@ class SpotEngine:
         On ``continue`` the notice is spent (the next one is a new emergency).
         """
         self.wait_for_commit(notice)
-        after = rules.after_emergency(self.config.on_preemption)
+        after = rules.after_emergency(self.config.on_preemption, notice or self.emergency.active_notice())
         if after is rules.AfterEmergency.CONTINUE:
             self.watcher.clear()
         return after
 
     def finish(self, timeout: float | None = None) -> None:
-        """Wait for every upload, stop the workers, release the run lock; raise the first persist failure, if any."""
-        self.watcher.stop()
-        if timeout is None and self._persister is not None:
-            timeout = self.emergency.closing_timeout(self._persister, self.last_saved_step)
-        failures = self.writer.close(timeout, self.emergency.active_notice())
-        self.lease.release()  # after the last upload: until then this run still writes
-        self.barrier()
-        if failures:
-            raise failures[-1]
+        """Wait for every upload, stop the workers, release the run lock (see :meth:`CheckpointWriter.close`).
 
-    # ------------------------------------------------- failures, records
+        Notices are handled until the last commit settles: one then stops the run as preempted
+        (``SystemExit(143)``). Raises when the newest state is not durable (:func:`rules.end_verdict`).
+        """
+        failures = self.writer.close(timeout)
+        self.watcher.stop()
+        self._release(self.emergency.active_notice())
+        self.barrier()
+        error = self.writer.end_verdict(failures)
+        if self.config.on_preemption == "stop":
+            self.emergency.exit_if_noticed_at_exit()
+        if error is not None:
+            raise error
+
     def persist_lag_s(self) -> float:
         """Seconds since the newest commit of this run (or since training started): ``spot/persist_lag_s``."""
         return self.watch.staleness.lag_s()
 
-    # ------------------------------------------------------------ costs
     def train_seconds(self) -> float:
         """Seconds of training in this run's lineage: the checkpoint resumed from's, plus this run's so far."""
         return self.accounts.train_seconds()
@@ -331,11 +315,8 @@ class SpotEngine:
         ``dest(step)`` names the local folder (default: ``step-N`` in scratch); a folder that
         already holds exactly this checkpoint is not downloaded again.
         """
-
-        def folder_for(step: int) -> Path:
-            return Path(dest(step)) if dest is not None else self.scratch_root / step_dirname(step)
-
-        resumed = pull_latest(self.store, folder_for, rank(), local_rank())
+        in_scratch = lambda step: self.scratch_root / step_dirname(step)  # noqa: E731
+        resumed = pull_latest(self.store, dest or in_scratch, rank(), local_rank())
         if resumed is None:
             return None
         self.resumed = resumed
@@ -356,11 +337,8 @@ class SpotEngine:
     def state_dict(self, at_checkpoint: bool = False) -> dict[str, Any]:
         """The state to resume with. ``at_checkpoint``: it is stored in the checkpoint being taken
         now, so a run resumed from it starts its interval clock at zero (not one interval late)."""
-        trigger = self.trigger.state_dict()
-        if at_checkpoint:
-            trigger["elapsed_s"] = 0.0
         return {
-            "trigger": trigger,
+            "trigger": {**self.trigger.state_dict(), **({"elapsed_s": 0.0} if at_checkpoint else {})},
             "ledger": self.accounts.ledger.to_json(),
             "train_s": round(self.train_seconds(), 3),
         }

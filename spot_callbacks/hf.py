@@ -11,19 +11,19 @@ from typing import Any, Literal, Union
 
 import transformers
 
+from spot_callbacks import hf_saves
 from spot_callbacks._compat import transformers as compat
-from spot_callbacks.config import SpotConfig
+from spot_callbacks.config import SpotConfig, checked_arguments
 from spot_callbacks.engine import SpotEngine
 from spot_callbacks.hf_checkpoint import STAGED, TRAINER, StagedSaves
-from spot_callbacks.hf_saves import RequestedSaves, SaveRequest, jit_checkpoint_to_persist
+from spot_callbacks.hf_saves import SaveRequest
 from spot_callbacks.notices import PREEMPTED_EXIT_CODE, Notice
 from spot_callbacks.store import CheckpointStore
 from spot_callbacks.trigger.rules import AfterEmergency
 
 log = logging.getLogger("spot_callbacks")
 
-# Where on_init_end moves local checkpoint-N folders newer than the newest committed checkpoint,
-# so that train(resume_from_checkpoint=True) cannot pick a half-written one (HF issues 35525, 35782).
+# Local checkpoint-N newer than the newest commit go here: resume_from_checkpoint=True must not pick one.
 UNCOMMITTED_PREFIX = ".spot-uncommitted-"
 
 
@@ -57,6 +57,7 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
             sys.exit(PREEMPTED_EXIT_CODE if ckpt.preempted else 0)
     """
 
+    @checked_arguments("SpotCheckpointCallback")
     def __init__(
         self,
         dirpath: str,
@@ -79,7 +80,7 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
         self._args: Any = None
         self._materialised: Path | None = None  # pulled by on_init_end, valid until training starts
         self._resolved_at_init = False
-        self._saves = RequestedSaves()
+        self._saves = hf_saves.RequestedSaves()
         self._staged = StagedSaves()
         self._save_started_at: float | None = None
         self._metrics: dict[str, float] = {}
@@ -231,12 +232,12 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
         self._submit_staged(control)
         self._save_started_at = None
         self._saves.give_up()
-        if (folder := jit_checkpoint_to_persist(self.engine, args, state)) is not None:
+        if (folder := hf_saves.jit_checkpoint_to_persist(self.engine, args, state)) is not None:
             log.warning("spot_callbacks: persisting the Trainer's JIT checkpoint %s", folder)
             self._persist(state, "preemption")
             self.engine.wait_for_commit()
             self.preempted = True
-        self.engine.finish()
+        self.preempted |= hf_saves.finish_after_last_commit(self.engine)
         self._collect_persist_records()
         self.engine.log_cost_summary()
 

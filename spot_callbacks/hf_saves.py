@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from spot_callbacks._compat import transformers as compat
-from spot_callbacks.notices import Notice
+from spot_callbacks.notices import PREEMPTED_EXIT_CODE, Notice
 from spot_callbacks.trigger.collectives import gather_from_ranks
 
 log = logging.getLogger("spot_callbacks")
@@ -97,3 +97,18 @@ def jit_checkpoint_to_persist(engine: Any, args: Any, state: Any) -> Path | None
     # With node-local output dirs each node sees its own copy, and the checkpoint is whole only if
     # every node's is (else one node would wait forever).
     return folder if all(gather_from_ranks(compat.jit_checkpoint_complete(folder))) else None
+
+
+def finish_after_last_commit(engine: Any) -> bool:
+    """``engine.finish()``; True when a notice during the final upload made it an emergency.
+
+    The engine then ends with ``SystemExit(143)``; under the Trainer the script decides the exit
+    (``preempted``), as after any preemption, so it is not raised through ``train()``.
+    """
+    try:
+        engine.finish()
+    except SystemExit as stop:
+        if stop.code != PREEMPTED_EXIT_CODE:
+            raise
+        return True
+    return False

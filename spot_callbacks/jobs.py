@@ -47,7 +47,9 @@ class PersisterKind:
 
 
 SINGLE_WRITER = PersisterKind(
-    "single-file", "save_state", lambda store, scratch_root, keep_last: Persister(store, keep_last=keep_last)
+    "single-file",
+    "save_state",
+    lambda store, scratch_root, keep_last: Persister(store, keep_last=keep_last, scratch_root=scratch_root),
 )
 SHARDED = PersisterKind(
     "sharded",

@@ -15,7 +15,7 @@ import logging
 from spot_callbacks.errors import CheckpointError, RunLockedError, StoreUnavailableError
 from spot_callbacks.store import CheckpointStore
 from spot_callbacks.store.preflight import preflight
-from spot_callbacks.store.runlock import RunLock
+from spot_callbacks.store.runlock import RELEASE_TIMEOUT_S, RunLock
 from spot_callbacks.trigger.collectives import broadcast_object, is_writer
 
 log = logging.getLogger("spot_callbacks")
@@ -63,7 +63,8 @@ class RunLease:
         """True once the heartbeat found another run's lock in place of ours (see RunLock.lost)."""
         return self.lock is not None and self.lock.lost
 
-    def release(self) -> None:
+    def release(self, timeout_s: float | None = RELEASE_TIMEOUT_S) -> None:
+        """Release the lock, waiting at most ``timeout_s`` for the store (see :meth:`RunLock.release`)."""
         if self.lock is not None:
-            self.lock.release()
+            self.lock.release(timeout_s)
             self.lock = None

@@ -22,11 +22,18 @@ from spot_callbacks.jobs import (
     folder_job,
     state_file_job,
 )
+from spot_callbacks.notices import Notice
 from spot_callbacks.persist import PersistRecord
 from spot_callbacks.staging import StagingArea
 from spot_callbacks.store import CheckpointStore
 from spot_callbacks.trigger import CheckpointTrigger, rules
-from spot_callbacks.trigger.collectives import barrier, gather_from_ranks, is_writer, local_rank
+from spot_callbacks.trigger.collectives import (
+    barrier,
+    broadcast_object,
+    gather_from_ranks,
+    is_writer,
+    local_rank,
+)
 from spot_callbacks.trigger.emergency import Emergency
 
 log = logging.getLogger("spot_callbacks")
@@ -237,16 +244,55 @@ class CheckpointWriter:
         """An upload is in flight (steps now feed the slowdown meter's "while persisting" side)."""
         return self.persister is not None and not self.persister.idle
 
-    def close(self, timeout: float | None, notice: Any = None) -> list[PersistError]:
-        """Wait up to ``timeout`` for every upload and stop the persister; return its failures.
+    def wait_for_commit(self, notice: Notice | None, timeout: float | None) -> bool:
+        """Block up to ``timeout`` until every submitted checkpoint committed (in an emergency only the
+        newest: :meth:`Emergency.wait_for_checkpoint`); collective: every rank gets the same answer."""
+        committed = True
+        persister = self.persister  # the writer's, or every rank's when each persists its shards
+        if persister is not None:
+            step = self.last_saved_step
+            if notice is not None and step is not None:
+                committed = self.emergency.wait_for_checkpoint(persister, step, notice, timeout, is_writer())
+            else:
+                committed = persister.wait(timeout=timeout)
+        barrier()
+        return bool(broadcast_object(committed)) if notice is not None else committed
 
-        A later fit() gets a fresh persister.
+    def close(self, timeout: float | None) -> list[PersistError]:
+        """Wait up to ``timeout`` for every upload (notices still handled: see
+        :meth:`Emergency.wait_at_exit`) and stop the persister; return its failures.
+
+        In an emergency only its checkpoint is waited for, up to the deadline: older uploads
+        still in flight are not. A later fit() gets a fresh persister.
         """
         persister = self.persister
         if persister is None:
             return []
-        if not persister.close(timeout=timeout) and notice is not None:
-            log.warning("spot_callbacks: not waiting for older uploads still in flight at the preemption")
-        self._earlier_records.extend(persister.records)
-        self.persister = self._persister_kind = None
+        step = self.last_saved_step
+        if not self.emergency.agreed_at_a_step():  # a notice now (or meanwhile) comes at the exit
+            finished = self.emergency.wait_at_exit(persister, step, timeout, is_writer())
+        else:
+            limit = self.emergency.closing_timeout(persister, step) if timeout is None else timeout
+            finished = persister.wait(timeout=limit)
+            if not finished and is_writer():
+                log.warning("spot_callbacks: not waiting for older uploads still in flight at the preemption")
+        self.stop_persister()
         return persister.failures
+
+    def stop_persister(self) -> None:
+        """Stop the persister's workers (each ends after its work in progress); on every exit path."""
+        persister = self.persister
+        if persister is None:
+            return
+        persister.close(timeout=0)
+        self._earlier_records.extend(persister.records)
+        self.persister = self.persister_kind = None
+
+    def end_verdict(self, failures: list[PersistError]) -> PersistError | None:
+        """What the run's failed checkpoints mean at its end (:func:`rules.end_verdict`): the error to
+        raise, if any; what was dropped is said on the writer."""
+        newest = max((record.info.step for record in self.all_records()), default=None)
+        verdict = rules.end_verdict(failures, newest)
+        if verdict.line is not None and is_writer():
+            log.warning("spot_callbacks: %s", verdict.line)
+        return verdict.error

@@ -139,7 +139,10 @@ def test_a_call_that_always_hangs_ends_as_an_error_within_its_attempts(real_stor
     assert ATTEMPT_S * QUICK.attempts <= elapsed_s < ATTEMPT_S * QUICK.attempts + 5
 
 
-def test_a_hung_listing_during_training_never_stalls_a_step_and_is_reported(tmp_path: Path) -> None:
+def test_a_hung_listing_during_training_never_stalls_a_step_and_is_reported(
+    tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.setenv("SPOT_STRICT", "1")  # every failed checkpoint fails the end, not only the newest
     config = SpotConfig(dirpath=str(tmp_path / "run"), interval=None, preemption=[], keep_last=1,
                         scratch_dir=str(tmp_path / "scratch"))  # fmt: skip
     engine = SpotEngine(config, "test")

@@ -19,6 +19,7 @@ from spot_callbacks.engine import STATE_FILE, SpotEngine
 from spot_callbacks.lightning import SpotCheckpoint
 from spot_callbacks.store import MANIFEST_NAME, step_dirname
 from spot_callbacks.store.retry import RetryPolicy, UploadTimeout
+from spot_callbacks.trigger.rules import STRICT_ENV
 
 # 0.3**10: one operation in ~170,000 exhausts its retries; the test makes ~100.
 PATIENT_RETRY = RetryPolicy(attempts=10, initial_backoff_s=0.001, max_backoff_s=0.01)
@@ -136,7 +137,10 @@ def test_a_bad_upload_timeout_in_the_environment_is_an_error_naming_it(monkeypat
     assert CheckpointStore(str(tmp_path / "run")).upload_timeout == UploadTimeout(30.0, 10.0)
 
 
-def test_a_full_scratch_disk_is_one_clear_error_and_training_keeps_going(tmp_path) -> None:
+def test_a_full_scratch_disk_is_one_clear_error_and_training_keeps_going(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(
+        STRICT_ENV, "1"
+    )  # strict: any failed checkpoint fails the end (see below for the default)
     url, scratch = str(tmp_path / "run"), tmp_path / "scratch"
     config = SpotConfig(dirpath=url, interval=None, preemption=[], keep_last=0, scratch_dir=str(scratch))
     engine = SpotEngine(config, "test")
@@ -174,7 +178,10 @@ def test_a_full_scratch_disk_is_one_clear_error_and_training_keeps_going(tmp_pat
     record(FAULTS)
 
 
-def test_a_full_scratch_disk_during_a_lightning_fit_lets_training_finish_then_fails_fit(tmp_path) -> None:
+def test_a_full_scratch_disk_during_a_lightning_fit_lets_training_finish_then_fails_fit(
+    tmp_path, monkeypatch
+) -> None:
+    monkeypatch.setenv(STRICT_ENV, "1")
     spot = SpotCheckpoint(dirpath=str(tmp_path / "run"), interval=None, every_n_steps=2, keep_last=0,
                           preemption=[], scratch_dir=str(tmp_path / "scratch"))  # fmt: skip
     full = spot.engine.scratch_root / step_dirname(4) / f".{STATE_FILE}.tmp"
@@ -188,3 +195,40 @@ def test_a_full_scratch_disk_during_a_lightning_fit_lets_training_finish_then_fa
     committed = [info.step for info in spot.store.committed()]
     assert 4 not in committed and committed[-1] == 8 and spot.store.verify(8)
     record(FAULTS)
+
+
+def test_by_default_a_dropped_checkpoint_does_not_fail_a_run_whose_newest_state_committed(
+    tmp_path, caplog
+) -> None:
+    spot = SpotCheckpoint(dirpath=str(tmp_path / "run"), interval=None, every_n_steps=2, keep_last=0,
+                          preemption=[], scratch_dir=str(tmp_path / "scratch"))  # fmt: skip
+    full = spot.engine.scratch_root / step_dirname(4) / f".{STATE_FILE}.tmp"
+    full.parent.mkdir(parents=True)
+    full.symlink_to("/dev/full")  # the kernel's ENOSPC for the checkpoint of step 4 only
+    trainer = pl.Trainer(callbacks=[spot], logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         max_steps=8)  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="spot_callbacks"):
+        trainer.fit(BoringModel())  # no PersistError: step 8, the newest state, is durable
+    committed = [info.step for info in spot.store.committed()]
+    assert 4 not in committed and committed[-1] == 8 and spot.store.verify(8)
+    said = [r.getMessage() for r in caplog.records if "the newest state" in r.getMessage()]
+    assert said == [
+        "spot_callbacks: the newest state (step 8) is committed; 1 earlier checkpoint could not be persisted "
+        "and was dropped (step 4)"
+    ]
+    record(FAULTS)
+
+
+def test_the_run_still_fails_when_its_newest_checkpoint_failed(tmp_path) -> None:
+    engine = SpotEngine(SpotConfig(dirpath=str(tmp_path / "run"), interval=None, preemption=[], keep_last=0,
+                                   scratch_dir=str(tmp_path / "scratch")), "test")  # fmt: skip
+    engine.start()
+    engine.save_state(step=1, epoch=0, state={"w": torch.ones(8)}, reason="steps")
+    assert engine.wait_for_commit(timeout=60)
+    faulty = FaultyFileSystem(engine.store.fs)
+    faulty.permanent = True
+    engine.store.fs = faulty
+    engine.save_state(step=2, epoch=0, state={"w": torch.ones(8) * 2}, reason="end")
+    with pytest.raises(PersistError, match="step 2"):
+        engine.finish()
+    record(FAULTS, faulty.injected)

@@ -89,7 +89,9 @@ def test_a_fresh_lock_whose_owner_stopped_beating_is_taken_over_after_the_stale_
     with caplog.at_level(logging.WARNING, logger="spot_callbacks"):
         engine.start()  # waits for the heartbeat to go stale instead of failing the restart
     assert "waiting up to 2s" in caplog.text and "taking over the run lock" in caplog.text
-    assert RunLock(CheckpointStore(url, storage_options=options)).holder()["run_id"] == engine._lock.run_id
+    assert (
+        RunLock(CheckpointStore(url, storage_options=options)).holder()["run_id"] == engine.lease.lock.run_id
+    )
     engine.finish()
 
 
@@ -100,7 +102,7 @@ def test_the_lock_is_held_while_training_and_released_at_finish(lock_target) -> 
     holder = RunLock(CheckpointStore(url, storage_options=options)).holder()
     assert (
         holder is not None
-        and holder["run_id"] == first._lock.run_id
+        and holder["run_id"] == first.lease.lock.run_id
         and holder["host"] == socket.gethostname()
     )
     first.save_state(step=1, epoch=0, state={"w": torch.ones(2)}, reason="steps")
@@ -126,7 +128,7 @@ def test_a_lock_left_by_a_killed_process_on_this_host_is_taken_over_at_once(tmp_
     _write_foreign_lock(url, {}, host=socket.gethostname(), pid=int(dead.stdout))  # fresh heartbeat, dead pid
     engine = _engine(url, {})
     engine.start()  # the resume after a kill -9 on the same machine is not blocked
-    assert RunLock(CheckpointStore(url)).holder()["run_id"] == engine._lock.run_id
+    assert RunLock(CheckpointStore(url)).holder()["run_id"] == engine.lease.lock.run_id
     engine.finish()
 
 

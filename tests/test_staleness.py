@@ -56,8 +56,9 @@ def save(engine: SpotEngine, step: int) -> None:
 
 
 def test_failing_uploads_warn_once_per_episode_naming_the_error(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("SPOT_STRICT", "1")  # every failed checkpoint fails the end, not only the newest
     caplog.set_level(logging.WARNING, logger="spot_callbacks")
     engine, faulty, clock = engine_with_clock(tmp_path)
     engine.start()
@@ -101,8 +102,8 @@ def test_uploads_slower_than_the_interval_warn_with_the_persist_time_and_a_longe
 ) -> None:
     caplog.set_level(logging.WARNING, logger="spot_callbacks")
     engine, faulty, clock = engine_with_clock(tmp_path)
-    faulty.gate = threading.Event()
     engine.start()
+    faulty.gate = threading.Event()  # after the start: the preflight's probe is not held
     try:
         save(engine, 1)
         assert faulty.held.wait(timeout=30)  # step 1 is uploading, held at the gate

@@ -2,6 +2,9 @@
 
 ``SIGTERM`` comes from Kubernetes, SLURM's preemption and a cloud's shutdown; ``SIGUSR1`` from
 SLURM's ``--signal`` before a time limit. Either leaves :func:`signal_grace_s` before SIGKILL.
+``SIGINT`` (Ctrl-C) is a notice without a deadline the first time: the last completed step is
+checkpointed and committed, then training stops; the second time it is what it was before
+(``KeyboardInterrupt``): stop now.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ log = logging.getLogger("spot_callbacks")
 
 # Kubernetes' default terminationGracePeriodSeconds; SLURM and clouds give as much or more.
 DEFAULT_SIGNAL_GRACE_S = 30.0
-SIGNAL_SOURCES = ("SIGTERM", "SIGUSR1")
+GRACE_SIGNALS = ("SIGTERM", "SIGUSR1")  # SIGKILL follows them after the grace period
+SIGNAL_SOURCES = (*GRACE_SIGNALS, "SIGINT")
 
 
 def signal_grace_s() -> float:
@@ -57,6 +61,7 @@ class ChainedSignalHandlers:
 
     def __init__(self, on_notice: Callable[[Notice], None]) -> None:
         self.on_notice = on_notice
+        self.interrupts = 0  # Ctrl-C presses since the last reset_interrupts()
         self._previous: dict[int, Any] = {}
         self._handlers: dict[int, Any] = {}
 
@@ -68,6 +73,8 @@ class ChainedSignalHandlers:
         if signum in self._previous:  # installed twice: keep chaining to the original handler
             return
         previous = signal.getsignal(signum)
+        if signum == signal.SIGINT and previous is signal.SIG_IGN:
+            return  # Ctrl-C is ignored in this process (a launcher's choice): keep it so
         self._previous[signum] = previous
 
         def handler(received: int, frame: FrameType | None) -> None:
@@ -75,8 +82,33 @@ class ChainedSignalHandlers:
             if callable(previous):
                 previous(received, frame)
 
-        self._handlers[signum] = handler
-        signal.signal(signum, handler)
+        self._handlers[signum] = self._on_interrupt(previous) if signum == signal.SIGINT else handler
+        signal.signal(signum, self._handlers[signum])
+
+    def _on_interrupt(self, previous: Any) -> Callable[[int, FrameType | None], None]:
+        """The Ctrl-C handler: the first is a notice without deadline, the second stops now (as before)."""
+
+        def handler(received: int, frame: FrameType | None) -> None:
+            self.interrupts += 1
+            if self.interrupts == 1:
+                log.warning(
+                    "spot_callbacks: Ctrl-C: checkpointing the last completed step, then stopping once it "
+                    "is committed (as long as the upload takes); press Ctrl-C again to stop at once"
+                )
+                self.on_notice(Notice("SIGINT", None, "Ctrl-C"))
+                return
+            log.warning(
+                "spot_callbacks: second Ctrl-C: stopping at once, not waiting for uploads; the newest "
+                "committed checkpoint stays the resume point"
+            )
+            if callable(previous):
+                previous(received, frame)
+            raise KeyboardInterrupt
+
+        return handler
+
+    def reset_interrupts(self) -> None:
+        self.interrupts = 0
 
     def reassert(self) -> None:
         """Put our handlers back in front after a framework replaced them with its own.

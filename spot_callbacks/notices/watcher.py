@@ -39,7 +39,7 @@ def resolve_sources(preemption: str | list[str]) -> list[str]:
     if preemption == "auto":
         # SLURM sends the signal chosen with --signal (SIGUSR1 by convention) before its time limit.
         signals = ["SIGTERM", "SIGUSR1"] if os.environ.get("SLURM_JOB_ID") else ["SIGTERM"]
-        return [*signals, *CLOUD_SOURCES]
+        return [*signals, "SIGINT", *CLOUD_SOURCES]  # Ctrl-C: a graceful stop, the second one at once
     return list(preemption)
 
 
@@ -98,6 +98,12 @@ class PreemptionWatcher:
         with self._lock:
             self._notice = None
             self._noticed.clear()
+        self._signals.reset_interrupts()
+
+    @property
+    def interrupted_twice(self) -> bool:
+        """Ctrl-C was pressed a second time: stop now, wait for nothing."""
+        return self._signals.interrupts >= 2
 
     def report(self, notice: Notice) -> None:
         """Record a notice (first one wins until :meth:`clear`)."""

@@ -21,7 +21,7 @@ from typing import Protocol, TypeVar, runtime_checkable
 from spot_callbacks.errors import PersistError
 from spot_callbacks.persist.emergency import EmergencyPlan, plan_emergency
 from spot_callbacks.persist.pipeline import Persister, PersistJob
-from spot_callbacks.persist.scratch import default_scratch_root, folder_bytes
+from spot_callbacks.persist.scratch import default_scratch_root, folder_bytes, private_scratch_root
 from spot_callbacks.persist.tracking import PersistRecord, StepTracker
 
 JobT_contra = TypeVar("JobT_contra", contravariant=True)
@@ -78,4 +78,5 @@ __all__ = [
     "default_scratch_root",
     "folder_bytes",
     "plan_emergency",
+    "private_scratch_root",
 ]

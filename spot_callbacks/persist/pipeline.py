@@ -22,11 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from spot_callbacks.persist.emergency import measured_bytes_per_s, plan_emergency
-from spot_callbacks.persist.scratch import NewestCommittedFolder, discard_folder, folder_bytes
+from spot_callbacks.persist.scratch import NewestCommittedFolder, discard_folder, folder_bytes, prune_scratch
 from spot_callbacks.persist.tracking import CheckpointJob, Outcome, PersistRecord, StepTracker
 from spot_callbacks.store import MANIFEST_NAME, CheckpointStore
 from spot_callbacks.store.checksums import FileDigest
 from spot_callbacks.store.commit import settle_commit
+from spot_callbacks.store.transfer import write_local_atomically
 
 log = logging.getLogger("spot_callbacks")
 
@@ -59,6 +60,8 @@ class Persister(StepTracker):
         keep_last: committed checkpoints kept by retention after each commit (0 keeps all).
         keep_local_copy: keep the newest committed folder on local disk (with its manifest), so
             a restart on the same machine skips the download.
+        scratch_root: the run's scratch folder; after each commit and failure its step folders
+            are pruned to what a restart here needs (see :func:`~spot_callbacks.persist.scratch.prune_scratch`).
 
     Example:
         >>> import tempfile, pathlib
@@ -74,11 +77,21 @@ class Persister(StepTracker):
         True
     """
 
-    def __init__(self, store: CheckpointStore, keep_last: int = 3, keep_local_copy: bool = True) -> None:
+    def __init__(
+        self,
+        store: CheckpointStore,
+        keep_last: int = 3,
+        keep_local_copy: bool = True,
+        scratch_root: Path | None = None,
+    ) -> None:
         super().__init__()
         self.store = store
         self.keep_last = keep_last
         self.keep_local_copy = keep_local_copy
+        self.scratch_root = scratch_root
+        self._local_dirs: dict[int, Path] = {}  # step -> its scratch folder, to keep while in flight
+        self._newest_failed: Path | None = None  # the newest failed copy this run kept in scratch
+        self._newest_failed_step = -1
         self._to_upload: PersistJob | None = None
         self._busy_uploading: PersistJob | None = None
         self._busy_since = 0.0
@@ -98,6 +111,7 @@ class Persister(StepTracker):
             if self._closed:
                 raise RuntimeError("this Persister is closed; create a new one")
             self._to_write.append(job)
+            self._local_dirs[job.step] = job.local_dir
             if job.deadline is not None:
                 self._make_urgent(job)
             self._cond.notify_all()
@@ -121,10 +135,11 @@ class Persister(StepTracker):
         return not (self._not_written() or self._to_upload or self._busy_uploading or self._alongside)
 
     def _join_workers(self) -> None:
-        self._writer.join()
-        self._uploader.join()
-        for thread in list(self._alongside.values()):
+        for thread in self.worker_threads():
             thread.join()
+
+    def worker_threads(self) -> list[threading.Thread]:
+        return [self._writer, self._uploader, *list(self._alongside.values())]
 
     # ------------------------------------------------------------- writing
     def _write_loop(self) -> None:
@@ -271,6 +286,7 @@ class Persister(StepTracker):
                 settle_commit(self.store, info, self.keep_last, job.deadline)
             return
         self._keep_local(job)
+        self._prune_scratch(job)
         settle_commit(self.store, info, self.keep_last, job.deadline)
 
     def _keep_local(self, job: PersistJob) -> None:
@@ -282,9 +298,23 @@ class Persister(StepTracker):
             return
         try:
             manifest = self.store.fs.cat_file(f"{self.store.step_path(job.step)}/{MANIFEST_NAME}")
-            (job.local_dir / MANIFEST_NAME).write_bytes(manifest)
+            write_local_atomically(job.local_dir / MANIFEST_NAME, manifest)
         except Exception:  # noqa: BLE001 - the local copy is an optimisation only
             self._kept.drop()
 
     def _fail(self, job: PersistJob, err: BaseException) -> None:
         self._record_failure(job.step, self.store.step_url(job.step), err, job.local_dir)
+        if folder_bytes(job.local_dir) and job.step >= self._newest_failed_step:
+            self._newest_failed, self._newest_failed_step = job.local_dir, job.step
+        self._prune_scratch(job)
+
+    def _prune_scratch(self, job: PersistJob) -> None:
+        """Bound scratch after a commit or failure in it: see :func:`prune_scratch`."""
+        if self.scratch_root is None or not job.owns_local_dir or job.local_dir.parent != self.scratch_root:
+            return
+        with self._cond:
+            in_flight = [path for step, path in self._local_dirs.items() if step not in self._outcomes]
+        try:
+            prune_scratch(self.scratch_root, in_flight, self._newest_failed)
+        except OSError as err:  # bounding scratch must never fail a checkpoint
+            log.warning("spot_callbacks: could not prune the scratch folder %s: %s", self.scratch_root, err)

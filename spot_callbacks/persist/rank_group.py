@@ -190,6 +190,9 @@ class RankGroupPersister(StepTracker, ABC, Generic[JobT]):
     def _join_workers(self) -> None:
         self._uploader.join()
 
+    def worker_threads(self) -> list[threading.Thread]:
+        return [self._uploader]
+
     def _mark_ready(self, job: JobT) -> None:
         """Lock held: ``job``'s files are in its folder; it waits for a round (or fails: the group is broken)."""
         if self._broken is not None:

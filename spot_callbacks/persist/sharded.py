@@ -34,6 +34,7 @@ from spot_callbacks.persist.rank_group import RankGroup, RankGroupPersister
 from spot_callbacks.persist.scratch import discard_folder
 from spot_callbacks.persist.tracking import CheckpointJob
 from spot_callbacks.store import CheckpointStore, step_dirname
+from spot_callbacks.store.transfer import write_local_atomically
 
 META_FILE = "meta.pt"  # the non-tensor rest of the checkpoint (Lightning's _METADATA_FILENAME)
 
@@ -235,6 +236,9 @@ class ShardedPersister(RankGroupPersister[ShardedJob]):
         super()._join_workers()
         self.stager.close()  # the staging buffers go with the workers
 
+    def worker_threads(self) -> list[threading.Thread]:
+        return [self._writer, *super().worker_threads()]
+
     # ------------------------------------------------------------- writing
     def _write_loop(self) -> None:
         while (job := self._start_writing()) is not None:
@@ -286,7 +290,7 @@ class ShardedPersister(RankGroupPersister[ShardedJob]):
     @staticmethod
     def _write_meta(job: ShardedJob) -> None:
         if job.meta is not None:
-            (job.local_dir / META_FILE).write_bytes(job.meta)
+            write_local_atomically(job.local_dir / META_FILE, job.meta)
 
 
 def _tensor_bytes(state: Any) -> int:

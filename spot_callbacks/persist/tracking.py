@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from spot_callbacks.errors import PersistError
+from spot_callbacks.persist.exit_guard import guard
 from spot_callbacks.store import CheckpointInfo
 
 log = logging.getLogger("spot_callbacks")
@@ -100,6 +101,7 @@ class StepTracker(ABC):
         self._busy_writing: Any = None
         self._busy_uploading: CheckpointJob | None = None
         self._closed = False
+        guard(self)  # the process never exits while a worker is inside torch.save
 
     @abstractmethod
     def _idle(self) -> bool:
@@ -108,6 +110,10 @@ class StepTracker(ABC):
     @abstractmethod
     def _join_workers(self) -> None:
         """Join the worker threads once they have stopped (after :meth:`close` finished the work)."""
+
+    def worker_threads(self) -> list[threading.Thread]:
+        """The threads doing this persister's work (joined, with a bound, when the process exits)."""
+        return []
 
     def close(self, timeout: float | None = None) -> bool:
         """Finish pending work (up to ``timeout``) and stop the workers; True if all finished."""

@@ -48,6 +48,9 @@ FORCE_ENV = "SPOT_FORCE_LOCK"
 STALE_ENV = "SPOT_LOCK_STALE_S"
 DEFAULT_STALE_S = 120.0
 HEARTBEATS_PER_STALE = 4  # a live owner refreshes several times before its lock could look stale
+# Releasing the lock is the last store call of a run: a store that does not answer must not hold
+# up the exit (SIGKILL may be seconds away); a lock left behind only goes stale.
+RELEASE_TIMEOUT_S = 10.0
 CLAIM_ATTEMPTS = 8  # each failed attempt means another run claimed the lock in between: judge it again
 
 
@@ -246,14 +249,31 @@ class RunLock:
         os.remove(aside)
         return self._claim()
 
-    def release(self) -> None:
-        """Stop the heartbeat and delete the lock if it is still ours."""
+    def release(self, timeout_s: float | None = RELEASE_TIMEOUT_S) -> None:
+        """Stop the heartbeat and delete the lock if it is still ours, within ``timeout_s``.
+
+        A store that does not answer in time leaves the lock behind (logged): it goes stale and
+        the next run takes it over, so the exit is never held up by it.
+        """
         if not self._held:
             return
         self._held = False
         self._stop.set()
+        started = time.monotonic()
         if self._thread is not None:
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=timeout_s)
+        left = None if timeout_s is None else max(timeout_s - (time.monotonic() - started), 0.0)
+        deleting = threading.Thread(target=self._delete_if_ours, name="spot-lock-release", daemon=True)
+        deleting.start()
+        deleting.join(timeout=left)
+        if deleting.is_alive():
+            log.warning(
+                "spot_callbacks: the store did not answer within %.0fs while releasing the run lock %s; "
+                "leaving it behind (it goes stale and the next run takes it over)",
+                timeout_s, self.url,
+            )  # fmt: skip
+
+    def _delete_if_ours(self) -> None:
         try:
             doc = self.holder()
             if doc is not None and doc.get("run_id") == self.run_id:

@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 from spot_callbacks.errors import CorruptCheckpointError, ManifestError
 from spot_callbacks.store.checksums import FileDigest, digest_chunks, digest_local_file, read_blocks
@@ -57,20 +57,10 @@ def call_in_time(retry: RetryPolicy, fn: Callable[[], T], timeout_s: float | Non
 # ----------------------------------------------------------------- writing
 def put_file(fs: Any, source: str, remote: str) -> None:
     """Upload a local file to ``remote``; on the local disk, atomically (copy beside, fsync, rename)."""
-    if not is_local_fs(fs):
+    if is_local_fs(fs):
+        _replace_atomically(remote, ".part", lambda partial, handle: fs.put_file(source, partial))
+    else:
         fs.put_file(source, remote)
-        return
-    folder, base = posixpath.split(remote)
-    fs.makedirs(folder, exist_ok=True)
-    partial = posixpath.join(folder, f".{base}.{uuid.uuid4().hex[:8]}.part")
-    try:
-        fs.put_file(source, partial)
-        _fsync_file(partial)
-        os.replace(partial, remote)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(partial)
-        raise
 
 
 def put_bytes(fs: Any, path: str, raw: bytes) -> None:
@@ -82,16 +72,68 @@ def put_bytes(fs: Any, path: str, raw: bytes) -> None:
         >>> put_bytes(fs, f"{folder}/note.json", b"{}"); os.listdir(folder)
         ['note.json']
     """
-    if not is_local_fs(fs):
+    if is_local_fs(fs):
+        _replace_atomically(path, ".tmp", lambda partial, handle: fs.pipe_file(partial, raw))
+    else:
         fs.pipe_file(path, raw)
-        return
+
+
+def write_local_atomically(path: Path, raw: bytes) -> None:
+    """Write ``raw`` to the local ``path`` whole or not at all: a new temporary beside it, fsynced, renamed.
+
+    A link planted at ``path`` is replaced, never written through.
+
+    Example:
+        >>> import tempfile
+        >>> target = Path(tempfile.mkdtemp()) / "manifest.json"
+        >>> write_local_atomically(target, b"{}"); target.read_bytes()
+        b'{}'
+    """
+    _replace_atomically(os.fspath(path), ".tmp", lambda partial, handle: handle.write(raw))
+
+
+# A new file only: an existing name, a planted symbolic link included, is never opened or followed.
+_NEW_FILE_FLAGS = (
+    os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+)
+_TEMPORARY_NAME_TRIES = 8
+
+
+def open_new_temporary(folder: str, base: str, suffix: str) -> tuple[str, BinaryIO]:
+    """A hidden temporary beside ``base`` that did not exist before (``O_EXCL | O_NOFOLLOW``): its path, open.
+
+    A name already taken (by a link someone planted, say) is skipped for another random one.
+
+    Example:
+        >>> import tempfile
+        >>> path, handle = open_new_temporary(tempfile.mkdtemp(), "a.bin", ".tmp"); handle.close()
+        >>> os.path.basename(path).startswith(".a.bin.") and path.endswith(".tmp")
+        True
+    """
+    for _ in range(_TEMPORARY_NAME_TRIES):
+        partial = os.path.join(folder, f".{base}.{uuid.uuid4().hex[:8]}{suffix}")
+        try:
+            return partial, os.fdopen(os.open(partial, _NEW_FILE_FLAGS, 0o666), "wb")
+        except FileExistsError:
+            continue
+    raise FileExistsError(
+        f"no free temporary name beside {os.path.join(folder, base)} after {_TEMPORARY_NAME_TRIES} tries"
+    )
+
+
+def _replace_atomically(path: str, suffix: str, write: Callable[[str, BinaryIO], object]) -> None:
+    """Create a new temporary beside ``path``, ``write(temporary, handle)`` it (through the handle or the
+    filesystem's own call on its path), check it is still the file created, fsync, rename, fsync the folder."""
     folder, base = os.path.split(path)
     os.makedirs(folder, exist_ok=True)
-    partial = os.path.join(folder, f".{base}.{uuid.uuid4().hex[:8]}.tmp")
+    partial, handle = open_new_temporary(folder, base, suffix)
     try:
-        with open(partial, "wb") as handle:
-            handle.write(raw)
+        with handle:
+            write(partial, handle)
             handle.flush()
+            created, now = os.fstat(handle.fileno()), os.lstat(partial)
+            if (created.st_dev, created.st_ino) != (now.st_dev, now.st_ino):
+                raise OSError(f"{partial} was replaced while it was written; not renaming it to {base}")
             os.fsync(handle.fileno())
         os.replace(partial, path)
     except BaseException:
@@ -266,11 +308,6 @@ def local_copy_matches(info: CheckpointInfo, folder: Path) -> bool:
         if not path.is_file() or path.stat().st_size != digest.size or digest_local_file(path) != digest:
             return False
     return True
-
-
-def _fsync_file(path: str) -> None:
-    with open(path, "rb") as handle:
-        os.fsync(handle.fileno())
 
 
 def _fsync_dir(path: str) -> None:

@@ -13,7 +13,13 @@ import time
 from datetime import datetime, timezone
 from typing import Any, Protocol
 
-from spot_callbacks.notices import Notice, PreemptionWatcher
+from spot_callbacks.notices import (
+    GRACE_SIGNALS,
+    PREEMPTED_EXIT_CODE,
+    Notice,
+    PreemptionWatcher,
+    signal_grace_s,
+)
 
 log = logging.getLogger("spot_callbacks")
 
@@ -27,6 +33,12 @@ class Waitable(Protocol):
     def expedite(self, step: int, deadline: float) -> None: ...
     def wait_for_step(self, step: int, timeout: float | None = None) -> bool: ...
     def wait(self, timeout: float | None = None) -> bool: ...
+    @property
+    def idle(self) -> bool: ...
+
+
+# How often the wait at the end of training looks for a notice that arrived meanwhile.
+NOTICE_CHECK_S = 0.2
 
 
 def time_left_s(notice: Notice | None, timeout: float | None = None) -> float | None:
@@ -62,9 +74,19 @@ class Emergency:
         self.watcher = watcher
         self.agreed: Notice | None = None  # the notice every rank agreed on
         self.committed_step: int | None = None  # its checkpoint's step, once committed
+        self._said_steps: set[int] = set()  # emergency outcomes logged: each once
+        self.noticed_at_exit: Notice | None = None  # a notice that came while the last uploads finished
 
     def agree(self, notice: Notice) -> None:
         self.agreed = notice
+
+    def wait_limit(self, notice: Notice | None, timeout: float | None) -> float | None:
+        """How long a wait for a commit may take: :func:`time_left_s`, or nothing after a second Ctrl-C."""
+        return 0.0 if self.watcher.interrupted_twice else time_left_s(notice, timeout)
+
+    def agreed_at_a_step(self) -> bool:
+        """An emergency is under way: every rank agreed on the notice at a step boundary."""
+        return self.agreed is not None and self.watcher.notice is not None
 
     def active_notice(self) -> Notice | None:
         if self.watcher.notice is None:  # cleared: training went on after the emergency
@@ -102,12 +124,79 @@ class Emergency:
         started = time.perf_counter()
         if notice.deadline is not None:
             persister.expedite(step, notice.deadline - EXIT_MARGIN_S)
+        if say and step not in self._said_steps and timeout != 0 and not persister.wait_for_step(step, 0):
+            log.warning(
+                "spot_callbacks: waiting for the emergency checkpoint of step %d to commit (%s)", step,
+                f"at most {timeout:.1f}s" if timeout is not None else "no deadline; Ctrl-C again stops at once",
+            )  # fmt: skip
         committed = persister.wait_for_step(step, timeout=timeout)
-        if self.committed_step != step and say:
+        if say and step not in self._said_steps:
+            self._said_steps.add(step)
             _log_outcome(step, notice, committed, time.perf_counter() - started)
         if committed:
             self.committed_step = step
         return committed
+
+    def wait_at_exit(self, persister: Waitable, step: int | None, timeout: float | None, say: bool) -> bool:
+        """Wait for every upload at the end of training, up to ``timeout``, still handling notices.
+
+        A notice arriving meanwhile makes the last checkpoint an emergency one: it goes ahead of
+        older uploads and is waited for until the notice's deadline less the exit margin (then
+        :attr:`noticed_at_exit` is set: the run stops as preempted). ``say``: log what is waited for.
+        """
+        if persister.idle:
+            return True
+        if say and self.watcher.notice is None:
+            limit = (
+                f"at most {timeout:.0f}s"
+                if timeout is not None
+                else "no limit but the store's upload timeouts"
+            )
+            log.info(
+                "spot_callbacks: waiting for the upload of the checkpoint of step %s to commit (%s); a "
+                "preemption notice or Ctrl-C meanwhile makes it an emergency with that notice's deadline",
+                step, limit,
+            )  # fmt: skip
+        ends = None if timeout is None else time.monotonic() + timeout
+        finished = False
+        while self.watcher.notice is None and not finished:
+            left = None if ends is None else ends - time.monotonic()
+            finished = persister.wait(
+                timeout=NOTICE_CHECK_S if left is None else max(min(left, NOTICE_CHECK_S), 0)
+            )
+            if not finished and left is not None and left <= NOTICE_CHECK_S:
+                return False
+        notice = self.watcher.notice
+        if notice is None:
+            return True
+        self.agree(notice)
+        self.noticed_at_exit = notice  # the run stops as preempted, whether the upload made it or not
+        if finished:
+            return True
+        wait_s = time_left_s(notice, None if ends is None else ends - time.monotonic())
+        if say:
+            log.warning(
+                "spot_callbacks: %s notice while the last checkpoint uploads: step %s goes first; waiting %s",
+                notice.source, step, f"at most {wait_s:.1f}s (its deadline less {EXIT_MARGIN_S:.0f}s to exit)"
+                if wait_s is not None else "until it commits (the notice has no deadline)",
+            )  # fmt: skip
+        if step is None:
+            return persister.wait(timeout=wait_s)
+        self.wait_for_checkpoint(persister, step, notice, wait_s, say)
+        return persister.wait(timeout=0)
+
+    def exit_if_noticed_at_exit(self) -> None:
+        """A notice came while the last uploads finished: the run stops as preempted (``SystemExit(143)``),
+        the clouds that ask (Azure) told first."""
+        notice = self.noticed_at_exit
+        if notice is None:
+            return
+        self.watcher.acknowledge()
+        log.warning(
+            "spot_callbacks: stopping as preempted (%s at the end of training): exit %d",
+            notice.source, PREEMPTED_EXIT_CODE,
+        )  # fmt: skip
+        raise SystemExit(PREEMPTED_EXIT_CODE)
 
     def closing_timeout(self, persister: Waitable, step: int | None) -> float | None:
         """How long closing the persister may wait at the end: until the deadline, or not at all once
@@ -120,6 +209,20 @@ class Emergency:
         return time_left_s(notice)
 
 
+def warn_if_grace_too_short(sources: list[str]) -> None:
+    """At start: a signal's grace (``$SPOT_SIGNAL_GRACE_S``) at or below the exit margin leaves no
+    time for an emergency checkpoint; say so while it can still be changed."""
+    grace_s = signal_grace_s()
+    watched = [name for name in sources if name in GRACE_SIGNALS]
+    if watched and grace_s <= EXIT_MARGIN_S:
+        log.warning(
+            "spot_callbacks: SPOT_SIGNAL_GRACE_S=%g leaves no time for an emergency checkpoint after %s: "
+            "%.0fs of it are kept to exit; set it to the real grace period (Kubernetes: "
+            "terminationGracePeriodSeconds, default 30)",
+            grace_s, "/".join(watched), EXIT_MARGIN_S,
+        )  # fmt: skip
+
+
 def _log_outcome(step: int, notice: Notice, committed: bool, waited_s: float) -> None:
     since_notice_s = time.time() - notice.received_at
     left = notice.seconds_left()
@@ -129,6 +232,11 @@ def _log_outcome(step: int, notice: Notice, committed: bool, waited_s: float) ->
             waited_s, step, since_notice_s, notice.source,
             f", {left:.1f}s left before the deadline" if left is not None else "",
         )  # fmt: skip
+        if notice.source == "SIGINT":
+            log.warning(
+                "spot_callbacks: stopping after Ctrl-C: step %d is committed; run the same command again "
+                "to resume from it", step,
+            )  # fmt: skip
     else:
         log.error(
             "spot_callbacks: the emergency checkpoint of step %d did not commit before the deadline "

@@ -5,7 +5,9 @@
 - at the end of training (:func:`end_reason`): a last checkpoint unless this step has one;
 - on an exception (:func:`on_exception`): only between batches and only past the step resumed
   from (behind it the resume itself failed, and the model is not that run's);
-- after an emergency checkpoint (:func:`after_emergency`): stop or continue.
+- after an emergency checkpoint (:func:`after_emergency`): stop or continue;
+- at the end, of the checkpoints that failed (:func:`end_verdict`): only the newest state counts,
+  unless ``SPOT_STRICT=1``.
 
 The engine feeds these the agreed flags and does what they answer; the adapters only translate
 the answer into their framework's terms.
@@ -14,11 +16,15 @@ the answer into their framework's terms.
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass
 
+from spot_callbacks.errors import PersistError
 from spot_callbacks.notices import Notice
 
 FAILURE_CONTINUES = "training continues, the last committed checkpoint stands"
+# Set to 1: any checkpoint that could not be persisted fails the run at its end, not only the newest.
+STRICT_ENV = "SPOT_STRICT"
 
 
 class Act(enum.Enum):
@@ -174,14 +180,20 @@ def on_exception(
     return ExceptionAction(step > (last_saved_step if last_saved_step is not None else 0))
 
 
-def after_emergency(on_preemption: str) -> AfterEmergency:
+def after_emergency(on_preemption: str, notice: Notice | None = None) -> AfterEmergency:
     """Once the emergency checkpoint is waited for: stop training gracefully, or keep going.
+
+    Ctrl-C (a ``SIGINT`` notice) always stops: a person asked for it.
 
     Example:
         >>> after_emergency("stop"), after_emergency("continue")
         (<AfterEmergency.STOP: 'stop'>, <AfterEmergency.CONTINUE: 'continue'>)
+        >>> after_emergency("continue", Notice("SIGINT", None, "Ctrl-C"))
+        <AfterEmergency.STOP: 'stop'>
     """
-    return AfterEmergency.STOP if on_preemption == "stop" else AfterEmergency.CONTINUE
+    if on_preemption == "stop" or (notice is not None and notice.source == "SIGINT"):
+        return AfterEmergency.STOP
+    return AfterEmergency.CONTINUE
 
 
 def failure_line(failure: BaseException) -> str:
@@ -192,3 +204,48 @@ def failure_line(failure: BaseException) -> str:
         'bucket gone; training continues, the last committed checkpoint stands'
     """
     return f"{failure}; {FAILURE_CONTINUES}"
+
+
+@dataclass(frozen=True)
+class EndVerdict:
+    """What the failed checkpoints of a run mean at its end: an error to raise, or a line to log.
+
+    Example:
+        >>> EndVerdict().error is None and EndVerdict().line is None
+        True
+    """
+
+    error: PersistError | None = None
+    line: str | None = None
+
+
+def end_verdict(
+    failures: list[PersistError], newest_committed_step: int | None, strict: bool | None = None
+) -> EndVerdict:
+    """At the end what matters is whether the newest state is durable.
+
+    The run fails (the newest failure is raised) when a checkpoint newer than the newest commit
+    failed, or any did and ``strict`` (default ``$SPOT_STRICT=1``); otherwise the dropped ones are said.
+
+    Example:
+        >>> late = PersistError(8, "memory://run/step-8", OSError("SlowDown"), None)
+        >>> early = PersistError(4, "memory://run/step-4", OSError("SlowDown"), None)
+        >>> end_verdict([early], 8).line
+        'the newest state (step 8) is committed; 1 earlier checkpoint could not be persisted and was dropped (step 4)'
+        >>> end_verdict([early, late], 6).error is late, end_verdict([early], 8, strict=True).error is early
+        (True, True)
+    """
+    if not failures:
+        return EndVerdict()
+    if strict is None:
+        strict = os.environ.get(STRICT_ENV, "") not in ("", "0")
+    newest_failure = max(failures, key=lambda failure: failure.step)
+    if strict or newest_committed_step is None or newest_failure.step >= newest_committed_step:
+        return EndVerdict(error=failures[-1])
+    steps = sorted({failure.step for failure in failures})
+    count = f"{len(steps)} earlier checkpoint{'s' if len(steps) > 1 else ''}"
+    return EndVerdict(
+        line=f"the newest state (step {newest_committed_step}) is committed; {count} could not be "
+        f"persisted and {'were' if len(steps) > 1 else 'was'} dropped (step{'s' if len(steps) > 1 else ''} "
+        f"{', '.join(map(str, steps))})"
+    )

@@ -1,0 +1,102 @@
+"""The process exit while a persister's worker is still busy: bounded, and never inside ``torch.save``.
+
+Python stops daemon threads where they stand when the interpreter finalises; a writer thread
+inside ``torch.save`` (C++) then aborts the process (SIGABRT/SIGSEGV, exit 134/139) instead of
+the 143 a preempted run exits with. At exit, the busy workers of every open persister are given
+until the armed deadline to park; one still busy then ends the process at once, with the armed
+exit code, logs flushed, before finalisation can reach it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import threading
+import time
+import weakref
+from typing import Any
+
+log = logging.getLogger("spot_callbacks")
+
+# How long an exit that nobody armed waits for busy workers (a plain end of the script).
+UNARMED_EXIT_WAIT_S = 10.0
+# Kept back from an armed deadline for the exit itself (flushing the logs, the process going away).
+EXIT_SLACK_S = 1.0
+
+PREEMPTED_EXIT_CODE = 143  # notices.PREEMPTED_EXIT_CODE: stopped to be resumed
+INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT: the second Ctrl-C
+
+_open: weakref.WeakSet[Any] = weakref.WeakSet()
+_armed: dict[str, Any] = {}  # "deadline" (epoch seconds), "code": set by arm()
+_registered = threading.Lock()
+_installed = False
+
+
+def guard(persister: Any) -> None:
+    """Watch ``persister`` (its ``idle`` and ``worker_threads()``) at the exit of this process."""
+    global _installed
+    with _registered:
+        if not _installed:
+            atexit.register(park_workers_at_exit)
+            _installed = True
+    _open.add(persister)
+
+
+def arm(deadline: float | None, exit_code: int) -> None:
+    """The process is to exit with ``exit_code`` by ``deadline`` (epoch seconds; None: no limit but
+    :data:`UNARMED_EXIT_WAIT_S`), a busy worker or not."""
+    _armed.update(deadline=deadline, code=exit_code)
+
+
+def arm_for(notice: Any, stops: bool, stop_now: bool) -> None:
+    """Arm the exit of a run that stops: by the deadline of a ``notice`` that ``stops`` it, with 143,
+    or at once with 130 after a second Ctrl-C (``stop_now``)."""
+    if stop_now:
+        arm(time.time(), INTERRUPTED_EXIT_CODE)
+    elif notice is not None and stops:
+        arm(notice.deadline, PREEMPTED_EXIT_CODE)
+
+
+def busy_workers() -> list[threading.Thread]:
+    """The live worker threads of the persisters that still have work."""
+    return [
+        thread
+        for persister in list(_open)
+        if not persister.idle
+        for thread in persister.worker_threads()
+        if thread.is_alive()
+    ]
+
+
+def park_workers_at_exit() -> None:
+    """At interpreter exit: wait (bounded) for busy workers; if one is still busy, ``os._exit`` now.
+
+    Example:
+        >>> park_workers_at_exit()  # nothing busy: returns at once
+    """
+    busy = busy_workers()
+    if not busy:
+        return
+    armed = _armed.get("deadline")
+    deadline = armed - EXIT_SLACK_S if armed is not None else time.time() + UNARMED_EXIT_WAIT_S
+    names = ", ".join(sorted({thread.name for thread in busy}))
+    log.warning(
+        "spot_callbacks: exiting while %s still works; waiting at most %.1fs for it to finish",
+        names, max(deadline - time.time(), 0.0),
+    )  # fmt: skip
+    for thread in busy:
+        thread.join(max(deadline - time.time(), 0.0))
+    if not any(thread.is_alive() for thread in busy) or "code" not in _armed:
+        return
+    log.error(
+        "spot_callbacks: %s did not finish in time; exiting with %d now, the newest committed "
+        "checkpoint stays the resume point",
+        names, _armed["code"],
+    )  # fmt: skip
+    for handler in logging.getLogger().handlers + log.handlers:
+        handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_armed["code"])
