@@ -308,15 +308,16 @@ class SpotEngine:
             log.info("%s", self.cost_summary())
 
     # --------------------------------------------------------- resuming
-    def pull_latest(self, dest: Callable[[int], Path] | None = None) -> Path | None:
-        """Resolve the newest committed checkpoint, pull it once per node, return its local folder.
+    def pull_latest(self, dest: Callable[[int], Path] | None = None, check: Any = None) -> Path | None:
+        """Resolve the newest committed checkpoint, pull it once per node, return its local folder
+        (``check``: the framework's loadability check, see :func:`resume.pull_newest_valid`).
 
         Every rank gets the same answer (rank 0 decides); ``None`` when nothing is committed.
         ``dest(step)`` names the local folder (default: ``step-N`` in scratch); a folder that
         already holds exactly this checkpoint is not downloaded again.
         """
         in_scratch = lambda step: self.scratch_root / step_dirname(step)  # noqa: E731
-        resumed = pull_latest(self.store, dest or in_scratch, rank(), local_rank())
+        resumed = pull_latest(self.store, dest or in_scratch, rank(), local_rank(), check)
         if resumed is None:
             return None
         self.resumed = resumed

@@ -104,7 +104,7 @@ class _SpotCheckpointHooks:
         self.engine.start()
 
     def _resolve_latest(self) -> str | None:
-        if self.engine.pull_latest() is None:
+        if self.engine.pull_latest(check=compat.check_loadable) is None:
             return None
         return compat.path_to_load(self._trainer, self.engine.resumed, STATE_FILE)
 

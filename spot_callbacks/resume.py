@@ -32,8 +32,16 @@ class ResumeInfo:
     pulled_at: float = 0.0  # time.perf_counter() when the pull ended: the load is timed from here
 
 
-def pull_newest_valid(store: CheckpointStore, folder_for: Callable[[int], Path]) -> CheckpointInfo | None:
+def pull_newest_valid(
+    store: CheckpointStore,
+    folder_for: Callable[[int], Path],
+    check: Callable[[Path, CheckpointInfo], None] | None = None,
+) -> CheckpointInfo | None:
     """Pull the newest checkpoint that downloads intact; a damaged one is skipped for the previous.
+
+    ``check(folder, info)``, the framework's, raises :class:`~spot_callbacks.errors.CorruptCheckpointError`
+    for a payload it cannot load (a truncated file behind a matching manifest, another kind of
+    file): that is damage too.
 
     Example:
         >>> import tempfile
@@ -44,6 +52,8 @@ def pull_newest_valid(store: CheckpointStore, folder_for: Callable[[int], Path])
     while candidate is not None:
         try:
             store.pull(candidate.step, folder_for(candidate.step))
+            if check is not None:
+                check(folder_for(candidate.step), candidate)
             return candidate
         except DAMAGE_ERRORS as err:  # deleted since the listing included: damaged, never the user's error
             log.warning("%s", damaged_message(candidate.url, str(err) or type(err).__name__))
@@ -55,14 +65,18 @@ def pull_newest_valid(store: CheckpointStore, folder_for: Callable[[int], Path])
 
 
 def pull_latest(
-    store: CheckpointStore, folder_for: Callable[[int], Path], rank: int, local_rank: int
+    store: CheckpointStore,
+    folder_for: Callable[[int], Path],
+    rank: int,
+    local_rank: int,
+    check: Callable[[Path, CheckpointInfo], None] | None = None,
 ) -> ResumeInfo | None:
     """The newest valid checkpoint, pulled on every node into ``folder_for(step)`` (collective).
 
     Every rank gets the same answer (rank 0 decides); ``None`` when nothing is committed.
     """
     started = time.perf_counter()
-    info = pull_newest_valid(store, folder_for) if rank == 0 else None
+    info = pull_newest_valid(store, folder_for, check) if rank == 0 else None
     info = broadcast_object(info)
     say = log.info if rank == 0 else log.debug  # once per run, not once per rank
     if info is None:

@@ -198,3 +198,37 @@ def test_a_checkpoint_cannot_set_environment_variables_on_resume(run, tmp_path, 
     # The damaged clock values were dropped, not used: the run trained and ended with a checkpoint.
     assert store.latest().step == 7
     record(DAMAGED)
+
+
+def commit_as_step_5(run: Path, tmp_path: Path, payload: bytes) -> CheckpointStore:
+    """Commit ``payload`` as step 5's state file with a valid manifest (sizes and checksums match)."""
+    folder = tmp_path / "payload"
+    folder.mkdir()
+    (folder / STATE_FILE).write_bytes(payload)
+    store = CheckpointStore(str(run))
+    store.write_checkpoint(5, folder, reason="interval", framework="lightning")
+    assert store.latest().step == 5 and store.verify(5)
+    return store
+
+
+@pytest.mark.parametrize("damage", ["truncated archive", "not a Lightning checkpoint"])
+def test_a_committed_payload_that_cannot_be_loaded_falls_back_to_the_previous_checkpoint(
+    run, tmp_path, caplog, damage
+):
+    if damage == "truncated archive":
+        whole = state_path(run, 4).read_bytes()
+        payload = whole[: len(whole) // 2]
+        expected = "cannot be loaded"
+    else:
+        torch.save({"weights": torch.ones(3)}, tmp_path / "other.pt")
+        payload = (tmp_path / "other.pt").read_bytes()
+        expected = "is not a Lightning checkpoint"
+    store = commit_as_step_5(run, tmp_path, payload)
+    with caplog.at_level(logging.WARNING, logger="spot_callbacks"):
+        spot = fit(run, tmp_path / "scratch", BoringModel(), max_steps=6, ckpt_path="latest")
+    assert spot.engine.resumed.info.step == 4  # the previous valid checkpoint
+    lines = [r.getMessage() for r in caplog.records if step_dirname(5) in r.getMessage()]
+    assert any("skipping damaged checkpoint" in line and expected in line for line in lines), lines
+    assert 5 in [info.step for info in store.committed()]  # damaged, never deleted
+    assert store.latest().step == 6
+    record(DAMAGED)

@@ -30,15 +30,19 @@ import types
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from spot_callbacks.accounting.throughput import log_slow_pull
 from spot_callbacks.data_position import DataPosition, warn_if_changed
-from spot_callbacks.errors import CheckpointError, IncompatibleCheckpointError
+from spot_callbacks.errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
 from spot_callbacks.notices import Notice, signal_grace_s
 from spot_callbacks.persist.tracking import PersistRecord
 from spot_callbacks.resume import ResumeInfo
-from spot_callbacks.staging import capture_rng_state, restore_rng_state, unsafe_checkpoint_error
+from spot_callbacks.staging import STATE_FILE, capture_rng_state, restore_rng_state, unsafe_checkpoint_error
+from spot_callbacks.store import CheckpointInfo
 from spot_callbacks.store.layout import DCP_METADATA_FILE
 from spot_callbacks.trigger.collectives import gather_from_ranks, rank, world_size
 
@@ -65,6 +69,36 @@ def package_internals(pl: types.ModuleType) -> PackageInternals:
         module("trainer.states").TrainerFn.FITTING,
         module("trainer.connectors.checkpoint_connector")._CheckpointConnector,
     )
+
+
+def check_loadable(local_dir: Path, info: CheckpointInfo) -> None:
+    """Raise :class:`CorruptCheckpointError` unless the pulled state file loads as a Lightning checkpoint.
+
+    Its bytes matched the manifest, yet a truncated archive or another kind of file may have been
+    committed: the resume then falls back to the previous checkpoint instead of crashing in
+    Lightning. Memory-mapped, so no tensor is read; a pickle that safe loading refuses is left to
+    the real load, which says so (:func:`unsafe_checkpoint_error`).
+    """
+    path = local_dir / STATE_FILE
+    if (local_dir / DCP_METADATA_FILE).is_file() or not path.is_file():
+        return  # sharded: DCP checks its own metadata when the strategy loads it
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError:
+        return
+    except Exception as err:  # noqa: BLE001 - any failure to read it is damage, never the user's code
+        raise CorruptCheckpointError(
+            f"{info.url}: {STATE_FILE} cannot be loaded: {type(err).__name__}: {err}"
+        ) from err
+    missing = [
+        key
+        for key in ("state_dict", "pytorch-lightning_version")
+        if not isinstance(checkpoint, dict) or key not in checkpoint
+    ]
+    if missing:
+        raise CorruptCheckpointError(
+            f"{info.url}: {STATE_FILE} is not a Lightning checkpoint (no {', '.join(missing)})"
+        )
 
 
 def path_to_load(trainer: Any, resumed: ResumeInfo, state_file: str) -> str:
