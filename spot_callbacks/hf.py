@@ -114,13 +114,10 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
         self._args = args
         self._materialised = self.engine.pull_latest(self._checkpoint_dir)
         self._resolved_at_init = True
-        if self._materialised is not None:
-            self.engine.move_aside_uncommitted(
-                compat.local_checkpoints(args.output_dir),
-                lambda folder: folder.with_name(f"{UNCOMMITTED_PREFIX}{folder.name}"),
-            )
-        else:
-            self.engine.barrier()
+        self.engine.move_aside_uncommitted(  # only when resuming; a barrier on every rank
+            compat.local_checkpoints(args.output_dir),
+            lambda folder: folder.with_name(f"{UNCOMMITTED_PREFIX}{folder.name}"),
+        )
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._args = args
@@ -132,6 +129,7 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
         self.engine.start()
         self._staged.start(compat.running_trainer(), args, self.engine.writer.spans_nodes())
         resumed = self.engine.resumed
+        self._position = hf_saves.data_position(args, kwargs, resumed, state.global_step)
         if resumed is not None and state.global_step == resumed.info.step and state.global_step > 0:
             self.engine.load_state_dict(resumed.info.extra.get("engine", {}))
             self._metrics["spot/resume_s"] = resumed.pull_s
@@ -195,7 +193,8 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
             self._after_checkpoint(control, *self._staged.submit(self.engine.writer, self._extra(STAGED)))
 
     def _extra(self, save_path: str) -> dict[str, Any]:
-        return {"engine": self.engine.state_dict(at_checkpoint=True), "hf_save": save_path}
+        state = self.engine.state_dict(at_checkpoint=True)
+        return {"engine": state, "hf_save": save_path, "data_position": getattr(self, "_position", None)}
 
     def _after_checkpoint(self, control: Any, request: SaveRequest | None, stall_s: float | None) -> None:
         if stall_s is not None:  # persisted

@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from spot_callbacks._compat import transformers as compat
+from spot_callbacks.data_position import DataPosition, warn_if_changed
 from spot_callbacks.notices import PREEMPTED_EXIT_CODE, Notice
-from spot_callbacks.trigger.collectives import gather_from_ranks
+from spot_callbacks.trigger.collectives import gather_from_ranks, is_writer
 
 log = logging.getLogger("spot_callbacks")
 
@@ -112,3 +113,19 @@ def finish_after_last_commit(engine: Any) -> bool:
             raise
         return True
     return False
+
+
+def data_position(args: Any, event_kwargs: dict[str, Any], resumed: Any, step: int) -> dict[str, Any]:
+    """What this run's data position is counted in (for the manifest), warning once on a resume
+    whose checkpoint counted it otherwise (see :mod:`spot_callbacks.data_position`).
+    ``event_kwargs``: a Trainer event's keyword arguments (``train_dataloader`` among them)."""
+    dataset = getattr(event_kwargs.get("train_dataloader"), "dataset", None)
+    now = DataPosition(
+        batch_size=(getattr(args, "per_device_train_batch_size", None),),
+        world_size=int(getattr(args, "world_size", 1) or 1),
+        accumulate_grad_batches=int(getattr(args, "gradient_accumulation_steps", 1) or 1),
+        dataset_length=(len(dataset) if hasattr(dataset, "__len__") else None,),
+    )
+    if resumed is not None and is_writer():
+        warn_if_changed(resumed.info.extra.get("data_position"), now, f"step {step}")
+    return now.to_dict()

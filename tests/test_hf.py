@@ -435,3 +435,28 @@ def test_arguments_are_exactly_the_spot_config_fields(tmp_path: Path) -> None:
     config.write_text("dirpath: runs/exp1\nintervall: 15min\n")
     with pytest.raises(ConfigError, match="intervall.*did you mean 'interval'"):
         SpotCheckpointCallback.from_yaml(config)
+
+
+def test_a_resume_with_another_batch_size_warns_once_naming_old_and_new(tmp_path: Path, caplog) -> None:
+    url = str(tmp_path / "run")
+
+    def spot() -> SpotCheckpointCallback:
+        return SpotCheckpointCallback(dirpath=url, interval=None, every_n_steps=3, preemption=[],
+                                      scratch_dir=str(tmp_path / "scratch"))  # fmt: skip
+
+    make_trainer(tmp_path / "out-a", [spot()], max_steps=3).train()
+    info = CheckpointStore(url).latest()
+    assert info.step == 3 and info.extra["data_position"]["batch_size"] == [8]
+
+    def resume(batch_size: int) -> list[str]:
+        caplog.clear()
+        ckpt = spot()
+        trainer = make_trainer(tmp_path / f"out-{batch_size}", [ckpt], max_steps=4,
+                               per_device_train_batch_size=batch_size)  # fmt: skip
+        with caplog.at_level(logging.WARNING, logger="spot_callbacks"):
+            trainer.train(resume_from_checkpoint=ckpt.latest())
+        return [r.getMessage() for r in caplog.records if "batch size" in r.getMessage()]
+
+    assert resume(8) == []  # the same settings: nothing to say
+    (warning,) = resume(4)
+    assert "per-device batch size 8 -> 4" in warning and "not exact" in warning
