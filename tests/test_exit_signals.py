@@ -15,12 +15,19 @@ from spot_callbacks.store.runlock import LOCK_NAME
 SCRIPT = Path(__file__).parent / "scripts" / "exit_signals_run.py"
 
 
+def ctrl_c_as_in_a_terminal() -> None:
+    # A test run started in the background (`cmd &`, nohup, some CI runners) ignores SIGINT, and
+    # children inherit that; a person's terminal delivers it. The run under test is the latter.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start(tmp_path: Path, *extra: str, grace_s: float = 30.0) -> subprocess.Popen:
     env = {**os.environ, "SPOT_SIGNAL_GRACE_S": str(grace_s), "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(
         [sys.executable, str(SCRIPT), "--dirpath", str(tmp_path / "run"), "--scratch", str(tmp_path / "scratch"),
          *extra],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        preexec_fn=ctrl_c_as_in_a_terminal,
     )  # fmt: skip
 
 
