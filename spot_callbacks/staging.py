@@ -15,6 +15,7 @@ import pickle
 import random
 import threading
 import time
+import zipfile
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -23,8 +24,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from spot_callbacks.errors import UnsafeCheckpointError
+from spot_callbacks.errors import CorruptCheckpointError, UnsafeCheckpointError
 from spot_callbacks.store.checksums import ChecksumWriter, FileDigest
+from spot_callbacks.store.manifest_limits import ManifestLimits
 
 log = logging.getLogger("spot_callbacks")
 
@@ -261,6 +263,43 @@ def unsafe_checkpoint_error(
     )
 
 
+# A state file is a zip that torch.save writes uncompressed: what it unpacks to is about its size
+# on disk. More is a decompression bomb; so is a count of entries no checkpoint has.
+MAX_ARCHIVE_AMPLIFICATION = 2.0
+MAX_ARCHIVE_ENTRIES = 1_000_000
+
+
+def check_archive_bounds(path: str | os.PathLike[str]) -> None:
+    """Raise :class:`CorruptCheckpointError` before loading a state file whose archive would unpack
+    to much more than it stores, or to more than ``SPOT_CHECKPOINT_MAX_BYTES``.
+
+    Example:
+        >>> import tempfile, zipfile
+        >>> bomb = tempfile.mkdtemp() + "/state.ckpt"
+        >>> with zipfile.ZipFile(bomb, "w", zipfile.ZIP_DEFLATED) as archive:
+        ...     archive.writestr("archive/data/0", bytes(50_000_000))
+        >>> check_archive_bounds(bomb)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        spot_callbacks.errors.CorruptCheckpointError: ...unpacks to 50000000 bytes from ... on disk...
+    """
+    if not zipfile.is_zipfile(path):
+        return  # the legacy format: torch reads it as it stands
+    on_disk = os.path.getsize(path)
+    with zipfile.ZipFile(path) as archive:
+        entries = archive.infolist()
+    unpacked = sum(entry.file_size for entry in entries)
+    limit = ManifestLimits.from_env().max_total_bytes
+    if (
+        len(entries) > MAX_ARCHIVE_ENTRIES
+        or unpacked > limit
+        or unpacked > MAX_ARCHIVE_AMPLIFICATION * on_disk + 2**20
+    ):
+        raise CorruptCheckpointError(
+            f"{os.fspath(path)} unpacks to {unpacked} bytes from {on_disk} on disk in {len(entries)} entries "
+            f"(a state file is stored uncompressed; limit SPOT_CHECKPOINT_MAX_BYTES={limit}); not loaded"
+        )
+
+
 def load_state(
     path: str | os.PathLike[str],
     map_location: Any = "cpu",
@@ -282,6 +321,7 @@ def load_state(
     """
     if not weights_only:
         return torch.load(path, map_location=map_location, weights_only=False)
+    check_archive_bounds(path)
     try:
         with torch.serialization.safe_globals(list(safe_globals)):
             return torch.load(path, map_location=map_location, weights_only=True)

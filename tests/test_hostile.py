@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -211,7 +212,7 @@ def commit_as_step_5(run: Path, tmp_path: Path, payload: bytes) -> CheckpointSto
     return store
 
 
-@pytest.mark.parametrize("damage", ["truncated archive", "not a Lightning checkpoint"])
+@pytest.mark.parametrize("damage", ["truncated archive", "not a Lightning checkpoint", "decompression bomb"])
 def test_a_committed_payload_that_cannot_be_loaded_falls_back_to_the_previous_checkpoint(
     run, tmp_path, caplog, damage
 ):
@@ -219,10 +220,15 @@ def test_a_committed_payload_that_cannot_be_loaded_falls_back_to_the_previous_ch
         whole = state_path(run, 4).read_bytes()
         payload = whole[: len(whole) // 2]
         expected = "cannot be loaded"
-    else:
+    elif damage == "not a Lightning checkpoint":
         torch.save({"weights": torch.ones(3)}, tmp_path / "other.pt")
         payload = (tmp_path / "other.pt").read_bytes()
         expected = "is not a Lightning checkpoint"
+    else:  # a few hundred kB on disk that would unpack to 64 MB
+        with zipfile.ZipFile(tmp_path / "bomb.ckpt", "w", zipfile.ZIP_DEFLATED) as archive:
+            archive.writestr("archive/data.pkl", bytes(64 * 2**20))
+        payload = (tmp_path / "bomb.ckpt").read_bytes()
+        expected = "unpacks to 67108864 bytes"
     store = commit_as_step_5(run, tmp_path, payload)
     with caplog.at_level(logging.WARNING, logger="spot_callbacks"):
         spot = fit(run, tmp_path / "scratch", BoringModel(), max_steps=6, ckpt_path="latest")

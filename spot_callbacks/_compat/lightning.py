@@ -41,7 +41,13 @@ from spot_callbacks.errors import CheckpointError, CorruptCheckpointError, Incom
 from spot_callbacks.notices import Notice, signal_grace_s
 from spot_callbacks.persist.tracking import PersistRecord
 from spot_callbacks.resume import ResumeInfo
-from spot_callbacks.staging import STATE_FILE, capture_rng_state, restore_rng_state, unsafe_checkpoint_error
+from spot_callbacks.staging import (
+    STATE_FILE,
+    capture_rng_state,
+    check_archive_bounds,
+    restore_rng_state,
+    unsafe_checkpoint_error,
+)
 from spot_callbacks.store import CheckpointInfo
 from spot_callbacks.store.layout import DCP_METADATA_FILE
 from spot_callbacks.trigger.collectives import gather_from_ranks, rank, world_size
@@ -82,6 +88,7 @@ def check_loadable(local_dir: Path, info: CheckpointInfo) -> None:
     path = local_dir / STATE_FILE
     if (local_dir / DCP_METADATA_FILE).is_file() or not path.is_file():
         return  # sharded: DCP checks its own metadata when the strategy loads it
+    check_archive_bounds(path)  # a decompression bomb is damage, found before anything unpacks
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError:
