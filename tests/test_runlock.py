@@ -145,3 +145,43 @@ def test_a_live_owner_keeps_its_heartbeat_fresh(tmp_path, monkeypatch) -> None:
     finally:
         lock.release()
     assert lock.holder() is None
+
+
+def test_a_lightning_fit_refused_by_a_live_lock_writes_nothing_into_its_dirpath(
+    lock_target, monkeypatch, tmp_path
+):
+    """Issue 14: before, the refused run committed a step-0 ``exception`` checkpoint into the live run's dirpath."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from spot_callbacks.lightning import SpotCheckpoint
+
+    url, options = lock_target
+    monkeypatch.delenv("SPOT_FORCE_LOCK", raising=False)
+    monkeypatch.setenv("SPOT_LOCK_STALE_S", "8")
+    _write_foreign_lock(url, options)
+    store = CheckpointStore(url, storage_options=options)
+    before = sorted(store.fs.find(store.root))
+    alive = threading.Event()
+
+    def keep_beating() -> None:  # the live run's heartbeat (rewrites only its lock)
+        while not alive.wait(0.5):
+            _write_foreign_lock(url, options)
+
+    refresher = threading.Thread(target=keep_beating, daemon=True)
+    refresher.start()
+    spot = SpotCheckpoint(dirpath=url, interval=None, every_n_steps=2, preemption=[], storage_options=options,
+                          scratch_dir=str(tmp_path / "scratch"))  # fmt: skip
+    trainer = pl.Trainer(callbacks=[spot], max_steps=4, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False)  # fmt: skip
+    try:
+        with pytest.raises(RunLockedError, match="other-host"):
+            trainer.fit(BoringModel(), ckpt_path="latest")
+    finally:
+        alive.set()
+        refresher.join()
+    after = sorted(
+        CheckpointStore(url, storage_options={**options, "skip_instance_cache": True}).fs.find(store.root)
+    )
+    assert after == before  # the lock aside (rewritten in place), not one object more
+    assert json.loads(store.fs.cat_file(f"{store.root}/{LOCK_NAME}"))["run_id"] == "f" * 32
