@@ -1,6 +1,7 @@
-"""The Hugging Face adapter of ``benchmarks/stall.py``: the model, the two probe callbacks, three variants.
+"""The Hugging Face adapter of ``benchmarks/stall.py``: the model, the two probe callbacks, four variants.
 
-``hf-spot`` (SpotCheckpointCallback: a RAM snapshot, ``checkpoint-N`` written and uploaded in the
+``hf-floor`` (the floor: ``copy_`` of every model and optimizer tensor into buffers kept between
+checkpoints, allocated at the first), ``hf-spot`` (SpotCheckpointCallback: a RAM snapshot, ``checkpoint-N`` written and uploaded in the
 background; with ``SPOT_HF_SAVE=trainer`` in the environment, the Trainer's save then a background
 upload), ``hf-local`` (the Trainer's own save, local only) and ``hf-sync`` (the Trainer's save + an
 ``on_save`` that ``fs.put``'s the folder to S3). Imported only when those variants are asked for, so
@@ -9,7 +10,7 @@ the Lightning variants run without transformers.
 Blocked time ("hook") = from ``Head.on_step_end`` of a checkpoint step to the end of
 ``Tail.on_save``: every callback's ``on_step_end`` (the save request), the Trainer's own
 ``_save_checkpoint`` and every ``on_save`` (an upload, for ``hf-sync``). A staged checkpoint has no
-``on_save``: its blocked time ends with ``Tail.on_step_end`` (the snapshot is taken in the spot
+``on_save``: its blocked time ends with ``Tail.on_step_end`` (the floor's copy and the snapshot is taken in the spot
 callback's ``on_step_end``; the benchmark logs nothing, so it is submitted there too). Split into "Trainer
 save" (``Tail.on_step_end`` end → ``Head.on_save``) and "on_save callbacks". "to next step" =
 from ``Head.on_step_end`` to the next ``on_step_begin`` (or ``on_train_end``).
@@ -22,7 +23,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -46,7 +47,8 @@ from _stall import (
 from spot_callbacks.hf import SpotCheckpointCallback
 from spot_callbacks.hf_checkpoint import SAVE_PATH_ENV
 
-REFERENCE = "hf-local"
+FLOOR = "hf-floor"
+LOCAL = "hf-local"
 
 
 class HFStallModel(torch.nn.Module):
@@ -130,6 +132,8 @@ def run(ctx: Context, variant: Variant) -> FitResult:
     marks = Marks(clock, recorder)
     if isinstance(setup.timed, SpotCheckpointCallback):
         marks.staged_steps = lambda: setup.timed._staged.submitted_steps
+    elif isinstance(setup.timed, FloorCopy):
+        marks.staged_steps = lambda: setup.timed.copied_steps
     output_dir = ctx.scratch / f"hf-{uuid.uuid4().hex[:6]}"
     targs = transformers.TrainingArguments(
         output_dir=str(output_dir),
@@ -160,6 +164,45 @@ def run(ctx: Context, variant: Variant) -> FitResult:
 
 
 # ---------------------------------------------------------------------------------- variants
+def tensors_of(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a nest of dicts, lists and tuples, in a fixed order."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from tensors_of(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from tensors_of(item)
+
+
+class FloorCopy(transformers.TrainerCallback):
+    """At checkpoint steps, ``copy_`` the model and optimizer state into buffers kept between checkpoints."""
+
+    def __init__(self, every_n: int) -> None:
+        self.every_n = every_n
+        self.buffers: list[torch.Tensor] | None = None  # allocated at the first checkpoint
+        self.copied_steps: list[int] = []
+
+    def on_step_end(self, targs: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step % self.every_n:
+            return
+        sources = [
+            *tensors_of(kwargs["model"].state_dict()),
+            *tensors_of(kwargs["optimizer"].state_dict()),
+        ]
+        if self.buffers is None:
+            self.buffers = [torch.empty_like(t) for t in sources]
+        for dst, src in zip(self.buffers, sources, strict=True):
+            dst.copy_(src.detach())
+        self.copied_steps.append(state.global_step)
+
+
+def hf_floor_setup(ctx: Context, recorder: Recorder) -> Setup:
+    floor = FloorCopy(ctx.args.every_n)
+    return Setup(callbacks=[floor], timed=floor, trainer_options={"save_strategy": "no"})
+
+
 def hf_spot_setup(ctx: Context, recorder: Recorder) -> Setup:
     ckpt = SpotCheckpointCallback(**spot_options(ctx))
     record_stall(ckpt.engine, "save_folder", recorder)
@@ -215,6 +258,13 @@ VARIANTS: dict[str, Variant] = {
     v.name: v
     for v in (
         Variant(
+            FLOOR,
+            "copy_ of every model state_dict and optimizer state tensor into buffers kept between "
+            "checkpoints (allocated at the first), in on_step_end; nothing is written",
+            hf_floor_setup,
+            kept="RAM",
+        ),
+        Variant(
             "hf-spot",
             "SpotCheckpointCallback(every_n_steps=N, dirpath=s3://…): "
             + (
@@ -225,7 +275,7 @@ VARIANTS: dict[str, Variant] = {
             hf_spot_setup,
         ),
         Variant(
-            REFERENCE,
+            LOCAL,
             'Trainer\'s own save (save_strategy="steps", save_steps=N), local only',
             hf_local_setup,
             kept="local",

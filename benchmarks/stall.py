@@ -16,15 +16,18 @@ Lightning (the default; :mod:`_stall_lightning`)
   from ``AWS_*`` environment variables);
 * ``mc-async`` -- the same with ``Trainer(plugins=[AsyncCheckpointIO()])``.
 
-Hugging Face Trainer (``--variants hf-spot,hf-local,hf-sync``; needs transformers; :mod:`_stall_hf`)
+Hugging Face Trainer (``--variants hf-floor,hf-spot,hf-local,hf-sync``; needs transformers; :mod:`_stall_hf`)
 
-* ``hf-spot`` -- ``SpotCheckpointCallback``: the Trainer's save, then a background upload;
-* ``hf-local`` -- the reference: the Trainer's own save to a local folder;
+* ``hf-floor`` -- the floor: ``copy_`` of every tensor of the model ``state_dict`` and of the
+  optimizer state into buffers kept between checkpoints (allocated at the first); nothing is written;
+* ``hf-spot`` -- ``SpotCheckpointCallback``: RAM snapshot; ``checkpoint-N`` written and uploaded in
+  the background (``SPOT_HF_SAVE=trainer``: the Trainer's save, then a background upload);
+* ``hf-local`` -- the second reference: the Trainer's own save to a local folder;
 * ``hf-sync`` -- the Trainer's save + an ``on_save`` that ``fs.put``'s the folder to S3.
 
 **Blocked time** = wall time of the checkpoint inside the training loop (for Lightning: inside the
 checkpointing callback's ``on_train_batch_end``; for HF: first ``on_step_end`` → last
-``on_save``), with the process CPU time and the CPU other processes used meanwhile. Each interval
+``on_save``, or → last ``on_step_end`` where the checkpoint is taken there), with the process CPU time and the CPU other processes used meanwhile. Each interval
 of N steps ends with two *quiet* steps and the checkpoint step. Before them (untimed) the previous
 checkpoint's background work (upload, async write) is waited for, dirty pages are synced and the
 machine is waited on (up to ``--quiet-timeout``) until other processes are quiet, so each
@@ -35,15 +38,16 @@ variants, as many committed manifests); otherwise the variant is flagged. The pr
 after each fit.
 
 Variants run in rounds, in reverse order on odd rounds, to spread drift and noise. The table
-reports medians over all checkpoints of all rounds and the ratio to the reference (``floor-clone``
-or ``hf-local``) measured in the same run. On a machine other processes load, pass ``--threads 1``:
+reports medians over all checkpoints of all rounds and the ratio to the floor (``floor-clone`` or
+``hf-floor``) measured in the same run (HF: also to ``hf-local``; the first checkpoint of each fit
+apart). On a machine other processes load, pass ``--threads 1``:
 torch's multi-threaded copies then wait on their slowest thread and vary 10-50×.
 
 Usage::
 
     python benchmarks/stall.py [--size-mb 600] [--every-n 5] [--ckpts 3] [--rounds 2] [--threads 1]
                                [--variants floor-clone,floor-copy,spot,mc-sync,mc-async] [--no-append]
-    python benchmarks/stall.py --variants hf-spot,hf-local,hf-sync     # the Hugging Face Trainer
+    python benchmarks/stall.py --variants hf-floor,hf-spot,hf-local,hf-sync   # the Hugging Face Trainer
     python benchmarks/stall.py --quick --results-file /tmp/bench.md    # a small check that it runs
 
 Adding a variant: write a ``make_setup(ctx, recorder) -> Setup`` and register a ``Variant`` in the
@@ -83,7 +87,7 @@ from _stall_report import REPORTS, Summary
 BUCKET = "spot-bench-stall"
 VARIANT_NAMES = {
     "lightning": ("floor-clone", "floor-copy", "spot", "mc-sync", "mc-async"),
-    "hf": ("hf-spot", "hf-local", "hf-sync"),
+    "hf": ("hf-floor", "hf-spot", "hf-local", "hf-sync"),
 }
 ADAPTERS = {"lightning": "_stall_lightning", "hf": "_stall_hf"}
 QUICK = {"size_mb": 8.0, "width": 256, "ckpts": 2, "rounds": 1, "quiet_timeout": 0.5}
