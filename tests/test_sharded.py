@@ -163,10 +163,10 @@ def test_one_rank_failing_to_write_its_shards_fails_that_checkpoint_on_every_ran
     url = (tmp_path / "store").as_uri()
     done = run_fsdp(
         tmp_path, "--dirpath", url, "--out", str(tmp_path / "x.pt"), "--every-n-steps", "5", "--devices", "2",
-        scratch="s", env={"SPOT_TEST_UPLOAD_FAULT": "scratch:1:10"},
+        scratch="s", env={"SPOT_TEST_UPLOAD_FAULT": "scratch:1:10", "SPOT_STRICT": "1"},
     )  # fmt: skip
     # Every rank skipped step 10 (no rank waits in a collective the other never entered), trained
-    # to the end and committed; fit() then reports the failure.
+    # to the end and committed; fit() then reports the failure (strict: the newest state committed).
     assert done.returncode != 0
     assert "rank 1 could not prepare its scratch folder" in done.stderr
     assert done.stdout.count('"global_step": 16') == 0  # fit() raised after the last commit
