@@ -28,12 +28,10 @@ import transformers
 
 from spot_callbacks._compat import transformers as compat
 from spot_callbacks.errors import ConfigError
-from spot_callbacks.jobs import SINGLE_WRITER, folder_job
 from spot_callbacks.saving import CheckpointWriter
 from spot_callbacks.staging import StagedState, StagingArea
 from spot_callbacks.store.checksums import FileDigest
-from spot_callbacks.trigger import rules
-from spot_callbacks.trigger.collectives import barrier, is_writer
+from spot_callbacks.trigger.collectives import is_writer
 
 log = logging.getLogger("spot_callbacks")
 
@@ -165,9 +163,9 @@ class StagedSaves:
             return {}  # the pipeline checksums the folder as it uploads it
 
         on_written = pending.staged.release if pending.staged is not None else None
-        persisted = save_written_folder(
-            writer, step, pending.epoch, folder, reason, write=write, on_written=on_written,
-            stall_s=stall_s, owns_folder=self.owns_folders, extra=extra,
+        persisted = writer.save_folder(
+            step, pending.epoch, folder, reason, stall_s=stall_s, owns_folder=self.owns_folders, extra=extra,
+            write=write, on_written=on_written,
         )  # fmt: skip
         if persisted:
             self.submitted_steps.append(step)
@@ -210,36 +208,3 @@ def _write_files(
         torch.save(state["scaler"], partial / transformers.trainer.SCALER_NAME)
     torch.save(state["rng"], partial / compat.rng_state_name(trainer.args))
     trainer_state.save_to_json(os.fspath(partial / transformers.trainer.TRAINER_STATE_NAME))
-
-
-def save_written_folder(
-    writer: CheckpointWriter,
-    step: int,
-    epoch: int | None,
-    folder: Path,
-    reason: str,
-    *,
-    write: Callable[[Path], dict[str, FileDigest]],
-    on_written: Callable[[], None] | None,
-    stall_s: float,
-    owns_folder: bool,
-    extra: dict[str, Any],
-) -> bool:
-    """:meth:`CheckpointWriter.save_folder` for a folder that ``write`` produces in the writer thread.
-
-    Single node only (the adapter falls back across nodes). Call it on every rank.
-    """
-    if not rules.needs_checkpoint(step, writer.last_saved_step) or writer._refused(step):
-        if on_written is not None:
-            on_written()
-        return False
-    barrier()  # every rank's RNG file is in the partial folder
-    if is_writer():
-        terms = writer._job_terms(reason, stall_s, extra)
-        job = folder_job(
-            step, reason, writer.framework, folder, owns_folder=owns_folder, epoch=epoch, **terms
-        )
-        job.write, job.on_written = write, on_written
-        writer.persister_for(SINGLE_WRITER).submit(job)
-    writer._after_save(step, stall_s)
-    return True

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from spot_callbacks.notices import Notice
 from spot_callbacks.persist import PersistRecord
 from spot_callbacks.staging import StagingArea
 from spot_callbacks.store import CheckpointStore
+from spot_callbacks.store.checksums import FileDigest
 from spot_callbacks.trigger import CheckpointTrigger, rules
 from spot_callbacks.trigger.collectives import (
     barrier,
@@ -163,6 +165,8 @@ class CheckpointWriter:
         stall_s: float = 0.0,
         owns_folder: bool = False,
         extra: dict[str, Any] | None = None,
+        write: Callable[[Path], dict[str, FileDigest]] | None = None,
+        on_written: Callable[[], None] | None = None,
     ) -> bool:
         """Persist a checkpoint folder the framework has already written (for example HF's ``checkpoint-N``).
 
@@ -171,11 +175,18 @@ class CheckpointWriter:
         several nodes ``folder`` may be node-local: each node's local main process then uploads
         its copy's files and rank 0 commits once every node's are durable. A step already
         checkpointed is not persisted again: returns False.
+
+        ``write`` (one node only): the folder is not written yet; the writer thread produces it
+        with ``write(folder)``, then calls ``on_written`` (also called when nothing is persisted).
         """
-        if not rules.needs_checkpoint(step, self.last_saved_step):
+        if write is not None and self.spans_nodes():
+            raise ValueError("a folder written in the background is persisted on one node only")
+        already_saved = not rules.needs_checkpoint(step, self.last_saved_step)
+        if already_saved and write is None:
             log.info("spot_callbacks: step %d is already checkpointed; not uploading it again", step)
-            return False
-        if self._refused(step):
+        if already_saved or self._refused(step):
+            if on_written is not None:
+                on_written()
             return False
         barrier()
         if self.spans_nodes():
@@ -192,6 +203,7 @@ class CheckpointWriter:
             job = folder_job(
                 step, reason, self.framework, folder, owns_folder=owns_folder, epoch=epoch, **terms
             )
+            job.write, job.on_written = write, on_written
             self.persister_for(SINGLE_WRITER).submit(job)
         self._after_save(step, stall_s)
         return True
