@@ -6,6 +6,7 @@ import errno
 import logging
 import posixpath
 import threading
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -178,10 +179,8 @@ def test_a_full_scratch_disk_is_one_clear_error_and_training_keeps_going(tmp_pat
     record(FAULTS)
 
 
-def test_a_full_scratch_disk_during_a_lightning_fit_lets_training_finish_then_fails_fit(
-    tmp_path, monkeypatch
-) -> None:
-    monkeypatch.setenv(STRICT_ENV, "1")
+def trainer_whose_step_4_finds_scratch_full(tmp_path: Path) -> tuple[SpotCheckpoint, pl.Trainer]:
+    """A checkpoint every 2 of 8 steps; step 4's state write hits a real ENOSPC (/dev/full)."""
     spot = SpotCheckpoint(dirpath=str(tmp_path / "run"), interval=None, every_n_steps=2, keep_last=0,
                           preemption=[], scratch_dir=str(tmp_path / "scratch"))  # fmt: skip
     full = spot.engine.scratch_root / step_dirname(4) / f".{STATE_FILE}.tmp"
@@ -189,6 +188,14 @@ def test_a_full_scratch_disk_during_a_lightning_fit_lets_training_finish_then_fa
     full.symlink_to("/dev/full")  # the kernel's ENOSPC for the checkpoint of step 4 only
     trainer = pl.Trainer(callbacks=[spot], logger=False, enable_progress_bar=False, enable_model_summary=False,
                          max_steps=8)  # fmt: skip
+    return spot, trainer
+
+
+def test_a_full_scratch_disk_during_a_lightning_fit_lets_training_finish_then_fails_fit(
+    tmp_path, monkeypatch
+) -> None:
+    monkeypatch.setenv(STRICT_ENV, "1")
+    spot, trainer = trainer_whose_step_4_finds_scratch_full(tmp_path)
     with pytest.raises(PersistError, match=r"step 4 .*no space left in the scratch folder"):
         trainer.fit(BoringModel())
     assert trainer.global_step == 8  # training went on to the end
@@ -200,13 +207,7 @@ def test_a_full_scratch_disk_during_a_lightning_fit_lets_training_finish_then_fa
 def test_by_default_a_dropped_checkpoint_does_not_fail_a_run_whose_newest_state_committed(
     tmp_path, caplog
 ) -> None:
-    spot = SpotCheckpoint(dirpath=str(tmp_path / "run"), interval=None, every_n_steps=2, keep_last=0,
-                          preemption=[], scratch_dir=str(tmp_path / "scratch"))  # fmt: skip
-    full = spot.engine.scratch_root / step_dirname(4) / f".{STATE_FILE}.tmp"
-    full.parent.mkdir(parents=True)
-    full.symlink_to("/dev/full")  # the kernel's ENOSPC for the checkpoint of step 4 only
-    trainer = pl.Trainer(callbacks=[spot], logger=False, enable_progress_bar=False, enable_model_summary=False,
-                         max_steps=8)  # fmt: skip
+    spot, trainer = trainer_whose_step_4_finds_scratch_full(tmp_path)
     with caplog.at_level(logging.WARNING, logger="spot_callbacks"):
         trainer.fit(BoringModel())  # no PersistError: step 8, the newest state, is durable
     committed = [info.step for info in spot.store.committed()]
