@@ -32,9 +32,8 @@ class Act(enum.Enum):
 
     NOTHING = "nothing"
     SAVE = "save"  # a normal checkpoint, persisted in the background
-    EMERGENCY = (
-        "emergency"  # a preemption: checkpoint (unless this step has one), wait for it, then stop or go on
-    )
+    # A preemption: checkpoint (unless this step has one), wait for it, then stop or go on.
+    EMERGENCY = "emergency"
 
 
 class AfterEmergency(enum.Enum):
