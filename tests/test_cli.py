@@ -311,7 +311,8 @@ def test_usage_errors_exit_2_and_misplaced_json_is_not_echoed(capsys):
 
 
 def test_ls_rich_table_on_a_terminal(tmp_path, capsys, monkeypatch):
-    pytest.importorskip("rich")
+    import rich  # noqa: F401 - a dependency of spot-callbacks[all]: the test needs it, never skips
+
     store = CheckpointStore(f"memory://cli-rich-{tmp_path.name}/run")
     for step in (10, 20):
         commit(store, tmp_path, step)
