@@ -285,9 +285,14 @@ class CheckpointWriter:
             finished = self.emergency.wait_at_exit(persister, step, timeout, is_writer())
         else:
             limit = self.emergency.closing_timeout(persister, step) if timeout is None else timeout
-            finished = persister.wait(timeout=limit)
-            if not finished and is_writer():
-                log.warning("spot_callbacks: not waiting for older uploads still in flight at the preemption")
+            if not persister.wait(timeout=limit) and is_writer():
+                # Only the emergency checkpoint's own bookkeeping may still run: say nothing then.
+                older = [s for s in persister.unsettled_steps() if step is None or s < step]
+                if older:
+                    log.warning(
+                        "spot_callbacks: not waiting for the upload of step%s %s still in flight at the preemption",
+                        "s" if len(older) > 1 else "", ", ".join(map(str, older)),
+                    )  # fmt: skip
         self.stop_persister()
         return persister.failures
 

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import logging
 import posixpath
+import threading
+import time
 
 import torch
+from helpers.faultfs import FaultyFileSystem
 from helpers.reliability_counts import DAMAGED, record
 
 from spot_callbacks import SpotConfig
@@ -85,3 +88,43 @@ def test_a_second_fit_gets_a_fresh_persister(tmp_path):
         engine.save_state(round_step, 0, {"w": torch.zeros(1)}, reason="end")
         engine.finish()
     assert [i.step for i in engine.store.committed()] == [1, 2]
+
+
+def _preempt_after(engine: SpotEngine, step: int) -> None:
+    """A SIGTERM with 30 s of grace agreed at ``step``: the emergency checkpoint, its commit, the end."""
+    action = engine.decide(step, extra_notice=Notice("SIGTERM", time.time() + 30))
+    assert action.emergency and action.reason == "preemption"
+    engine.save_state(step, 0, {"w": torch.full((3,), float(step))}, reason="preemption")
+    engine.finish_emergency(action.notice)
+    engine.finish()
+
+
+def test_the_end_of_a_preemption_names_the_older_uploads_it_does_not_wait_for(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="spot_callbacks")
+    engine = engine_for(tmp_path, interval=None)
+    engine.start()
+    faulty = FaultyFileSystem(engine.store.fs)
+    engine.store.fs = faulty
+    faulty.gate, faulty.gate_only = threading.Event(), "step-000000002"
+    try:
+        engine.save_state(2, 0, {"w": torch.ones(3)}, reason="steps")
+        assert faulty.held.wait(timeout=30)  # step 2 is uploading, held mid-put
+        _preempt_after(engine, 3)
+    finally:
+        faulty.gate.set()
+    assert engine.store.latest().step == 3
+    lines = [r.getMessage() for r in caplog.records if "not waiting for" in r.getMessage()]
+    assert lines == ["spot_callbacks: not waiting for the upload of step 2 still in flight at the preemption"]
+
+
+def test_the_end_of_a_preemption_with_nothing_else_in_flight_says_nothing_about_older_uploads(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="spot_callbacks")
+    engine = engine_for(tmp_path, interval=None)
+    engine.start()
+    engine.save_state(2, 0, {"w": torch.ones(3)}, reason="steps")
+    assert engine.wait_for_commit()
+    _preempt_after(engine, 3)
+    assert [info.step for info in engine.store.committed()] == [2, 3]
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("emergency checkpoint committed" in m for m in messages)
+    assert not any("not waiting for" in m for m in messages)

@@ -37,7 +37,8 @@ class CheckpointPersister(Protocol[JobT_contra]):
     ``wait_for_step`` waits for one checkpoint to settle (True: it committed), ``wait`` for all;
     ``close`` finishes (up to ``timeout``) and stops the workers. ``new_failures`` returns each
     failure once; ``failures`` and ``records`` (:class:`PersistRecord`) keep them all.
-    ``in_flight_step`` is the step uploading now, ``idle`` whether nothing is queued or moving.
+    ``in_flight_step`` is the step uploading now, ``idle`` whether nothing is queued or moving,
+    ``unsettled_steps`` the submitted steps not settled yet.
 
     Example:
         >>> from spot_callbacks.store import CheckpointStore
@@ -56,6 +57,8 @@ class CheckpointPersister(Protocol[JobT_contra]):
     def wait_for_step(self, step: int, timeout: float | None = None) -> bool: ...
 
     def wait(self, timeout: float | None = None) -> bool: ...
+
+    def unsettled_steps(self) -> list[int]: ...
 
     def close(self, timeout: float | None = None) -> bool: ...
 

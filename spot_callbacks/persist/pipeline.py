@@ -134,6 +134,10 @@ class Persister(StepTracker):
     def _idle(self) -> bool:
         return not (self._not_written() or self._to_upload or self._busy_uploading or self._alongside)
 
+    def _queued_steps(self) -> list[int]:
+        jobs = (*self._not_written(), self._to_upload, self._busy_uploading)
+        return [job.step for job in jobs if job is not None] + list(self._alongside)
+
     def _join_workers(self) -> None:
         for thread in self.worker_threads():
             thread.join()

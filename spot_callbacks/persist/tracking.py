@@ -78,16 +78,17 @@ class StepTracker(ABC):
     """The submitted steps of one persister: how each settled, the commit records, failures, and waiting on them.
 
     One condition guards it and the subclass's own queues. A subclass says when it is idle
-    (nothing queued, writing or uploading) and joins its workers; it keeps the job being uploaded
+    (nothing queued, writing or uploading), which steps its queues hold, and joins its workers; it keeps the job being uploaded
     in ``_busy_uploading`` and, where it has a writer thread, the jobs to write in ``_to_write``.
 
     Example:
         >>> class NothingQueued(StepTracker):
         ...     def _idle(self): return True
+        ...     def _queued_steps(self): return []
         ...     def _join_workers(self): pass
         >>> tracker = NothingQueued()
-        >>> tracker.wait(timeout=1), tracker.wait_for_step(3, timeout=1), tracker.close()
-        (True, False, True)
+        >>> tracker.wait(timeout=1), tracker.wait_for_step(3, timeout=1), tracker.unsettled_steps(), tracker.close()
+        (True, False, [], True)
     """
 
     def __init__(self) -> None:
@@ -148,6 +149,15 @@ class StepTracker(ABC):
         self._wait_until(lambda: step in self._outcomes or self._idle(), timeout)
         with self._cond:
             return self._outcomes.get(step) == "committed"
+
+    def unsettled_steps(self) -> list[int]:
+        """The submitted steps not committed, failed or dropped yet (queued, being written or uploading)."""
+        with self._cond:
+            return sorted({step for step in self._queued_steps() if step not in self._outcomes})
+
+    @abstractmethod
+    def _queued_steps(self) -> list[int]:
+        """Lock held: the steps of the jobs queued, being written or uploading."""
 
     @property
     def idle(self) -> bool:
