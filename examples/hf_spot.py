@@ -8,6 +8,14 @@ continues from the newest committed checkpoint, even on another machine with an 
     python examples/hf_spot.py --dirpath s3://bucket/runs/gpt2 --storage-options '{"endpoint_url": "..."}'
     python examples/hf_spot.py --config examples/hf_spot.yaml   # TrainingArguments + SpotConfig in one YAML
 
+Several processes (data parallel; on a machine without a GPU they are CPU processes):
+
+    torchrun --standalone --nproc_per_node 2 examples/hf_spot.py
+    accelerate launch --multi_gpu --num_processes 2 examples/hf_spot.py
+
+`accelerate launch --cpu --num_processes 2` starts one process, not two: accelerate leaves the
+other CPU processes to mpirun (`--mpirun_hostfile`). The script says so when it sees that case.
+
 Exit codes: 0 when training finished, 143 (128 + SIGTERM) when it stopped for a preemption after
 committing an emergency checkpoint, so a scheduler can tell "resume me" from "done". The Trainer
 cannot end the process from a callback without skipping its own shutdown, so the script does it
@@ -20,10 +28,13 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
+from pathlib import Path
 
 import torch
 import transformers
+import yaml
 
 from spot_callbacks import SpotConfig
 from spot_callbacks.hf import PREEMPTED_EXIT_CODE, SpotCheckpointCallback
@@ -50,6 +61,32 @@ def tiny_gpt2() -> transformers.GPT2LMHeadModel:
     return transformers.GPT2LMHeadModel(config)
 
 
+def several_processes_without_gpu() -> bool:
+    """Started by torchrun or `accelerate launch --multi_gpu` with several processes, and no GPU here."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
+
+
+def warn_if_accelerate_started_one_of_several() -> None:
+    # accelerate's plain launcher (taken with --cpu, and without --multi_gpu unless it finds several
+    # GPUs) starts exactly one process and expects mpirun to start the others. It always sets
+    # ACCELERATE_USE_CPU, and MASTER_ADDR only when asked for --num_processes or --num_machines > 1.
+    # Where mpirun did start them, accelerate reads the world size from PMI_SIZE or OMPI_/MV2_...SIZE.
+    world_size_names = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+    if (
+        "ACCELERATE_USE_CPU" in os.environ
+        and "MASTER_ADDR" in os.environ
+        and not any(name in os.environ for name in world_size_names)
+    ):
+        logging.warning(
+            "hf_spot: accelerate launch was asked for several processes but started only this one "
+            "(without --multi_gpu it starts one and leaves the others to mpirun); training on 1 process. "
+            "For several, run `accelerate launch --multi_gpu --num_processes N %s` "
+            "or `torchrun --standalone --nproc_per_node N %s`",
+            sys.argv[0],
+            sys.argv[0],
+        )
+
+
 def parse_args(argv: list[str] | None) -> tuple[transformers.TrainingArguments, SpotConfig]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -59,15 +96,22 @@ def parse_args(argv: list[str] | None) -> tuple[transformers.TrainingArguments, 
     parser.add_argument("--storage-options", help="JSON object passed to fsspec (endpoint, credentials, ...)")
     parser.add_argument("--output-dir", help="the Trainer's local output_dir")
     parser.add_argument("--max-steps", type=int)
+    parser.add_argument("--every-n-steps", type=int, help="also checkpoint every N steps")
     args = parser.parse_args(argv)
+    # Without a GPU, a Trainer in several processes needs use_cpu=True to train them as one run
+    # (gloo); otherwise each process trains its own copy of the model. It must be known when
+    # TrainingArguments is built: that is when the Trainer sets up its processes.
+    use_cpu = several_processes_without_gpu()
     if args.config:
         hf_parser = transformers.HfArgumentParser((transformers.TrainingArguments, SpotConfig))
-        training_args, spot_config = hf_parser.parse_yaml_file(args.config)
+        settings = yaml.safe_load(Path(args.config).read_text())  # what parse_yaml_file(args.config) reads
+        training_args, spot_config = hf_parser.parse_dict({"use_cpu": use_cpu, **settings})
     else:
         training_args = transformers.TrainingArguments(
             output_dir="spot_runs/hf-output", max_steps=300, per_device_train_batch_size=8, learning_rate=3e-3,
             lr_scheduler_type="linear", warmup_steps=10, logging_steps=20, save_strategy="no", seed=42,
-            data_seed=7, dataloader_num_workers=0, report_to=[],
+            data_seed=7, dataloader_num_workers=0, report_to=[], ddp_find_unused_parameters=False,
+            use_cpu=use_cpu,
         )  # fmt: skip
         spot_config = SpotConfig(dirpath="spot_runs/hf", interval="2min")
     overrides = {}
@@ -75,6 +119,8 @@ def parse_args(argv: list[str] | None) -> tuple[transformers.TrainingArguments, 
         overrides["dirpath"] = args.dirpath
     if args.storage_options:
         overrides["storage_options"] = json.loads(args.storage_options)
+    if args.every_n_steps:
+        overrides["every_n_steps"] = args.every_n_steps
     spot_config = dataclasses.replace(spot_config, **overrides)
     if args.output_dir:
         training_args.output_dir = args.output_dir
@@ -85,6 +131,7 @@ def parse_args(argv: list[str] | None) -> tuple[transformers.TrainingArguments, 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    warn_if_accelerate_started_one_of_several()
     training_args, spot_config = parse_args(argv)
     ckpt = SpotCheckpointCallback(**spot_config.to_dict())
     torch.manual_seed(0)
@@ -92,10 +139,14 @@ def main(argv: list[str] | None = None) -> int:
         model=tiny_gpt2(), args=training_args, train_dataset=SyntheticTokens(), callbacks=[ckpt]
     )
     trainer.train(resume_from_checkpoint=ckpt.latest())  # None on the first run: start from scratch
+    processes = f"{training_args.world_size} process" + ("es" if training_args.world_size > 1 else "")
     if ckpt.preempted:
-        print(f"preempted: the emergency checkpoint is committed in {ckpt.store.url}; run again to resume")
+        if trainer.is_world_process_zero():
+            committed = f"the emergency checkpoint is committed in {ckpt.store.url}"
+            print(f"preempted ({processes}): {committed}; run again to resume")
         return PREEMPTED_EXIT_CODE
-    print(f"finished at step {trainer.state.global_step}; checkpoints in {ckpt.store.url}")
+    if trainer.is_world_process_zero():
+        print(f"finished at step {trainer.state.global_step} ({processes}); checkpoints in {ckpt.store.url}")
     return 0
 
 

@@ -16,6 +16,7 @@ from spot_callbacks._compat import transformers as compat
 from spot_callbacks.config import SpotConfig, checked_arguments
 from spot_callbacks.engine import SpotEngine
 from spot_callbacks.hf_checkpoint import STAGED, TRAINER, StagedSaves
+from spot_callbacks.hf_metrics import SpotMetrics
 from spot_callbacks.hf_saves import SaveRequest
 from spot_callbacks.notices import PREEMPTED_EXIT_CODE, Notice
 from spot_callbacks.store import CheckpointStore
@@ -83,7 +84,7 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
         self._saves = hf_saves.RequestedSaves()
         self._staged = StagedSaves()
         self._save_started_at: float | None = None
-        self._metrics: dict[str, float] = {}
+        self._metrics = SpotMetrics()
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> SpotCheckpointCallback:
@@ -112,6 +113,7 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # Materialise now, so that train(resume_from_checkpoint=True) finds it in output_dir too.
         self._args = args
+        compat.place_ahead_of_integrations(compat.running_trainer(), self)
         self._materialised = self.engine.pull_latest(self._checkpoint_dir)
         self._resolved_at_init = True
         self.engine.move_aside_uncommitted(  # only when resuming; a barrier on every rank
@@ -124,17 +126,25 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
         self._materialised, self._resolved_at_init = None, False
         self._saves.clear()
         self.preempted = False
+        compat.check_trainer_spans_the_process_group(args)
         if compat.jit_checkpoint_enabled(args) and "SIGTERM" in self.engine.watcher.sources:
             compat.bypass_jit_sigterm_handler(self.store.url)
         self.engine.start()
-        self._staged.start(compat.running_trainer(), args, self.engine.writer.spans_nodes())
+        compat.place_ahead_of_integrations(trainer := compat.running_trainer(), self)
+        self._staged.start(trainer, args, self.engine.writer.spans_nodes())
+        self._metrics.attach(trainer)
         resumed = self.engine.resumed
         self._position = hf_saves.data_position(args, kwargs, resumed, state.global_step)
         if resumed is not None and state.global_step == resumed.info.step and state.global_step > 0:
             self.engine.load_state_dict(resumed.info.extra.get("engine", {}))
-            self._metrics["spot/resume_s"] = resumed.pull_s
+            self._metrics.add({"spot/resume_s": resumed.pull_s})
+            if self._staged.owns_folders and resumed.local_dir.parent == Path(args.output_dir):
+                self.engine.writer.adopt_local_copy(resumed.local_dir)  # cleaned up like the run's own
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # The integrations' on_train_begin has run (it opens their writers): log what is pending.
+        self._metrics.add_records(self.engine.new_records())
+        self._metrics.flush()
         self._submit_staged(control)
         self._saves.check_dropped(state.global_step, compat.save_strategy(args))
 
@@ -165,15 +175,10 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
     def on_log(
         self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **kwargs: Any
     ) -> None:
+        if self._metrics.logging:  # our own row
+            return
         self._save_started_at = time.perf_counter() if self._save_started_at is not None else None
-        self._collect_persist_records()
-        if logs is not None and self._metrics:
-            # Report_to integrations run before user callbacks and have already sent `logs`; the
-            # progress printer and state.log_history (trainer_state.json) still see these values.
-            logs.update(self._metrics)
-            if state.log_history and state.log_history[-1].get("step") == state.global_step:
-                state.log_history[-1].update(self._metrics)
-            self._metrics = {}
+        self._metrics.merge_into(logs, state)
         self._submit_staged(control)
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -198,8 +203,8 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
 
     def _after_checkpoint(self, control: Any, request: SaveRequest | None, stall_s: float | None) -> None:
         if stall_s is not None:  # persisted
-            self._metrics["spot/stall_s"] = stall_s
-            self._metrics["spot/persist_lag_s"] = self.engine.persist_lag_s()
+            self._metrics.add({"spot/stall_s": stall_s, "spot/persist_lag_s": self.engine.persist_lag_s()})
+            self._metrics.flush()
         if request is not None and request.reason == "preemption":
             self._after_emergency(control, request.notice)
 
@@ -237,13 +242,9 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
             self.engine.wait_for_commit()
             self.preempted = True
         self.preempted |= hf_saves.finish_after_last_commit(self.engine)
-        self._collect_persist_records()
+        self._metrics.add_records(self.engine.new_records())
+        self._metrics.flush()  # ahead of the integrations' on_train_end: their writers are still open
         self.engine.log_cost_summary()
-
-    def _collect_persist_records(self) -> None:
-        for record in self.engine.new_records():
-            self._metrics["spot/persist_s"] = record.persist_s
-            self._metrics["spot/persist_MBps"] = record.mb_per_s
 
 
 __all__ = ["PREEMPTED_EXIT_CODE", "SpotCheckpointCallback"]

@@ -81,6 +81,7 @@ class CheckpointWriter:
         self._reported_records = 0
         self.refused_reason: str | None = None  # set once: every later save is refused (see refuse())
         self._earlier_records: list[PersistRecord] = []  # of the persisters close() closed
+        self._adopted_copy: Path | None = None  # see adopt_local_copy()
 
     def spans_nodes(self) -> bool:
         """True when the run has more than one node (local main process); one all-gather, then cached.
@@ -102,11 +103,20 @@ class CheckpointWriter:
             log.warning("spot_callbacks: not checkpointing step %d: %s", step, self.refused_reason)
         return self.refused_reason is not None
 
+    def adopt_local_copy(self, folder: Path) -> None:
+        """The local copy of the checkpoint this run resumed from is the run's: it goes, as the run's
+        own copies go, once a newer checkpoint whose folder the run owns commits (every rank)."""
+        self._adopted_copy = Path(folder)
+
     def persister_for(self, kind: PersisterKind) -> Any:
         """The persister of this kind of save; made on first use (for sharded kinds: on every rank at once)."""
         if self.persister is None:
             self.persister = kind.make(self.store, self.scratch_root, self.keep_last)
             self.persister_kind = kind
+            adopt = getattr(self.persister, "adopt_local_copy", None)
+            if self._adopted_copy is not None and adopt is not None and local_rank() == 0:
+                adopt(self._adopted_copy)
+            self._adopted_copy = None
         elif self.persister_kind is not kind:
             raise RuntimeError(self.persister_kind.mixing_error(kind))
         return self.persister
@@ -282,7 +292,7 @@ class CheckpointWriter:
             return []
         step = self.last_saved_step
         if not self.emergency.agreed_at_a_step():  # a notice now (or meanwhile) comes at the exit
-            finished = self.emergency.wait_at_exit(persister, step, timeout, is_writer())
+            self.emergency.wait_at_exit(persister, step, timeout, is_writer())
         else:
             limit = self.emergency.closing_timeout(persister, step) if timeout is None else timeout
             if not persister.wait(timeout=limit) and is_writer():

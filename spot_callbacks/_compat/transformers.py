@@ -9,6 +9,8 @@
   steps are mirrored from its attributes (``is_deepspeed_enabled``, ``is_fsdp_enabled``, ``hp_search_backend``,
   ``accelerator.scaler``, ``callback_handler``, ``store_flos``, ``_get_output_dir``) and
   ``Trainer._save_rng_state``'s dict layout.
+- For the metrics: ``Trainer.callback_handler.callbacks`` (a list, reordered in place),
+  ``integrations.integration_utils.INTEGRATION_TO_CALLBACK`` (the ``report_to`` callback classes).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import safetensors.torch
 import torch
 import transformers
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from spot_callbacks.errors import ConfigError
 
 log = logging.getLogger("spot_callbacks")
 
@@ -203,3 +207,53 @@ def processing_class_of(trainer: transformers.Trainer) -> Any:
 def grad_scaler(trainer: transformers.Trainer) -> Any:
     """The accelerator's gradient scaler (``scaler.pt``), or ``None``."""
     return getattr(trainer.accelerator, "scaler", None)
+
+
+# ------------------------------------------------ report_to integrations
+def _integration_callback_types() -> tuple[type, ...]:
+    try:
+        from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+    except ImportError:  # an older layout: no known integrations to order against
+        return ()
+    return tuple(INTEGRATION_TO_CALLBACK.values())
+
+
+def place_ahead_of_integrations(trainer: transformers.Trainer | None, callback: Any) -> None:
+    """Move ``callback`` just ahead of the first ``report_to`` integration among ``trainer``'s callbacks.
+
+    The Trainer lists the integrations before user callbacks, so a row a user callback logs at
+    ``on_train_end`` would reach TensorBoard after its writer closed. Safe while the handler is
+    iterating its callbacks: only entries before ``callback`` move, the ones after keep their place.
+    Called at ``on_init_end`` and again at ``on_train_begin`` (a callback added with
+    ``Trainer.add_callback`` gets no ``on_init_end``).
+    """
+    if trainer is None:
+        return
+    callbacks = trainer.callback_handler.callbacks
+    integrations = _integration_callback_types()
+    first = next(
+        (i for i, other in enumerate(callbacks) if integrations and isinstance(other, integrations)), None
+    )
+    mine = next((i for i, other in enumerate(callbacks) if other is callback), None)
+    if first is not None and mine is not None and first < mine:
+        callbacks.insert(first, callbacks.pop(mine))
+
+
+def check_trainer_spans_the_process_group(args: Any) -> None:
+    """Refuse a Trainer that trains alone in a process group of several (before the first step).
+
+    Under torchrun on a machine without a GPU, a Trainer without ``use_cpu=True`` finds no
+    distributed backend and trains each process's own copy of the model, while the process group
+    holds them all: one rank's state would be committed for the run.
+    """
+    dist = torch.distributed
+    group_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if group_size > 1 and args.world_size == 1:
+        mode = args.parallel_mode
+        raise ConfigError(
+            f"the process group has {group_size} processes but the Trainer trains as one "
+            f"(TrainingArguments.world_size=1, parallel_mode={getattr(mode, 'value', mode)}): "
+            "each process would train its own copy of the model and only rank 0's would be checkpointed. "
+            "On a machine without a GPU pass TrainingArguments(use_cpu=True) (use_cpu: true in YAML); "
+            "launch with torchrun or `accelerate launch --multi_gpu`"
+        )

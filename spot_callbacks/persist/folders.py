@@ -95,6 +95,13 @@ class NodeFolderPersister(RankGroupPersister[FolderJob]):
             lists_folder=lists_folder,
         )
 
+    def adopt_local_copy(self, folder: Path) -> None:
+        """``folder`` (this node's own copy of a committed checkpoint, e.g. pulled at resume) is deleted
+        like this persister's own once a newer checkpoint it owns commits."""
+        with self._cond:
+            if self._kept.folder is None:
+                self._kept.keep(folder)
+
     # ------------------------------------------------------ round hooks
     def _enqueue(self, job: FolderJob) -> None:
         self._mark_ready(job)  # the framework wrote it already

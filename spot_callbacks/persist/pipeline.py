@@ -116,6 +116,13 @@ class Persister(StepTracker):
                 self._make_urgent(job)
             self._cond.notify_all()
 
+    def adopt_local_copy(self, folder: Path) -> None:
+        """``folder`` (the run's own local copy of a committed checkpoint, e.g. pulled at resume) is
+        deleted like this persister's own once a newer checkpoint it owns commits."""
+        with self._cond:
+            if self._kept.folder is None:
+                self._kept.keep(folder)
+
     def expedite(self, step: int, deadline: float) -> None:
         """Make the queued checkpoint of ``step`` an emergency one that must commit by ``deadline``.
 
