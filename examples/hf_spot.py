@@ -138,7 +138,16 @@ def main(argv: list[str] | None = None) -> int:
     trainer = transformers.Trainer(
         model=tiny_gpt2(), args=training_args, train_dataset=SyntheticTokens(), callbacks=[ckpt]
     )
-    trainer.train(resume_from_checkpoint=ckpt.latest())  # None on the first run: start from scratch
+    resume_from = ckpt.latest()  # None on the first run: start from scratch
+    newest = ckpt.store.latest()
+    if newest is not None and newest.step >= training_args.max_steps:
+        # Resumed at max_steps, the Trainer would still train (and the callback commit) one more step.
+        if trainer.is_world_process_zero():
+            print(
+                f"already finished at step {newest.step} (max_steps={training_args.max_steps}): nothing to train"
+            )
+        return 0
+    trainer.train(resume_from_checkpoint=resume_from)
     processes = f"{training_args.world_size} process" + ("es" if training_args.world_size > 1 else "")
     if ckpt.preempted:
         if trainer.is_world_process_zero():

@@ -102,3 +102,26 @@ def test_lightning_cli_example_resumes_when_the_same_command_runs_again(tmp_path
     assert end.reason == "end" and (tmp_path / "config.yaml").is_file()
     assert "resuming from" not in runs[0].stderr
     assert f"resuming from {end.url} (step {end.step}, end)" in runs[1].stderr, runs[1].stderr[-4000:]
+
+
+@pytest.mark.slow
+def test_hf_spot_run_again_after_it_finished_trains_nothing(tmp_path: Path) -> None:
+    command = [sys.executable, str(EXAMPLES / "hf_spot.py"), "--dirpath", str(tmp_path / "run"),
+               "--output-dir", str(tmp_path / "output"), "--max-steps", "10", "--every-n-steps", "5"]  # fmt: skip
+    store = CheckpointStore(str(tmp_path / "run"))
+    runs = []
+    for machine in ("a", "b"):
+        runs.append(
+            subprocess.run(
+                command,
+                capture_output=True,
+                text=True,
+                env=example_env(tmp_path, machine),
+                timeout=RUN_TIMEOUT_S,
+            )
+        )
+        assert runs[-1].returncode == 0, runs[-1].stdout[-2000:] + runs[-1].stderr[-4000:]
+    assert "finished at step 10 (1 process)" in runs[0].stdout
+    # Resumed at max_steps, Transformers would train one more step: the example does not start it.
+    assert "already finished at step 10 (max_steps=10): nothing to train" in runs[1].stdout
+    assert [info.step for info in store.committed()] == [5, 10]
