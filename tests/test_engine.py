@@ -117,7 +117,9 @@ def test_the_end_of_a_preemption_names_the_older_uploads_it_does_not_wait_for(tm
     assert lines == ["spot_callbacks: not waiting for the upload of step 2 still in flight at the preemption"]
 
 
-def test_the_end_of_a_preemption_with_nothing_else_in_flight_says_nothing_about_older_uploads(tmp_path, caplog):
+def test_the_end_of_a_preemption_with_nothing_else_in_flight_says_nothing_about_older_uploads(
+    tmp_path, caplog
+):
     caplog.set_level(logging.INFO, logger="spot_callbacks")
     engine = engine_for(tmp_path, interval=None)
     engine.start()

@@ -36,6 +36,21 @@ def wait_for_first_commit(store: CheckpointStore, process: subprocess.Popen, out
     pytest.fail(f"no checkpoint committed within {RUN_TIMEOUT_S} s:\n{output.read_text()}")
 
 
+def run_on_two_fresh_machines(
+    command: list[str], tmp_path: Path, cwd: Path | None = None
+) -> list[subprocess.CompletedProcess]:
+    """The same command run to the end twice, each time on an empty scratch disk; both must exit 0."""
+    runs = []
+    for machine in ("a", "b"):
+        run = subprocess.run(
+            command, cwd=cwd, capture_output=True, text=True, env=example_env(tmp_path, machine),
+            timeout=RUN_TIMEOUT_S,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+        runs.append(run)
+    return runs
+
+
 @pytest.mark.slow
 def test_lightning_spot_stops_on_sigterm_and_the_same_command_resumes(tmp_path: Path) -> None:
     # Far more steps than the first commit needs, so the SIGTERM lands mid-run on a fast machine too.
@@ -85,19 +100,7 @@ def test_lightning_cli_example_resumes_when_the_same_command_runs_again(tmp_path
         str(EXAMPLES / "lightning_cli.yaml"),
     ]
     store = CheckpointStore(str(tmp_path / "spot_runs" / "lightning-cli"))
-    runs = []
-    for machine in ("a", "b"):
-        runs.append(
-            subprocess.run(
-                command,
-                cwd=tmp_path,
-                capture_output=True,
-                text=True,
-                env=example_env(tmp_path, machine),
-                timeout=RUN_TIMEOUT_S,
-            )
-        )
-        assert runs[-1].returncode == 0, runs[-1].stdout[-2000:] + runs[-1].stderr[-4000:]
+    runs = run_on_two_fresh_machines(command, tmp_path, cwd=tmp_path)
     [end] = store.committed()
     assert end.reason == "end" and (tmp_path / "config.yaml").is_file()
     assert "resuming from" not in runs[0].stderr
@@ -109,18 +112,7 @@ def test_hf_spot_run_again_after_it_finished_trains_nothing(tmp_path: Path) -> N
     command = [sys.executable, str(EXAMPLES / "hf_spot.py"), "--dirpath", str(tmp_path / "run"),
                "--output-dir", str(tmp_path / "output"), "--max-steps", "10", "--every-n-steps", "5"]  # fmt: skip
     store = CheckpointStore(str(tmp_path / "run"))
-    runs = []
-    for machine in ("a", "b"):
-        runs.append(
-            subprocess.run(
-                command,
-                capture_output=True,
-                text=True,
-                env=example_env(tmp_path, machine),
-                timeout=RUN_TIMEOUT_S,
-            )
-        )
-        assert runs[-1].returncode == 0, runs[-1].stdout[-2000:] + runs[-1].stderr[-4000:]
+    runs = run_on_two_fresh_machines(command, tmp_path)
     assert "finished at step 10 (1 process)" in runs[0].stdout
     # Resumed at max_steps, Transformers would train one more step: the example does not start it.
     assert "already finished at step 10 (max_steps=10): nothing to train" in runs[1].stdout

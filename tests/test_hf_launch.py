@@ -13,11 +13,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
+from test_examples import wait_for_first_commit
 
 from spot_callbacks import CheckpointStore
 
@@ -25,7 +25,6 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "hf_spot.py"
 MAX_STEPS = 120  # 64 steps per epoch with 2 processes: the resume crosses an epoch boundary
 EVERY_N_STEPS = 10
 RUN_TIMEOUT_S = 120
-POLL_S = 0.05
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
 # Everything on the command line: no `accelerate config` file is read (HF_HOME is the test's own).
@@ -60,13 +59,7 @@ def run_until_first_commit_then_sigterm(command: list[str], tmp_path: Path) -> t
     with log.open("w") as sink:
         launcher = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=launch_env(tmp_path))
         try:
-            deadline = time.monotonic() + RUN_TIMEOUT_S
-            while store.latest() is None:
-                assert launcher.poll() is None, (
-                    f"exited {launcher.returncode} before a commit:\n{log.read_text()}"
-                )
-                assert time.monotonic() < deadline, f"no commit in {RUN_TIMEOUT_S} s:\n{log.read_text()}"
-                time.sleep(POLL_S)
+            wait_for_first_commit(store, launcher, log)
             launcher.send_signal(signal.SIGTERM)
             launcher.wait(timeout=RUN_TIMEOUT_S)
         finally:
