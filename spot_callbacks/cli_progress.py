@@ -1,4 +1,5 @@
-"""What ``spot-callbacks pull`` shows while it downloads: bytes, total, rate and time left, per file and overall.
+"""What ``spot-callbacks pull`` (and a resume's pull on a terminal) shows while it downloads: bytes, total,
+rate and time left, per file and overall.
 
 On a terminal (stderr) a rich bar per file in flight and one for the whole checkpoint; piped (or
 without rich), one plain line per file as it completes and a closing total, so a log keeps a
@@ -100,9 +101,12 @@ class PlainPullProgress:
 
 
 class RichPullProgress(PlainPullProgress):
-    """Bars on a terminal: the checkpoint overall and each file in flight (bytes, rate, time left)."""
+    """Bars on a terminal: the checkpoint overall and each file in flight (bytes, rate, time left).
 
-    def __init__(self, sizes: dict[str, int], stream: TextIO, console: Any) -> None:
+    ``transient``: the bars vanish once done (a resume's pull, whose log line stays).
+    """
+
+    def __init__(self, sizes: dict[str, int], stream: TextIO, console: Any, transient: bool = False) -> None:
         super().__init__(sizes, stream)
         from rich.progress import (
             BarColumn,
@@ -114,7 +118,7 @@ class RichPullProgress(PlainPullProgress):
         )
 
         columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
-        self.bars = Progress(*columns, TimeRemainingColumn(), console=console, transient=False)
+        self.bars = Progress(*columns, TimeRemainingColumn(), console=console, transient=transient)
         self.overall = self.bars.add_task("checkpoint", total=self.total)
         self.tasks: dict[str, Any] = {}
         self._stopped = threading.Event()
@@ -158,7 +162,9 @@ def _local_size(path: str) -> int:
         return 0
 
 
-def pull_progress(info: CheckpointInfo, stream: TextIO | None = None) -> PlainPullProgress:
+def pull_progress(
+    info: CheckpointInfo, stream: TextIO | None = None, transient: bool = False
+) -> PlainPullProgress:
     """Bars when ``stream`` (default stderr) is a terminal and rich is installed, plain lines otherwise."""
     stream = sys.stderr if stream is None else stream
     sizes = {name: digest.size for name, digest in info.files.items()}
@@ -167,7 +173,7 @@ def pull_progress(info: CheckpointInfo, stream: TextIO | None = None) -> PlainPu
             from rich.console import Console
         except ImportError:
             return PlainPullProgress(sizes, stream)
-        return RichPullProgress(sizes, stream, Console(file=stream, stderr=True, highlight=False))
+        return RichPullProgress(sizes, stream, Console(file=stream, stderr=True, highlight=False), transient)
     return PlainPullProgress(sizes, stream)
 
 
@@ -192,10 +198,10 @@ class _ReportingFilesystem:
 
 @contextlib.contextmanager
 def reporting_pull(
-    store: CheckpointStore, info: CheckpointInfo, stream: TextIO | None = None
+    store: CheckpointStore, info: CheckpointInfo, stream: TextIO | None = None, transient: bool = False
 ) -> Iterator[None]:
-    """Show the progress of a ``store.pull`` of ``info`` run inside the block."""
-    progress = pull_progress(info, stream)
+    """Show the progress of a ``store.pull`` of ``info`` run inside the block (see :func:`pull_progress`)."""
+    progress = pull_progress(info, stream, transient)
     original = store.fs
     store.fs = _ReportingFilesystem(original, store.step_path(info.step), progress)
     try:

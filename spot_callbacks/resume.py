@@ -9,12 +9,16 @@ framework's own "resume from the newest local folder" cannot pick one.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from spot_callbacks.accounting.throughput import log_slow_pull
+from spot_callbacks.cli_progress import is_terminal, reporting_pull
 from spot_callbacks.store import CheckpointInfo, CheckpointStore
 from spot_callbacks.store.commit import DAMAGE_ERRORS, damaged_message
 from spot_callbacks.trigger.collectives import barrier, broadcast_object
@@ -51,7 +55,7 @@ def pull_newest_valid(
     candidate = store.latest()
     while candidate is not None:
         try:
-            store.pull(candidate.step, folder_for(candidate.step))
+            pull_showing_progress(store, candidate, folder_for(candidate.step))
             if check is not None:
                 check(folder_for(candidate.step), candidate)
             return candidate
@@ -84,14 +88,25 @@ def pull_latest(
         return None
     local_dir = folder_for(info.step)
     if local_rank == 0 and rank != 0:  # the other nodes pull what rank 0 chose
-        store.pull(info.step, local_dir)
+        pull_showing_progress(store, info, local_dir)
     barrier()
     resumed = ResumeInfo(info, local_dir, time.perf_counter() - started, pulled_at=time.perf_counter())
+    if rank == 0:
+        log_slow_pull(info, resumed.pull_s)  # a wait worth explaining: its size and rate
     say(
         "spot_callbacks: resuming from %s (step %d, %s) pulled in %.1fs",
         info.url, info.step, info.reason, resumed.pull_s,
     )  # fmt: skip
     return resumed
+
+
+def pull_showing_progress(store: CheckpointStore, info: CheckpointInfo, folder: Path) -> Path:
+    """``store.pull`` of ``info`` into ``folder``, with the bars of ``spot-callbacks pull`` while it runs
+    when stderr is a terminal (a log file gets the slow-pull line, see :func:`pull_latest`)."""
+    on_terminal = is_terminal(sys.stderr)
+    shown = reporting_pull(store, info, transient=True) if on_terminal else contextlib.nullcontext()
+    with shown:
+        return store.pull(info.step, folder)
 
 
 def move_aside_uncommitted(

@@ -1,16 +1,22 @@
-"""What `spot-callbacks pull` shows while it downloads: plain lines when piped, bars on a terminal."""
+"""What `spot-callbacks pull` and a resume's pull show while they download: plain lines (or nothing) when
+piped, bars on a terminal, a line with size and rate for a slow resume pull (both adapters)."""
 
 from __future__ import annotations
 
 import io
+import logging
 import re
 import subprocess
 import sys
 from datetime import datetime, timezone
 
+import pytest
+
 from spot_callbacks import CheckpointStore
+from spot_callbacks.accounting import throughput
 from spot_callbacks.accounting.throughput import SLOW_PULL_S, slow_pull_line
 from spot_callbacks.cli_progress import PlainPullProgress, RichPullProgress, pull_progress
+from spot_callbacks.resume import pull_latest
 from spot_callbacks.store.checksums import FileDigest
 from spot_callbacks.store.manifest import CheckpointInfo
 
@@ -85,3 +91,51 @@ def test_a_slow_resume_pull_gets_a_line_with_its_size_and_rate():
     assert slow_pull_line(info, SLOW_PULL_S - 0.1) is None  # the resume line's time says enough
     line = slow_pull_line(info, 10.0)
     assert line == "spot_callbacks: pulled 5.0 MB of step 1 in 10.0s (500.1 kB/s) from memory://run/step-1"
+
+
+def committed_store(tmp_path, step: int = 8) -> CheckpointStore:
+    store = CheckpointStore(str(tmp_path / "run"))
+    payload = tmp_path / "payload"
+    payload.mkdir()
+    (payload / "state.ckpt").write_bytes(b"\x01" * 2_000_000)
+    store.write_checkpoint(step, payload, reason="interval", framework="test")
+    return store
+
+
+def test_a_resume_pull_on_a_terminal_shows_bars_and_leaves_the_resume_line(tmp_path, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="spot_callbacks")
+    store = committed_store(tmp_path)
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    resumed = pull_latest(store, lambda step: tmp_path / "local" / f"step-{step}", rank=0, local_rank=0)
+    assert resumed.info.step == 8 and (resumed.local_dir / "state.ckpt").stat().st_size == 2_000_000
+    assert "checkpoint" in terminal.getvalue() and "MB" in terminal.getvalue()
+    assert any("resuming from" in r.getMessage() for r in caplog.records)
+
+
+def test_a_resume_pull_to_a_log_file_shows_no_bars(tmp_path, monkeypatch):
+    store = committed_store(tmp_path)
+    piped = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", piped)
+    pull_latest(store, lambda step: tmp_path / "local" / f"step-{step}", rank=0, local_rank=0)
+    assert piped.getvalue() == ""
+
+
+@pytest.mark.slow
+def test_a_slow_hf_resume_pull_is_logged_with_its_size_and_rate(tmp_path, monkeypatch, caplog):
+    # The line comes from the shared resume path: Lightning's resume logs it the same way.
+    from test_hf import make_trainer
+
+    from spot_callbacks.hf import SpotCheckpointCallback
+
+    caplog.set_level(logging.INFO, logger="spot_callbacks")
+    monkeypatch.setattr(throughput, "SLOW_PULL_S", 0.0)  # every pull counts as slow here
+    options = dict(dirpath=str(tmp_path / "store"), interval=None, every_n_steps=4, preemption=[])
+    make_trainer(tmp_path / "a", [SpotCheckpointCallback(**options)], max_steps=4).train()
+    caplog.clear()
+    ckpt = SpotCheckpointCallback(**options)
+    make_trainer(tmp_path / "b", [ckpt], max_steps=6).train(resume_from_checkpoint=ckpt.latest())
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("spot_callbacks: pulled ")]
+    assert re.fullmatch(
+        r"spot_callbacks: pulled [\d.]+ [kM]B of step 4 in [\d.]+s \(.+/s\) from .*step-0+4", line
+    )

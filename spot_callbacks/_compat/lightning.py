@@ -35,7 +35,6 @@ from typing import Any
 
 import torch
 
-from spot_callbacks.accounting.throughput import log_slow_pull
 from spot_callbacks.data_position import DataPosition, warn_if_changed
 from spot_callbacks.errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
 from spot_callbacks.notices import Notice, signal_grace_s
@@ -109,11 +108,7 @@ def check_loadable(local_dir: Path, info: CheckpointInfo) -> None:
 
 
 def path_to_load(trainer: Any, resumed: ResumeInfo, state_file: str) -> str:
-    """What ``resume_start`` loads from a pulled checkpoint: the state file, or the folder of a sharded one.
-
-    A slow pull is explained first (its size and rate), before Lightning loads it.
-    """
-    log_slow_pull(resumed.info, resumed.pull_s)
+    """What ``resume_start`` loads from a pulled checkpoint: the state file, or the folder of a sharded one."""
     local_dir, url = resumed.local_dir, resumed.info.url
     # We put plain loaders back at their mid-epoch position ourselves (restore_position).
     warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
