@@ -14,6 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from test_hf import make_trainer
 
 from spot_callbacks.hf import SpotCheckpointCallback
+from spot_callbacks.hf_checkpoint import SAVE_PATH_ENV, STAGED, TRAINER
 
 CHECKPOINT_EVERY = 4
 MAX_STEPS = 12
@@ -45,13 +46,18 @@ def tensorboard_trainer(tmp_path: Path, run: str, callbacks: list, max_steps: in
     return make_trainer(tmp_path / run, callbacks, max_steps=max_steps, report_to=["tensorboard"])
 
 
-def test_every_checkpoint_metric_reaches_tensorboard_and_log_history_at_its_step(tmp_path: Path) -> None:
+@pytest.mark.parametrize("save_path", [STAGED, TRAINER])
+def test_every_checkpoint_metric_reaches_tensorboard_and_log_history_at_its_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, save_path: str
+) -> None:
+    monkeypatch.setenv(SAVE_PATH_ENV, save_path)  # stall measured at the staging, or in on_save
     ckpt = spot_callback(tmp_path / "store")
     trainer = tensorboard_trainer(tmp_path, "a", [ckpt], MAX_STEPS)
     trainer.train()
 
     checkpoint_steps = [info.step for info in ckpt.store.committed()]
     assert checkpoint_steps == [4, 8, 12]
+    assert {info.extra["hf_save"] for info in ckpt.store.committed()} == {save_path}
     scalars = tensorboard_scalars(tmp_path / "a")
     # HF's TensorBoardCallback files training logs under train/.
     assert [step for step, _ in scalars["train/spot/stall_s"]] == checkpoint_steps
