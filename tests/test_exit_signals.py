@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 from spot_callbacks import CheckpointStore
+from spot_callbacks.persist import exit_guard
 from spot_callbacks.store.runlock import LOCK_NAME
 
 SCRIPT = Path(__file__).parent / "scripts" / "exit_signals_run.py"
@@ -133,3 +136,38 @@ def test_a_second_ctrl_c_stops_at_once_without_waiting_for_a_hung_upload(tmp_pat
     assert process.returncode == 130, output
     assert "second Ctrl-C: stopping at once, not waiting for uploads" in output
     assert CheckpointStore(str(tmp_path / "run")).latest() is None
+
+
+class _FinishingWorker:
+    """A persister whose one worker finishes the bookkeeping after its commit once ``release`` is set."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.thread = threading.Thread(target=self.release.wait, name="spot-emergency", daemon=True)
+        self.thread.start()
+
+    @property
+    def idle(self) -> bool:
+        return not self.thread.is_alive()
+
+    def worker_threads(self) -> list[threading.Thread]:
+        return [self.thread]
+
+
+def test_the_exit_waits_quietly_for_a_worker_that_finishes_soon_and_warns_for_one_that_does_not(
+    caplog,
+) -> None:
+    caplog.set_level(logging.INFO, logger="spot_callbacks")
+    soon = _FinishingWorker()
+    exit_guard.guard(soon)
+    threading.Timer(0.1, soon.release.set).start()  # a worker 0.1 s from done: the exit waits, says nothing
+    exit_guard.park_workers_at_exit()
+    assert soon.idle and not [r for r in caplog.records if "still works" in r.getMessage()]
+
+    late = _FinishingWorker()
+    exit_guard.guard(late)
+    threading.Timer(exit_guard.QUIET_WAIT_S + 0.5, late.release.set).start()  # past the quiet wait
+    exit_guard.park_workers_at_exit()  # nothing armed: waits up to UNARMED_EXIT_WAIT_S, then returns
+    assert late.idle
+    [line] = [r.getMessage() for r in caplog.records if "still works" in r.getMessage()]
+    assert line.startswith("spot_callbacks: exiting while spot-emergency still works; waiting at most")

@@ -24,6 +24,8 @@ log = logging.getLogger("spot_callbacks")
 UNARMED_EXIT_WAIT_S = 10.0
 # Kept back from an armed deadline for the exit itself (flushing the logs, the process going away).
 EXIT_SLACK_S = 1.0
+# Waited without a word: a worker finishing the bookkeeping after its commit is not worth a warning.
+QUIET_WAIT_S = 1.0
 
 PREEMPTED_EXIT_CODE = 143  # notices.PREEMPTED_EXIT_CODE: stopped to be resumed
 INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT: the second Ctrl-C
@@ -81,6 +83,12 @@ def park_workers_at_exit() -> None:
         return
     armed = _armed.get("deadline")
     deadline = armed - EXIT_SLACK_S if armed is not None else time.time() + UNARMED_EXIT_WAIT_S
+    quiet_until = min(deadline, time.time() + QUIET_WAIT_S)
+    for thread in busy:
+        thread.join(max(quiet_until - time.time(), 0.0))
+    busy = busy_workers()
+    if not busy:
+        return
     names = ", ".join(sorted({thread.name for thread in busy}))
     log.warning(
         "spot_callbacks: exiting while %s still works; waiting at most %.1fs for it to finish",
