@@ -387,8 +387,17 @@ def _cmd_verify(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
     else:
         info = store.read_manifest(args.step)
     what = "sizes checked" if args.shallow else "verified"
-    with _busy(f"verifying {info.url} ({human_size(info.size_bytes)})"):
-        store.verify(info.step, deep=not args.shallow)
+    if args.shallow:
+        with _busy(f"checking the sizes of {info.url} ({human_size(info.size_bytes)})"):
+            store.verify(info.step, deep=False)
+    else:  # every byte is read: on a terminal, the bars of a pull; piped, stderr stays for errors
+        shown = (
+            reporting_pull(store, info, verb="verified")
+            if is_terminal(sys.stderr)
+            else contextlib.nullcontext()
+        )
+        with shown:
+            store.verify(info.step, deep=True)
     file_count = len(info.files)
     print(
         f"OK step {info.step}: {file_count} file{'' if file_count == 1 else 's'}, "

@@ -1,10 +1,11 @@
-"""What `spot-callbacks pull` and a resume's pull show while they download: plain lines (or nothing) when
+"""What `spot-callbacks pull` / `verify` and a resume's pull show while they download: plain lines (or nothing) when
 piped, bars on a terminal, a line with size and rate for a slow resume pull (both adapters)."""
 
 from __future__ import annotations
 
 import io
 import logging
+import posixpath
 import re
 import subprocess
 import sys
@@ -12,10 +13,10 @@ from datetime import datetime, timezone
 
 import pytest
 
-from spot_callbacks import CheckpointStore
+from spot_callbacks import CheckpointStore, CorruptCheckpointError, cli
 from spot_callbacks.accounting import throughput
 from spot_callbacks.accounting.throughput import SLOW_PULL_S, slow_pull_line
-from spot_callbacks.cli_progress import PlainPullProgress, RichPullProgress, pull_progress
+from spot_callbacks.cli_progress import PlainPullProgress, RichPullProgress, pull_progress, reporting_pull
 from spot_callbacks.resume import pull_latest
 from spot_callbacks.store.checksums import FileDigest
 from spot_callbacks.store.manifest import CheckpointInfo
@@ -139,3 +140,32 @@ def test_a_slow_hf_resume_pull_is_logged_with_its_size_and_rate(tmp_path, monkey
     assert re.fullmatch(
         r"spot_callbacks: pulled [\d.]+ [kM]B of step 4 in [\d.]+s \(.+/s\) from .*step-0+4", line
     )
+
+
+def test_verify_on_a_terminal_shows_the_bytes_read_and_piped_keeps_stderr_for_errors(
+    tmp_path, monkeypatch, capsys
+):
+    store = committed_store(tmp_path)
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert cli.main(["verify", store.url]) == 0
+    assert capsys.readouterr().out == "OK step 8: 1 file, 2.0 MB verified\n"
+    assert "checkpoint" in terminal.getvalue() and "2.0/2.0 MB" in terminal.getvalue()
+
+    piped = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", piped)
+    assert cli.main(["verify", store.url]) == 0
+    assert piped.getvalue() == ""
+
+
+def test_a_verify_that_finds_damage_gives_no_closing_total(tmp_path):
+    store = committed_store(tmp_path)
+    info = store.latest()
+    path = posixpath.join(store.step_path(8), "state.ckpt")
+    store.fs.pipe_file(path, b"\x02" * 2_000_000)  # same size, other bytes
+    piped = io.StringIO()
+    with pytest.raises(CorruptCheckpointError), reporting_pull(store, info, piped, verb="verified"):
+        store.verify(8, deep=True)
+    lines = piped.getvalue().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("state.ckpt: 2.0 MB in "), lines  # read to its end
+    assert not any(line.startswith("verified") for line in lines)
