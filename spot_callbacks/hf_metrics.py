@@ -56,7 +56,8 @@ class SpotMetrics:
         row, self.pending = self.pending, {}
         self.logging = True
         try:
-            trainer.log(row)
+            # The base method: a subclass's log (TRL's) may flush its own running averages into our row.
+            transformers.Trainer.log(trainer, row)
         finally:
             self.logging = False
 
