@@ -105,3 +105,21 @@ def test_an_expedited_checkpoint_skips_retention_and_a_late_commit_is_said(one_r
     assert any("step 2 committed" in r.message and "after its deadline" in r.message for r in caplog.records)
     assert [info.step for info in store.committed()] == [1, 2]  # keep_last=1, yet no retention ran
     assert persister.close(timeout=60)
+
+
+def test_shard_folders_a_dead_process_left_in_scratch_go_when_the_next_persister_starts(one_rank, tmp_path):
+    rank_scratch = tmp_path / "scratch" / "shards" / "rank-0"
+    leftover = rank_scratch / "step-000000007"
+    leftover.mkdir(parents=True)
+    (leftover / "__0_0.distcp").write_bytes(b"\0" * 4096)  # a kill -9 mid-write left it
+    (rank_scratch / "notes.txt").write_text("not a step folder: not ours to judge")
+    persister = ShardedPersister(
+        CheckpointStore((tmp_path / "store").as_uri()), scratch_root=tmp_path / "scratch"
+    )
+    try:
+        assert not leftover.exists() and (rank_scratch / "notes.txt").is_file()
+        persister.submit_state(8, "steps", "test", sharded_state(one_rank, 8.0))
+        assert persister.wait(timeout=60) and persister.last_committed.step == 8
+    finally:
+        assert persister.close(timeout=60)
+    assert sorted(p.name for p in rank_scratch.iterdir()) == ["notes.txt"]

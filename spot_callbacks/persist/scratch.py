@@ -106,6 +106,34 @@ def discard_folder(folder: Path, owned: bool) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def discard_leftover_step_folders(root: Path) -> list[Path]:
+    """Delete the step folders in ``root``, a scratch folder whose persister keeps no local copy: each
+    one there when it starts was left by a process that died mid-checkpoint. Returns them.
+
+    Links and other names are left alone.
+
+    Example:
+        >>> import tempfile
+        >>> root = Path(tempfile.mkdtemp())
+        >>> (root / "step-000000004").mkdir(); (root / "notes").mkdir()
+        >>> [p.name for p in discard_leftover_step_folders(root)], sorted(p.name for p in root.iterdir())
+        (['step-000000004'], ['notes'])
+    """
+    leftovers = sorted(
+        path
+        for path in (root.iterdir() if root.is_dir() else ())
+        if parse_step_dirname(path.name) is not None and not path.is_symlink() and path.is_dir()
+    )
+    for path in leftovers:
+        shutil.rmtree(path, ignore_errors=True)
+    if leftovers:
+        log.info(
+            "spot_callbacks: scratch %s: deleted %d folder%s an earlier process left mid-checkpoint (%s)",
+            root, len(leftovers), "" if len(leftovers) == 1 else "s", ", ".join(p.name for p in leftovers),
+        )  # fmt: skip
+    return leftovers
+
+
 def prune_scratch(root: Path, in_flight: Iterable[Path], newest_failed: Path | None) -> list[Path]:
     """Delete the step folders of ``root`` that a restart on this machine has no use for; return them.
 

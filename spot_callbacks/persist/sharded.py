@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from spot_callbacks.persist.rank_group import RankGroup, RankGroupPersister
-from spot_callbacks.persist.scratch import discard_folder
+from spot_callbacks.persist.scratch import discard_folder, discard_leftover_step_folders
 from spot_callbacks.persist.tracking import CheckpointJob
 from spot_callbacks.store import CheckpointStore, step_dirname
 from spot_callbacks.store.transfer import write_local_atomically
@@ -146,6 +146,7 @@ class ShardedPersister(RankGroupPersister[ShardedJob]):
         self._writes = RankGroup()
         super().__init__(store, keep_last)
         self.scratch = Path(scratch_root) / "shards" / f"rank-{self.rank}"
+        discard_leftover_step_folders(self.scratch)  # every commit or failure discards its own folder
         cuda = torch.cuda.is_available()
         self.stager = DefaultStager(
             StagingOptions(
