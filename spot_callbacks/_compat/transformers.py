@@ -248,8 +248,12 @@ def check_trainer_spans_the_process_group(args: Any) -> None:
     """
     dist = torch.distributed
     group_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    if group_size > 1 and args.world_size == 1:
-        mode = args.parallel_mode
+    mode = args.parallel_mode
+    alone = (
+        transformers.training_args.ParallelMode.NOT_PARALLEL,
+        transformers.training_args.ParallelMode.NOT_DISTRIBUTED,
+    )
+    if group_size > 1 and args.world_size == 1 and mode in alone:  # not SageMaker MP, not XLA
         raise ConfigError(
             f"the process group has {group_size} processes but the Trainer trains as one "
             f"(TrainingArguments.world_size=1, parallel_mode={getattr(mode, 'value', mode)}): "
