@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 from spot_callbacks import CheckpointStore
@@ -155,8 +156,11 @@ class _FinishingWorker:
 
 
 def test_the_exit_waits_quietly_for_a_worker_that_finishes_soon_and_warns_for_one_that_does_not(
-    caplog,
+    caplog, monkeypatch
 ) -> None:
+    # This process's own persisters and armed exit (of earlier tests in it) are not this test's to park.
+    monkeypatch.setattr(exit_guard, "_open", weakref.WeakSet())
+    monkeypatch.setattr(exit_guard, "_armed", {})
     caplog.set_level(logging.INFO, logger="spot_callbacks")
     soon = _FinishingWorker()
     exit_guard.guard(soon)
