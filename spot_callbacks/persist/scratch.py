@@ -106,6 +106,16 @@ def discard_folder(folder: Path, owned: bool) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def _step_folders(root: Path) -> dict[int, Path]:
+    """The step folders directly in ``root``, by step: real folders with a step folder name (no links)."""
+    folders = {}
+    for path in root.iterdir() if root.is_dir() else ():
+        step = parse_step_dirname(path.name)
+        if step is not None and not path.is_symlink() and path.is_dir():
+            folders[step] = path
+    return folders
+
+
 def discard_leftover_step_folders(root: Path) -> list[Path]:
     """Delete the step folders in ``root``, a scratch folder whose persister keeps no local copy: each
     one there when it starts was left by a process that died mid-checkpoint. Returns them.
@@ -119,11 +129,7 @@ def discard_leftover_step_folders(root: Path) -> list[Path]:
         >>> [p.name for p in discard_leftover_step_folders(root)], sorted(p.name for p in root.iterdir())
         (['step-000000004'], ['notes'])
     """
-    leftovers = sorted(
-        path
-        for path in (root.iterdir() if root.is_dir() else ())
-        if parse_step_dirname(path.name) is not None and not path.is_symlink() and path.is_dir()
-    )
+    leftovers = [path for _, path in sorted(_step_folders(root).items())]
     for path in leftovers:
         shutil.rmtree(path, ignore_errors=True)
     if leftovers:
@@ -152,11 +158,7 @@ def prune_scratch(root: Path, in_flight: Iterable[Path], newest_failed: Path | N
         >>> [p.name for p in prune_scratch(root, [root / "step-000000005"], root / "step-000000001")]
         ['step-000000002', 'step-000000004']
     """
-    folders = {}
-    for path in root.iterdir() if root.is_dir() else ():
-        step = parse_step_dirname(path.name)
-        if step is not None and not path.is_symlink() and path.is_dir():
-            folders[step] = path
+    folders = _step_folders(root)
     keep = {Path(path) for path in in_flight}
     committed = [step for step, path in folders.items() if (path / MANIFEST_NAME).is_file()]
     newest_committed = max(committed, default=-1)
