@@ -138,9 +138,6 @@ class Persister(StepTracker):
             self._make_urgent(job)
             self._cond.notify_all()
 
-    def _idle(self) -> bool:
-        return not (self._not_written() or self._to_upload or self._busy_uploading or self._alongside)
-
     def _queued_steps(self) -> list[int]:
         jobs = (*self._not_written(), self._to_upload, self._busy_uploading)
         return [job.step for job in jobs if job is not None] + list(self._alongside)

@@ -184,9 +184,6 @@ class RankGroupPersister(StepTracker, ABC, Generic[JobT]):
         fresh = super().new_failures()
         return fresh if self.rank == 0 else []
 
-    def _idle(self) -> bool:
-        return not (self._not_written() or self._ready or self._busy_uploading)
-
     def _queued_steps(self) -> list[int]:
         jobs = (*self._not_written(), *self._ready, self._busy_uploading)
         return [job.step for job in jobs if job is not None]

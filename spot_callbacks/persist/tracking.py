@@ -77,13 +77,13 @@ class PersistRecord:
 class StepTracker(ABC):
     """The submitted steps of one persister: how each settled, the commit records, failures, and waiting on them.
 
-    One condition guards it and the subclass's own queues. A subclass says when it is idle
-    (nothing queued, writing or uploading), which steps its queues hold, and joins its workers; it keeps the job being uploaded
-    in ``_busy_uploading`` and, where it has a writer thread, the jobs to write in ``_to_write``.
+    One condition guards it and the subclass's own queues. A subclass says which steps its queues
+    hold (queued, being written or uploading: it is idle when none) and joins its workers; it keeps
+    the job being uploaded in ``_busy_uploading`` and, where it has a writer thread, the jobs to write
+    in ``_to_write``.
 
     Example:
         >>> class NothingQueued(StepTracker):
-        ...     def _idle(self): return True
         ...     def _queued_steps(self): return []
         ...     def _join_workers(self): pass
         >>> tracker = NothingQueued()
@@ -104,9 +104,9 @@ class StepTracker(ABC):
         self._closed = False
         guard(self)  # the process never exits while a worker is inside torch.save
 
-    @abstractmethod
     def _idle(self) -> bool:
         """Lock held: nothing queued, writing or uploading."""
+        return not self._queued_steps()
 
     @abstractmethod
     def _join_workers(self) -> None:
