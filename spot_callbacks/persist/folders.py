@@ -99,8 +99,7 @@ class NodeFolderPersister(RankGroupPersister[FolderJob]):
         """``folder`` (this node's own copy of a committed checkpoint, e.g. pulled at resume) is deleted
         like this persister's own once a newer checkpoint it owns commits."""
         with self._cond:
-            if self._kept.folder is None:
-                self._kept.keep(folder)
+            self._kept.adopt(folder)
 
     # ------------------------------------------------------ round hooks
     def _enqueue(self, job: FolderJob) -> None:

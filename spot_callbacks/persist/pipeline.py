@@ -120,8 +120,7 @@ class Persister(StepTracker):
         """``folder`` (the run's own local copy of a committed checkpoint, e.g. pulled at resume) is
         deleted like this persister's own once a newer checkpoint it owns commits."""
         with self._cond:
-            if self._kept.folder is None:
-                self._kept.keep(folder)
+            self._kept.adopt(folder)
 
     def expedite(self, step: int, deadline: float) -> None:
         """Make the queued checkpoint of ``step`` an emergency one that must commit by ``deadline``.

@@ -197,6 +197,8 @@ class NewestCommittedFolder:
         (['step-2'], 'step-2')
         >>> kept.drop(); list(root.iterdir()), kept.folder
         ([], None)
+        >>> (root / "step-3").mkdir(); kept.adopt(root / "step-3"); kept.folder.name
+        'step-3'
     """
 
     def __init__(self) -> None:
@@ -206,6 +208,12 @@ class NewestCommittedFolder:
         previous, self.folder = self.folder, folder
         if previous is not None and previous != folder:
             shutil.rmtree(previous, ignore_errors=True)
+
+    def adopt(self, folder: Path) -> None:
+        """Hold ``folder`` (a copy made otherwise, e.g. pulled at resume) until the next :meth:`keep`,
+        unless one is held already."""
+        if self.folder is None:
+            self.folder = folder
 
     def drop(self) -> None:
         """Delete the kept folder too (its copy could not be completed, or no local copy is wanted)."""
