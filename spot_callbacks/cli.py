@@ -45,7 +45,7 @@ from spot_callbacks.accounting.report import (
     resume_rows,
     write_plan_plot,
 )
-from spot_callbacks.cli_progress import is_terminal, reporting_pull
+from spot_callbacks.cli_progress import is_terminal, reporting_on_a_terminal, reporting_pull
 from spot_callbacks.config import load_storage_options, parse_duration
 from spot_callbacks.errors import (
     CheckpointError,
@@ -391,12 +391,7 @@ def _cmd_verify(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
         with _busy(f"checking the sizes of {info.url} ({human_size(info.size_bytes)})"):
             store.verify(info.step, deep=False)
     else:  # every byte is read: on a terminal, the bars of a pull; piped, stderr stays for errors
-        shown = (
-            reporting_pull(store, info, verb="verified")
-            if is_terminal(sys.stderr)
-            else contextlib.nullcontext()
-        )
-        with shown:
+        with reporting_on_a_terminal(store, info, verb="verified"):
             store.verify(info.step, deep=True)
     file_count = len(info.files)
     print(

@@ -283,3 +283,12 @@ def reporting_pull(
     finally:
         store.fs = original
         progress.close(completed)
+
+
+def reporting_on_a_terminal(
+    store: CheckpointStore, info: CheckpointInfo, transient: bool = False, verb: str = "pulled"
+) -> contextlib.AbstractContextManager[None]:
+    """:func:`reporting_pull` when stderr is a terminal; nothing otherwise (stderr is a log's, or for errors)."""
+    if is_terminal(sys.stderr):
+        return reporting_pull(store, info, transient=transient, verb=verb)
+    return contextlib.nullcontext()

@@ -9,16 +9,14 @@ framework's own "resume from the newest local folder" cannot pick one.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from spot_callbacks.accounting.throughput import log_slow_pull
-from spot_callbacks.cli_progress import is_terminal, reporting_pull
+from spot_callbacks.cli_progress import reporting_on_a_terminal
 from spot_callbacks.store import CheckpointInfo, CheckpointStore
 from spot_callbacks.store.commit import DAMAGE_ERRORS, damaged_message
 from spot_callbacks.trigger.collectives import barrier, broadcast_object
@@ -103,9 +101,7 @@ def pull_latest(
 def pull_showing_progress(store: CheckpointStore, info: CheckpointInfo, folder: Path) -> Path:
     """``store.pull`` of ``info`` into ``folder``, with the bars of ``spot-callbacks pull`` while it runs
     when stderr is a terminal (a log file gets the slow-pull line, see :func:`pull_latest`)."""
-    on_terminal = is_terminal(sys.stderr)
-    shown = reporting_pull(store, info, transient=True) if on_terminal else contextlib.nullcontext()
-    with shown:
+    with reporting_on_a_terminal(store, info, transient=True):
         return store.pull(info.step, folder)
 
 
