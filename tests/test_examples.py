@@ -36,6 +36,26 @@ def wait_for_first_commit(store: CheckpointStore, process: subprocess.Popen, out
     pytest.fail(f"no checkpoint committed within {RUN_TIMEOUT_S} s:\n{output.read_text()}")
 
 
+def sigterm_after_first_commit(
+    command: list[str], store: CheckpointStore, env: dict[str, str], output: Path
+) -> tuple[subprocess.Popen, CheckpointInfo, str]:
+    """Start ``command``, send it SIGTERM once its first checkpoint committed, wait for its end.
+
+    Returns the process (ended), that first commit and what it printed (stdout and stderr).
+    """
+    with output.open("w") as sink:
+        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, text=True, env=env)
+        try:
+            first_commit = wait_for_first_commit(store, process, output)
+            process.send_signal(signal.SIGTERM)
+            process.wait(timeout=RUN_TIMEOUT_S)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    return process, first_commit, output.read_text()
+
+
 def run_on_two_fresh_machines(
     command: list[str], tmp_path: Path, cwd: Path | None = None
 ) -> list[subprocess.CompletedProcess]:
@@ -58,20 +78,9 @@ def test_lightning_spot_stops_on_sigterm_and_the_same_command_resumes(tmp_path: 
     command = [sys.executable, str(EXAMPLES / "lightning_spot.py"), "--dirpath", str(dirpath),
                "--max-steps", "300", "--every-n-steps", "10"]  # fmt: skip
     store = CheckpointStore(str(dirpath))
-    first_output = tmp_path / "first.log"
-    with first_output.open("w") as sink:
-        first = subprocess.Popen(
-            command, stdout=sink, stderr=subprocess.STDOUT, text=True, env=example_env(tmp_path, "a")
-        )
-        try:
-            first_commit = wait_for_first_commit(store, first, first_output)
-            first.send_signal(signal.SIGTERM)
-            first.wait(timeout=RUN_TIMEOUT_S)
-        finally:
-            if first.poll() is None:
-                first.kill()
-                first.wait()
-    printed = first_output.read_text()
+    first, first_commit, printed = sigterm_after_first_commit(
+        command, store, example_env(tmp_path, "a"), tmp_path / "first.log"
+    )
     assert first.returncode == 143, printed
     assert f"PID {first.pid}" in printed and f"kill -TERM {first.pid}" in printed
     assert "then run the same command again to resume" in printed

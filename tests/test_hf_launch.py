@@ -10,14 +10,13 @@ checkpoint, and the same command run again resumes from it to ``--max-steps``. T
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from test_examples import wait_for_first_commit
+from test_examples import sigterm_after_first_commit
 
 from spot_callbacks import CheckpointStore
 
@@ -53,27 +52,13 @@ def example_args(tmp_path: Path, max_steps: int = MAX_STEPS) -> list[str]:
             "--max-steps", str(max_steps), "--every-n-steps", str(EVERY_N_STEPS)]  # fmt: skip
 
 
-def run_until_first_commit_then_sigterm(command: list[str], tmp_path: Path) -> tuple[int, str]:
-    store = CheckpointStore(str(tmp_path / "run"))
-    log = tmp_path / "first.log"
-    with log.open("w") as sink:
-        launcher = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=launch_env(tmp_path))
-        try:
-            wait_for_first_commit(store, launcher, log)
-            launcher.send_signal(signal.SIGTERM)
-            launcher.wait(timeout=RUN_TIMEOUT_S)
-        finally:
-            if launcher.poll() is None:
-                launcher.kill()
-                launcher.wait()
-    return launcher.returncode, log.read_text()
-
-
 def assert_two_processes_train_and_the_same_command_resumes(command: list[str], tmp_path: Path) -> None:
-    returncode, printed = run_until_first_commit_then_sigterm(command, tmp_path)
-    # Each worker exits 143; the launcher reports a failed worker (torchrun's exit 1), not 143.
-    assert returncode != 0, f"finished before the SIGTERM landed:\n{printed[-4000:]}"
     store = CheckpointStore(str(tmp_path / "run"))
+    launcher, _, printed = sigterm_after_first_commit(
+        command, store, launch_env(tmp_path), tmp_path / "first.log"
+    )
+    # Each worker exits 143; the launcher reports a failed worker (torchrun's exit 1), not 143.
+    assert launcher.returncode != 0, f"finished before the SIGTERM landed:\n{printed[-4000:]}"
     emergency = store.latest()
     assert emergency.reason == "preemption" and emergency.step < MAX_STEPS, printed[-4000:]
     assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(emergency.files), emergency.files
