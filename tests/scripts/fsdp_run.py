@@ -58,12 +58,17 @@ class Net(pl.LightningModule):
 
 
 class SelfSigterm(pl.Callback):
-    def __init__(self, step: int) -> None:
-        self.step, self.sent = step, False
+    def __init__(self, step: int, spot) -> None:
+        self.step, self.spot, self.sent = step, spot, False
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == self.step and trainer.global_rank == 0 and not self.sent:
             self.sent = True
+            # The checkpoints before the notice commit first: the emergency one then never overtakes
+            # (and drops) one still queued, so which steps are committed does not depend on upload speed.
+            persister = self.spot.engine.writer.persister if self.spot is not None else None
+            if persister is not None:
+                assert persister.wait(timeout=120), "the checkpoints before the SIGTERM did not settle"
             os.kill(os.getpid(), signal.SIGTERM)
 
 
@@ -120,7 +125,7 @@ def main() -> int:
         )  # fmt: skip
         callbacks.append(spot)
     if args.sigterm_at_step >= 0:
-        callbacks.append(SelfSigterm(args.sigterm_at_step))
+        callbacks.append(SelfSigterm(args.sigterm_at_step, spot))
     torch.manual_seed(0)
     model = Net()
     trainer = pl.Trainer(
