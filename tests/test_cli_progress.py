@@ -29,6 +29,11 @@ class Terminal(io.StringIO):
         return True
 
 
+# human_duration's forms: "42s", "3m07s", "1h02m". An ETA taken after the first small file of a
+# loaded machine can run to minutes (CI once printed "ETA 2m28s" after a 1 kB file).
+DURATION = r"(?:\d+s|\d+m\d\ds|\d+h\d\dm)"
+
+
 def info_with(sizes: dict[str, int]) -> CheckpointInfo:
     files = {name: FileDigest(size, "xxh3_64:00") for name, size in sizes.items()}
     return CheckpointInfo(1, "memory://run/step-1", datetime.now(timezone.utc), "end", sum(sizes.values()), "t",
@@ -51,8 +56,8 @@ def test_the_pull_piped_prints_one_line_per_file_with_size_rate_and_eta_then_the
     assert done.stdout == f"{dest}\n"  # stdout stays the path alone, for scripts
     lines = [line for line in done.stderr.splitlines() if not line.startswith("spot-callbacks:")]
     file_line = re.compile(
-        r"^(?P<name>\S+): (?P<size>[\d.]+ k?M?B) in \d+s \((?:-|[\d.]+ k?M?G?B/s)\); "
-        r"(?P<n>\d)/3 files, [\d.]+ k?M?B of 5\.0 MB, ETA (?:\d+s|\?)$"
+        rf"^(?P<name>\S+): (?P<size>[\d.]+ k?M?B) in {DURATION} \((?:-|[\d.]+ k?M?G?B/s)\); "
+        rf"(?P<n>\d)/3 files, [\d.]+ k?M?B of 5\.0 MB, ETA (?:{DURATION}|\?)$"
     )
     matches = [file_line.match(line) for line in lines[:-1]]
     assert all(matches), lines
@@ -62,7 +67,7 @@ def test_the_pull_piped_prints_one_line_per_file_with_size_rate_and_eta_then_the
         "3",
     ]
     assert {m["name"]: m["size"] for m in matches}["state.pt"] == "3.0 MB"
-    assert re.match(r"^pulled 3 files, 5\.0 MB in \d+s \(", lines[-1]), lines
+    assert re.match(rf"^pulled 3 files, 5\.0 MB in {DURATION} \(", lines[-1]), lines
     assert (dest / "state.pt").stat().st_size == SIZES["state.pt"]
 
     again = subprocess.run(
