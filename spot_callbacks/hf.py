@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import logging
+import functools
 import math
 import os
 import time
@@ -20,9 +20,7 @@ from spot_callbacks.hf_metrics import SpotMetrics
 from spot_callbacks.hf_saves import SaveRequest
 from spot_callbacks.notices import PREEMPTED_EXIT_CODE, Notice
 from spot_callbacks.store import CheckpointStore
-from spot_callbacks.trigger.rules import AfterEmergency
-
-log = logging.getLogger("spot_callbacks")
+from spot_callbacks.trigger.rules import AfterEmergency, after_emergency
 
 # Local checkpoint-N newer than the newest commit go here: resume_from_checkpoint=True must not pick one.
 UNCOMMITTED_PREFIX = ".spot-uncommitted-"
@@ -155,16 +153,15 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
         request = None
         if action.emergency and not action.save:  # this step is saved already: only wait and stop
             self._after_emergency(control, action.notice)
-        elif action.save:
-            request = SaveRequest(step, action.reason, action.notice)
-        elif dropped is not None:
-            request = SaveRequest(step, dropped.reason, dropped.notice)
+        elif (asked := action if action.save else dropped) is not None:
+            request = SaveRequest(step, asked.reason, asked.notice)
         elif step >= state.max_steps and (reason := self.engine.end_reason(step)) is not None:
             request = SaveRequest(step, reason)
         if request is not None and self._staged.applies(control.should_save, control.should_evaluate):
             self._staged.stage(request, math.floor(state.epoch or 0), self.engine.staging)
-            if not control.should_log:  # else on_log submits it, once this step's logs are in TrainerState
-                self._submit_staged(control)
+            self._save_started_at = time.perf_counter()  # the stall if the Trainer saves it after all
+            stops = after_emergency(self.config.on_preemption, request.notice) is AfterEmergency.STOP
+            control.should_training_stop |= request.reason == "preemption" and stops  # (waited at submit)
         elif request is not None:
             self._saves.ask(request)
             control.should_save = True
@@ -179,22 +176,28 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
             return
         self._save_started_at = time.perf_counter() if self._save_started_at is not None else None
         self._metrics.merge_into(logs, state)
-        self._submit_staged(control)
+        if not (control.should_evaluate or control.should_save):  # else on_evaluate / on_save decide
+            self._submit_staged(control)
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._save_started_at = time.perf_counter() if self._save_started_at is not None else None
+        if (dropped := self._staged.drop()) is not None:  # it ran after the snapshot: the Trainer saves
+            self._saves.ask(dropped[0])
+            control.should_save = True
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        step = state.global_step
         stall_s = time.perf_counter() - self._save_started_at if self._save_started_at is not None else 0.0
         self._save_started_at = None
-        request = self._saves.saved(step)  # None: one of the Trainer's own saves, persisted too
+        request = self._saves.saved(state.global_step)  # None: one of the Trainer's own saves, persisted too
+        if request is None and (dropped := self._staged.drop(state.global_step)) is not None:  # a callback's
+            request, stall_s = dropped[0], stall_s + dropped[1]
         reason = request.reason if request is not None else "steps"
         persisted = self._persist(state, reason, stall_s, owns_folder=self._staged.owns_folders)
         self._after_checkpoint(control, request, stall_s if persisted else None)
 
     def _submit_staged(self, control: Any) -> None:
         if self._staged.pending is not None:
+            self._save_started_at = None
             self._after_checkpoint(control, *self._staged.submit(self.engine.writer, self._extra(STAGED)))
 
     def _extra(self, save_path: str) -> dict[str, Any]:
@@ -236,11 +239,8 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
         self._submit_staged(control)
         self._save_started_at = None
         self._saves.give_up()
-        if (folder := hf_saves.jit_checkpoint_to_persist(self.engine, args, state)) is not None:
-            log.warning("spot_callbacks: persisting the Trainer's JIT checkpoint %s", folder)
-            self._persist(state, "preemption")
-            self.engine.wait_for_commit()
-            self.preempted = True
+        jit = functools.partial(self._persist, state, "preemption")
+        self.preempted |= hf_saves.persist_jit_checkpoint(self.engine, args, state, jit)
         self.preempted |= hf_saves.finish_after_last_commit(self.engine)
         self._metrics.add_records(self.engine.new_records())
         self._metrics.flush()  # ahead of the integrations' on_train_end: their writers are still open

@@ -2,10 +2,14 @@
 
 At the step boundary :meth:`StagedSaves.stage` copies what a resume needs into the run's
 :class:`~spot_callbacks.staging.StagingArea` (model, optimizer, scheduler and scaler state dicts,
-this rank's RNG streams); once the step's logging is done :meth:`StagedSaves.submit` copies the
-``TrainerState`` and hands the folder to the persister. Its writer thread then writes the files
-``Trainer._save_checkpoint`` would (``model.safetensors`` through ``save_pretrained(state_dict=...)``,
-``optimizer.pt``, ``scheduler.pt``, ``scaler.pt``, ``rng_state[_{rank}].pth``, ``trainer_state.json``,
+this rank's RNG streams). Once every callback has had its ``on_step_end`` (the flags a callback
+listed after this one sets are final only then) and the step's logging is done,
+:meth:`StagedSaves.submit` copies the ``TrainerState`` and hands the folder to the persister; when
+the Trainer saves or evaluates at that step after all, :meth:`StagedSaves.drop` frees the snapshot
+and the Trainer's own folder is persisted (two writers never meet in one ``checkpoint-N``). The
+persister's writer thread writes the files ``Trainer._save_checkpoint`` would
+(``model.safetensors`` through ``save_pretrained(state_dict=...)``, ``optimizer.pt``,
+``scheduler.pt``, ``scaler.pt``, ``rng_state[_{rank}].pth``, ``trainer_state.json``,
 ``training_args.bin``, the processing class) into a hidden folder renamed to ``checkpoint-N`` when
 complete; the existing pipeline uploads and commits it. Where the state cannot be staged faithfully
 (see :func:`~spot_callbacks._compat.transformers.staging_blocker`) the Trainer saves as before.
@@ -37,6 +41,9 @@ log = logging.getLogger("spot_callbacks")
 
 SAVE_PATH_ENV = "SPOT_HF_SAVE"  # "staged" (the default where it applies) or "trainer"
 STAGED, TRAINER = "staged", "trainer"  # the manifest's ``extra["hf_save"]``: the path a checkpoint took
+TRAINER_SAVES_AT_A_STAGED_STEP = (
+    "a save or evaluation comes at a staged checkpoint's step: the Trainer writes it"
+)
 
 
 def save_path_setting() -> str:
@@ -143,6 +150,26 @@ class StagedSaves:
             folder.mkdir(parents=True, exist_ok=True)
             torch.save(compat.rng_states(trainer.args), folder / compat.rng_state_name(trainer.args))
         self.pending = StagedCheckpoint(request, epoch, staged, time.perf_counter() - started)
+
+    def drop(self, step: int | None = None) -> tuple[Any, float] | None:
+        """The Trainer saves the pending snapshot's step itself: free the snapshot (every rank).
+
+        Returns its request and the seconds its staging blocked the loop, or ``None`` when no
+        snapshot is pending (for ``step``, when given).
+        """
+        pending = self.pending
+        if pending is None or (step is not None and pending.request.step != step):
+            return None
+        self.pending = None
+        if pending.staged is not None:
+            pending.staged.wait_copied()
+            pending.staged.release()
+        output_dir = self._trainer().args.output_dir
+        shutil.rmtree(
+            partial_folder(compat.checkpoint_dir(output_dir, pending.request.step)), ignore_errors=True
+        )
+        self._say(f"spot_callbacks: {TRAINER_SAVES_AT_A_STAGED_STEP}")
+        return pending.request, pending.blocked_s
 
     def submit(self, writer: CheckpointWriter, extra: dict[str, Any]) -> tuple[Any, float | None]:
         """Once the step's logs are in ``TrainerState``: copy it, hand the folder to the writer (every rank).

@@ -9,6 +9,7 @@ never reached ``on_save`` is dropped; it is asked for again at the next save poi
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,19 @@ def jit_checkpoint_to_persist(engine: Any, args: Any, state: Any) -> Path | None
     # With node-local output dirs each node sees its own copy, and the checkpoint is whole only if
     # every node's is (else one node would wait forever).
     return folder if all(gather_from_ranks(compat.jit_checkpoint_complete(folder))) else None
+
+
+def persist_jit_checkpoint(engine: Any, args: Any, state: Any, persist: Callable[[], Any]) -> bool:
+    """At the end of ``train()``: ``persist()`` a Trainer JIT checkpoint and wait for its commit.
+
+    True when there was one (the run was preempted). Collective, like :func:`jit_checkpoint_to_persist`.
+    """
+    if (folder := jit_checkpoint_to_persist(engine, args, state)) is None:
+        return False
+    log.warning("spot_callbacks: persisting the Trainer's JIT checkpoint %s", folder)
+    persist()
+    engine.wait_for_commit()
+    return True
 
 
 def finish_after_last_commit(engine: Any) -> bool:

@@ -167,6 +167,35 @@ def test_where_staging_is_not_exact_the_trainer_saves_and_says_why(
     assert len(said) == 1, [r.getMessage() for r in caplog.records]
 
 
+class AskAt(transformers.TrainerCallback):
+    """Sets ``control.<flag>`` at ``step``, listed after the spot callback (as a user's own callback is)."""
+
+    def __init__(self, step: int, flag: str) -> None:
+        self.step, self.flag = step, flag
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == self.step:
+            setattr(control, self.flag, True)
+
+
+@pytest.mark.parametrize("flag", ["should_save", "should_evaluate"])
+def test_a_later_callback_that_saves_or_evaluates_at_a_staged_step_gets_the_trainers_save(
+    flag: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Step 3 is staged at the spot callback's on_step_end; the callback after it then asks for a
+    # save (or an evaluation) at that step. One writer must make checkpoint-3: the Trainer.
+    caplog.set_level(logging.INFO, logger="spot_callbacks")
+    ckpt = spot(tmp_path / "store", every_n_steps=3)
+    out = tmp_path / "out"
+    make_trainer(out, [ckpt, AskAt(3, flag)], max_steps=6, eval_dataset=hf_run.TokenData(samples=8)).train()
+    paths = [(c.step, ckpt.store.read_manifest(c.step).extra["hf_save"]) for c in ckpt.store.committed()]
+    assert paths == [(3, "trainer"), (6, "staged")]
+    assert set(ckpt.store.read_manifest(3).files) == TRAINER_FILES
+    assert not list(out.glob(".checkpoint-*.partial"))  # the dropped snapshot left nothing behind
+    said = [r.getMessage() for r in caplog.records if "at a staged checkpoint's step" in r.getMessage()]
+    assert len(said) == 1, said
+
+
 def test_an_unknown_save_path_setting_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(SAVE_PATH_ENV, "fast")
     trainer = make_trainer(tmp_path / "out", [spot(tmp_path / "store", every_n_steps=4)], max_steps=2)
