@@ -91,7 +91,8 @@ def main() -> int:
         )  # fmt: skip
         callbacks.append(spot)
     if args.sigterm_at_step >= 0:
-        callbacks.append(hf_run.SelfSigterm(args.sigterm_at_step, args.sigterm_rank))
+        # The step-5 checkpoint commits before the notice: the tests assert which steps are committed.
+        callbacks.append(hf_run.SelfSigterm(args.sigterm_at_step, args.sigterm_rank, spot, settle=True))
     trainer = transformers.Trainer(
         model=model, args=training_args, train_dataset=hf_run.TokenData(), callbacks=callbacks
     )

@@ -60,12 +60,23 @@ class TokenData(torch.utils.data.Dataset):
 
 
 class SelfSigterm(transformers.TrainerCallback):
-    def __init__(self, step: int, rank: int) -> None:
-        self.step, self.rank, self.sent = step, rank, False
+    """SIGTERM to ``rank`` at the start of ``step``; with ``settle``, once the earlier checkpoints settled.
+
+    ``settle`` makes which steps get committed independent of upload speed: an emergency checkpoint
+    drops an older one still waiting for the uploader, by design.
+    """
+
+    def __init__(self, step: int, rank: int, spot=None, settle: bool = False) -> None:
+        self.step, self.rank, self.spot, self.settle, self.sent = step, rank, spot, settle, False
 
     def on_step_begin(self, args, state, control, **kwargs):
-        if state.global_step == self.step and args.process_index == self.rank and not self.sent:
-            self.sent = True
+        if state.global_step != self.step or self.sent:
+            return
+        self.sent = True
+        persister = self.spot.engine.writer.persister if self.settle and self.spot is not None else None
+        if persister is not None:  # the writer rank; the notice is agreed at the step's end, after this
+            assert persister.wait(timeout=120), "the checkpoints before the SIGTERM did not settle"
+        if args.process_index == self.rank:
             os.kill(os.getpid(), signal.SIGTERM)
 
 
