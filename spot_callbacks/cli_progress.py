@@ -64,6 +64,7 @@ class PlainPullProgress:
         self.stream = stream
         self.clock = clock
         self.started_at = clock()
+        self.moving_since: float | None = None  # the first file's start: the ETA's rate leaves setup out
         self.done_bytes = 0
         self.done_files = 0
         self.in_flight: dict[str, tuple[Callable[[], int], float]] = {}  # name -> (its bytes so far, start)
@@ -76,7 +77,9 @@ class PlainPullProgress:
     def file_reading(self, name: str, bytes_so_far: Callable[[], int]) -> None:
         """``name`` started moving; ``bytes_so_far()`` says how far it got."""
         with self._lock:
-            self.in_flight[name] = (bytes_so_far, self.clock())
+            now = self.clock()
+            self.in_flight[name] = (bytes_so_far, now)
+            self.moving_since = now if self.moving_since is None else self.moving_since
 
     def file_abandoned(self, name: str) -> None:
         """``name`` stopped before its end (an attempt that failed and is retried)."""
@@ -90,7 +93,8 @@ class PlainPullProgress:
             now = self.clock()
             self.done_bytes += size
             self.done_files += 1
-            self._file_line(name, size, now - started, now - self.started_at)
+            since = self.started_at if self.moving_since is None else self.moving_since
+            self._file_line(name, size, now - started, now - since)
 
     def bytes_so_far(self) -> int:
         """The completed files and what the files in flight have written so far."""

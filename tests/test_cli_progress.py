@@ -40,6 +40,15 @@ def info_with(sizes: dict[str, int]) -> CheckpointInfo:
                           files=files)  # fmt: skip
 
 
+def test_the_eta_counts_from_the_first_file_not_from_the_setup_before_it() -> None:
+    # 10 s of manifest reads and listing, then the first 1 MB of 5 MB takes 1 s: 4 MB left at 1 MB/s.
+    sink, now = io.StringIO(), iter([0.0, 10.0, 11.0]).__next__
+    progress = PlainPullProgress({"a.pt": 1_000_000, "b.pt": 4_000_000}, sink, clock=now)
+    progress.file_reading("a.pt", lambda: 0)
+    progress.file_done("a.pt")
+    assert sink.getvalue().endswith(", ETA 4s\n"), sink.getvalue()
+
+
 def test_the_pull_piped_prints_one_line_per_file_with_size_rate_and_eta_then_the_total(tmp_path):
     source = tmp_path / "src"
     for name, size in SIZES.items():
