@@ -19,19 +19,16 @@ Nothing this command prints contains a storage option's value: any of them may b
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import math
 import os
-import re
 import sys
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timezone
 from pathlib import Path
-from typing import Any, TextIO
-from urllib.parse import urlsplit
+from typing import Any
 
 from spot_callbacks import __version__
 from spot_callbacks.accounting.costs import plan_job
@@ -46,6 +43,8 @@ from spot_callbacks.accounting.report import (
     write_plan_plot,
 )
 from spot_callbacks.cli_progress import is_terminal, reporting_on_a_terminal, reporting_pull
+from spot_callbacks.cli_redaction import Redactor, install_log_handler
+from spot_callbacks.cli_tables import busy, plain_table, print_rich_table, rich_console
 from spot_callbacks.config import load_storage_options, parse_duration
 from spot_callbacks.errors import (
     CheckpointError,
@@ -62,14 +61,6 @@ log = logging.getLogger("spot_callbacks")
 PROG = "spot-callbacks"
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 _SIZE_CHECK_THREADS = 8
-
-# Option names whose values are credentials; other long values are hidden too unless known public.
-_SECRET_NAME = re.compile(r"key|secret|token|pass|cred|sas|sig|auth|conn|session|private|cert", re.IGNORECASE)
-_PUBLIC_NAMES = frozenset({"endpoint_url", "endpoint", "region", "region_name", "project", "account_name"})
-_NOT_SECRET_VALUES = frozenset({"anon", "google_default", "cache", "browser", "cloud", "true", "false"})
-_MIN_SECRET_LEN = 6
-_MIN_UNKNOWN_LEN = 8
-_HIDDEN = "***"
 
 
 class CliError(Exception):
@@ -96,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
     verbosity: int = args.verbose or 0
     redact = Redactor()
-    restore_logging = _install_log_handler(verbosity, redact)
+    restore_logging = install_log_handler(verbosity, redact)
     try:
         redact.add_url(getattr(args, "url", ""))  # `plan` has no URL
         storage_options = parse_storage_options(args.storage_options)
@@ -317,13 +308,13 @@ def _cmd_ls(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
         footer = f"no valid checkpoint: all {len(rows)} committed checkpoints are damaged"
     else:
         footer = f"* newest valid checkpoint (what a resume uses): step {newest_valid}"
-    console = _rich_console(sys.stdout)
+    console = rich_console(sys.stdout)
     if console is None:
-        for line in _plain_table(rows):
+        for line in plain_table(rows):
             print(line)
         print(footer)
     else:
-        _print_rich_table(console, rows, footer)
+        print_rich_table(console, rows, footer)
     return EXIT_OK
 
 
@@ -388,7 +379,7 @@ def _cmd_verify(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
         info = store.read_manifest(args.step)
     what = "sizes checked" if args.shallow else "verified"
     if args.shallow:
-        with _busy(f"checking the sizes of {info.url} ({human_size(info.size_bytes)})"):
+        with busy(f"checking the sizes of {info.url} ({human_size(info.size_bytes)})"):
             store.verify(info.step, deep=False)
     else:  # every byte is read: on a terminal, the bars of a pull; piped, stderr stays for errors
         with reporting_on_a_terminal(store, info, verb="verified"):
@@ -464,7 +455,7 @@ def _cmd_report(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
     created = newest.created.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     title = f"{store.url} ({newest.framework}), newest checkpoint committed {created}"
     resume_title = f"recent resumes ({len(resumes)} of {history.ledger.resumes})"
-    console = _rich_console(sys.stdout)
+    console = rich_console(sys.stdout)
     if console is None:
         print(title)
         for note in notes:
@@ -472,7 +463,7 @@ def _cmd_report(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
         print(format_rows(rows))
         if resumes:
             print(f"\n{resume_title}")
-            for line in _plain_table(resumes, RESUME_HEADERS, right_aligned={1, 3, 4, 5, 6}):
+            for line in plain_table(resumes, RESUME_HEADERS, right_aligned={1, 3, 4, 5, 6}):
                 print(f"  {line}")
         return EXIT_OK
     from rich import box
@@ -512,7 +503,7 @@ def _cmd_plan(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
         except OSError as err:
             raise CliError(f"cannot write the plot to {path}: {err.strerror or err}") from None
         rows.append(("plot", str(path)))
-    console = _rich_console(sys.stdout)
+    console = rich_console(sys.stdout)
     if console is None:
         print(format_rows(rows, indent=""))
         return EXIT_OK
@@ -549,54 +540,6 @@ def parse_storage_options(text: str | None) -> dict[str, Any]:
         return load_storage_options(text, source="--storage-options") or {}
     except ConfigError as err:
         raise CliError(str(err)) from None
-
-
-class Redactor:
-    """Replaces secret strings (storage option values, a URL's password) in text with ``***``.
-
-    Example:
-        >>> redact = Redactor()
-        >>> redact.add_options({"secret": "hunter2-hunter2", "endpoint_url": "http://minio:9000"})
-        >>> redact("denied: secret=hunter2-hunter2 at http://minio:9000")
-        'denied: secret=*** at http://minio:9000'
-    """
-
-    def __init__(self) -> None:
-        self._secrets: set[str] = set()
-
-    def add_options(self, options: Any, name: str = "") -> None:
-        """Remember the values of ``options`` (nested dicts and lists too) that may be secret."""
-        if isinstance(options, dict):
-            for key, value in options.items():
-                self.add_options(value, str(key))
-        elif isinstance(options, (list, tuple)):
-            for value in options:
-                self.add_options(value, name)
-        elif isinstance(options, str):
-            if _SECRET_NAME.search(name):
-                if len(options) >= _MIN_SECRET_LEN and options.lower() not in _NOT_SECRET_VALUES:
-                    self._secrets.add(options)
-                # Connection strings: also each credential part, should a library print it alone.
-                for part in options.split(";"):
-                    part_name, _, part_value = part.partition("=")
-                    if _SECRET_NAME.search(part_name) and len(part_value) >= _MIN_SECRET_LEN:
-                        self._secrets.add(part_value)
-            elif name not in _PUBLIC_NAMES and len(options) >= _MIN_UNKNOWN_LEN:
-                self._secrets.add(options)
-
-    def add_url(self, url: str) -> None:
-        """Remember the password of a URL such as ``ftp://user:password@host/path``."""
-        try:
-            password = urlsplit(url).password
-        except ValueError:
-            return
-        if password:
-            self._secrets.add(password)
-
-    def __call__(self, text: str) -> str:
-        for secret in sorted(self._secrets, key=len, reverse=True):  # a connection string before its parts
-            text = text.replace(secret, _HIDDEN)
-        return text
 
 
 def describe_error(err: BaseException, verbose: bool = False) -> str:
@@ -654,110 +597,6 @@ def _confirm(question: str) -> bool:
 
 def _print_error(message: str, redact: Redactor) -> None:
     print(f"{PROG}: error: {redact(message)}", file=sys.stderr)
-
-
-def _rich_console(stream: TextIO, *, stderr: bool = False) -> Any:
-    """A rich Console on ``stream`` when rich is installed and it is a terminal, else None.
-
-    Piped output stays plain text, so scripts can read it.
-    """
-    if not is_terminal(stream):
-        return None
-    try:
-        from rich.console import Console
-    except ImportError:
-        return None
-    return Console(file=stream, stderr=stderr, highlight=False)
-
-
-@contextlib.contextmanager
-def _busy(message: str) -> Iterator[None]:
-    """A spinner on a terminal's stderr while a long transfer runs; nothing otherwise."""
-    console = _rich_console(sys.stderr, stderr=True)
-    if console is None:
-        yield
-        return
-    from rich.markup import escape
-
-    with console.status(escape(message)):
-        yield
-
-
-_HEADERS = ("", "STEP", "CREATED (UTC)", "REASON", "SIZE", "FRAMEWORK", "VALID")
-_RIGHT_ALIGNED = {1, 4}
-
-
-def _plain_table(
-    rows: list[tuple[str, ...]],
-    headers: tuple[str, ...] = _HEADERS,
-    right_aligned: set[int] = _RIGHT_ALIGNED,
-) -> list[str]:
-    widths = [max(len(row[col]) for row in [headers, *rows]) for col in range(len(headers))]
-    lines = []
-    for row in [headers, *rows]:
-        cells = [
-            cell.rjust(widths[col]) if col in right_aligned else cell.ljust(widths[col])
-            for col, cell in enumerate(row)
-        ]
-        lines.append("  ".join(cells).rstrip())
-    return lines
-
-
-def _print_rich_table(console: Any, rows: list[tuple[str, ...]], footer: str) -> None:
-    from rich import box
-    from rich.table import Table
-    from rich.text import Text
-
-    table = Table(caption=footer, caption_justify="left", header_style="bold", box=box.SIMPLE_HEAD)
-    for col, header in enumerate(_HEADERS):
-        # Only the reason may wrap: a cut-off date or size would mislead.
-        is_reason = col == len(_HEADERS) - 1
-        table.add_column(
-            header.lower(),
-            justify="right" if col in _RIGHT_ALIGNED else "left",
-            no_wrap=not is_reason,
-            overflow="fold",
-        )
-    for row in rows:
-        valid = row[-1]
-        cells = [Text(cell) for cell in row[:-1]] + [Text(valid, style="green" if valid == "ok" else "red")]
-        table.add_row(*cells, style="bold" if row[0] == "*" else None)
-    console.print(table)
-
-
-class _RedactingFormatter(logging.Formatter):
-    def __init__(self, redact: Redactor) -> None:
-        super().__init__("%(message)s")
-        self._redact = redact
-
-    def format(self, record: logging.LogRecord) -> str:
-        return self._redact(super().format(record))
-
-
-def _install_log_handler(verbosity: int, redact: Redactor) -> Callable[[], None]:
-    """Send log records to stderr, redacted; return the function that undoes it (main runs in tests)."""
-    # The store warns (skipped damaged checkpoints, retries) through logging: show those always.
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_RedactingFormatter(redact))
-    levels = {
-        "spot_callbacks": logging.DEBUG if verbosity >= 2 else logging.INFO if verbosity else logging.WARNING
-    }
-    if verbosity >= 2:
-        levels["fsspec"] = logging.DEBUG
-    previous_levels = {}
-    for name, level in levels.items():
-        logger = logging.getLogger(name)
-        previous_levels[name] = logger.level
-        logger.addHandler(handler)
-        logger.setLevel(level)
-
-    def restore() -> None:
-        for name, level in previous_levels.items():
-            logger = logging.getLogger(name)
-            logger.removeHandler(handler)
-            logger.setLevel(level)
-
-    return restore
 
 
 if __name__ == "__main__":
