@@ -17,13 +17,8 @@ import pytest
 
 from spot_callbacks import CheckpointStore, cli
 from spot_callbacks.accounting import report
-from spot_callbacks.accounting.costs import (
-    RunLedger,
-    break_even_interruptions_per_hour,
-    daly_interval_s,
-    measure_resume,
-    plan_job,
-)
+from spot_callbacks.accounting.costs import break_even_interruptions_per_hour, daly_interval_s, plan_job
+from spot_callbacks.accounting.ledger import RunLedger, measure_resume
 from spot_callbacks.cli import main
 from spot_callbacks.store import MANIFEST_NAME, step_dirname
 from spot_callbacks.store.retry import RetryPolicy

@@ -1,4 +1,4 @@
-"""costs.py: the interval formulas, the expected-cost model, the break-even rate, the ledger a run
+"""costs.py and ledger.py: the interval formulas, the expected-cost model, the break-even rate, the ledger a run
 keeps in its manifests, interval="auto", and the summary the adapters log at the end."""
 
 from __future__ import annotations
@@ -14,19 +14,16 @@ from spot_callbacks import SpotConfig
 from spot_callbacks.accounting.costs import (
     PRIOR_HOURS,
     PRIOR_INTERRUPTIONS_PER_HOUR,
-    ResumeRecord,
-    RunLedger,
-    SlowdownMeter,
     break_even_interruptions_per_hour,
     daly_interval_s,
     expected_wall_time_s,
-    measure_resume,
     optimal_interval_s,
     overhead_factor,
     plan_job,
     posterior_interruptions_per_hour,
     young_interval_s,
 )
+from spot_callbacks.accounting.ledger import ResumeRecord, RunLedger, SlowdownMeter, measure_resume
 from spot_callbacks.accounting.report import RunHistory, history_rows
 from spot_callbacks.engine import SpotEngine
 from spot_callbacks.trigger import AUTO_MAX_INTERVAL_S, AUTO_MIN_INTERVAL_S, CheckpointTrigger

@@ -1,6 +1,6 @@
 """What this run's checkpoints cost, as it trains: the training clock, the ledger, the slowdown meter.
 
-The ledger (:class:`~spot_callbacks.accounting.costs.RunLedger`) is the lineage's: it continues
+The ledger (:class:`~spot_callbacks.accounting.ledger.RunLedger`) is the lineage's: it continues
 the one in the checkpoint resumed from, records that resume, and goes into every manifest. The
 training clock counts wall-clock training seconds of the lineage (not pulls, loads or downtime).
 """
@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from spot_callbacks.accounting.costs import RunLedger, SlowdownMeter, finite_number, ledger_after_resume
+from spot_callbacks.accounting.ledger import RunLedger, SlowdownMeter, finite_number, ledger_after_resume
 from spot_callbacks.accounting.report import RunHistory, format_rows, format_seconds, history_rows
 
 log = logging.getLogger("spot_callbacks")
@@ -57,7 +57,7 @@ class RunAccounts:
         self._last_step_at = now
 
     def add_checkpoint(self, reason: str, stall_s: float, interval_s: float | None) -> dict[str, Any]:
-        """Add a checkpoint to the ledger; return what its manifest's ``metrics`` record (see costs.py)."""
+        """Add a checkpoint to the ledger; return what its manifest's ``metrics`` record (see ledger.py)."""
         slowdown_s = self.slowdown.per_checkpoint_s()
         train_s = self.train_seconds()
         self.ledger = self.ledger.add_checkpoint(reason, stall_s, train_s, slowdown_s)

@@ -14,13 +14,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from spot_callbacks.accounting.costs import (
-    EMERGENCY_REASONS,
-    SECONDS_PER_HOUR,
-    RunLedger,
-    SpotPlan,
-    finite_number,
-)
+from spot_callbacks.accounting.costs import SECONDS_PER_HOUR, SpotPlan
+from spot_callbacks.accounting.ledger import EMERGENCY_REASONS, RunLedger, finite_number
 
 
 @dataclass(frozen=True)

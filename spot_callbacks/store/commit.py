@@ -239,7 +239,7 @@ def write_checkpoint(
     upload_started = time.perf_counter()
     store.clear_stale_step(step)
     files = store.upload_files(step, folder, names, digests)
-    # Known only now, and recorded with the rest: the manifest is the run's cost record (costs.py).
+    # Known only now, and recorded with the rest: the manifest is the run's cost record (ledger.py).
     metrics = {**(metrics or {}), "upload_s": round(time.perf_counter() - upload_started, 6)}
     return store.commit(new_manifest(step, files, metrics=metrics, **manifest_fields))
 
