@@ -182,7 +182,11 @@ def wait_quiet(
 
 
 class HookMeter:
-    """The blocked time of one checkpoint (``start`` → ``stop``), with the process CPU, minor faults, others' CPU."""
+    """The blocked time of one checkpoint (``start`` → ``stop``), with the process CPU, minor faults, others' CPU.
+
+    ``pause``/``resume``: a checkpoint that blocks the loop in two pieces (HF's staged snapshot at
+    ``on_step_end``, its submission at the next hook) counts only the pieces.
+    """
 
     def __init__(self, recorder: Recorder) -> None:
         self.recorder = recorder
@@ -190,22 +194,47 @@ class HookMeter:
         self._ticks = cpu_ticks()
         self._cpu = 0.0
         self._faults = 0
+        self._banked = (0.0, 0.0, 0, 0.0)  # wall, process CPU, minor faults, others' CPU s of earlier pieces
+        self._paused = False
 
     def start(self) -> None:
+        self._banked, self._paused = (0.0, 0.0, 0, 0.0), False
+        self._rebase()
+
+    def _rebase(self) -> None:
         self._ticks, self._cpu = cpu_ticks(), time.process_time()
         self._faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
         self.started = time.perf_counter()
 
+    def _so_far(self) -> tuple[float, float, int, float]:
+        wall, cpu, faults, others = self._banked
+        if self._paused or self.started is None:
+            return self._banked
+        return (
+            wall + time.perf_counter() - self.started,
+            cpu + time.process_time() - self._cpu,
+            faults + resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - self._faults,
+            others + others_cpu_s(self._ticks, cpu_ticks()),
+        )
+
+    def pause(self) -> None:
+        if self.started is not None and not self._paused:
+            self._banked, self._paused = self._so_far(), True
+
+    def resume(self) -> None:
+        if self.started is not None and self._paused:
+            self._paused = False
+            self._rebase()
+
     def stop(self, step: int) -> None:
         if self.started is None:
             return
-        wall = time.perf_counter() - self.started
-        faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - self._faults
+        wall, cpu, faults, others = self._so_far()
+        self.started = None
         self.recorder.record("hook", wall, step)
-        self.recorder.record("hook: process CPU s", time.process_time() - self._cpu, step)
+        self.recorder.record("hook: process CPU s", cpu, step)
         self.recorder.record("hook: minor faults (k)", faults / 1e3, step)
-        others = others_cpu_s(self._ticks, cpu_ticks()) / max(wall, 1e-3)
-        self.recorder.record("hook: others' CPU (cores)", others, step)
+        self.recorder.record("hook: others' CPU (cores)", others / max(wall, 1e-3), step)
 
 
 class StepClock:

@@ -10,8 +10,9 @@ the Lightning variants run without transformers.
 Blocked time ("hook") = from ``Head.on_step_end`` of a checkpoint step to the end of
 ``Tail.on_save``: every callback's ``on_step_end`` (the save request), the Trainer's own
 ``_save_checkpoint`` and every ``on_save`` (an upload, for ``hf-sync``). A staged checkpoint has no
-``on_save``: its blocked time ends with ``Tail.on_step_end`` (the floor's copy and the snapshot is taken in the spot
-callback's ``on_step_end``; the benchmark logs nothing, so it is submitted there too). Split into "Trainer
+``on_save``: its blocked time is ``Head.on_step_end`` → ``Tail.on_step_end`` (the floor's copy; the
+spot callback's snapshot) plus, for the spot callback, its submission at the next hook (once every
+callback's flags for the step are final), timed around ``StagedSaves.submit``. Split into "Trainer
 save" (``Tail.on_step_end`` end → ``Head.on_save``) and "on_save callbacks". "to next step" =
 from ``Head.on_step_end`` to the next ``on_step_begin`` (or ``on_train_end``).
 """
@@ -74,6 +75,7 @@ class Marks:
         self.step_end_done_at: float | None = None  # every on_step_end has run
         self.on_save_at: float | None = None  # the first on_save starts
         self.staged_steps: Callable[[], list[int]] = list  # the steps checkpointed without on_save
+        self.pending_steps: Callable[[], list[int]] = list  # a snapshot taken, submitted at a later hook
 
 
 class Head(transformers.TrainerCallback):
@@ -111,6 +113,8 @@ class Tail(transformers.TrainerCallback):
         self.marks.step_end_done_at = time.perf_counter()
         if state.global_step in self.marks.staged_steps():
             self.marks.meter.stop(state.global_step)
+        elif state.global_step in self.marks.pending_steps():
+            self.marks.meter.pause()  # the snapshot is taken; its submission at the next hook counts too
 
     def on_save(self, targs: Any, state: Any, control: Any, **kwargs: Any) -> None:
         marks = self.marks
@@ -131,7 +135,10 @@ def run(ctx: Context, variant: Variant) -> FitResult:
     clock = StepClock(args, recorder, setup.settle)
     marks = Marks(clock, recorder)
     if isinstance(setup.timed, SpotCheckpointCallback):
-        marks.staged_steps = lambda: setup.timed._staged.submitted_steps
+        staged = setup.timed._staged
+        marks.staged_steps = lambda: staged.submitted_steps
+        marks.pending_steps = lambda: [staged.pending.request.step] if staged.pending is not None else []
+        time_the_submission(staged, marks.meter)
     elif isinstance(setup.timed, FloorCopy):
         marks.staged_steps = lambda: setup.timed.copied_steps
     output_dir = ctx.scratch / f"hf-{uuid.uuid4().hex[:6]}"
@@ -225,6 +232,22 @@ def record_stall_of_staged(ckpt: SpotCheckpointCallback, recorder: Recorder) -> 
             recorder.record("engine.last_stall_s", ckpt.engine.last_stall_s)
 
     staged.submit = recorded
+
+
+def time_the_submission(staged: Any, meter: HookMeter) -> None:
+    """The staged snapshot's submission blocks the loop too: the meter runs again while it runs."""
+    submit = staged.submit
+
+    @functools.wraps(submit)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        step = staged.pending.request.step
+        meter.resume()
+        try:
+            return submit(*args, **kwargs)
+        finally:
+            meter.stop(step)
+
+    staged.submit = timed
 
 
 def hf_local_setup(ctx: Context, recorder: Recorder) -> Setup:
