@@ -182,7 +182,7 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._save_started_at = time.perf_counter() if self._save_started_at is not None else None
         if (dropped := self._staged.drop()) is not None:  # it ran after the snapshot: the Trainer saves
-            self._saves.ask(dropped[0])
+            self._saves.ask(dropped.request)
             control.should_save = True
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -190,7 +190,7 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
         self._save_started_at = None
         request = self._saves.saved(state.global_step)  # None: one of the Trainer's own saves, persisted too
         if request is None and (dropped := self._staged.drop(state.global_step)) is not None:  # a callback's
-            request, stall_s = dropped[0], stall_s + dropped[1]
+            request, stall_s = dropped.request, stall_s + dropped.blocked_s
         reason = request.reason if request is not None else "steps"
         persisted = self._persist(state, reason, stall_s, owns_folder=self._staged.owns_folders)
         self._after_checkpoint(control, request, stall_s if persisted else None)

@@ -151,11 +151,11 @@ class StagedSaves:
             torch.save(compat.rng_states(trainer.args), folder / compat.rng_state_name(trainer.args))
         self.pending = StagedCheckpoint(request, epoch, staged, time.perf_counter() - started)
 
-    def drop(self, step: int | None = None) -> tuple[Any, float] | None:
+    def drop(self, step: int | None = None) -> StagedCheckpoint | None:
         """The Trainer saves the pending snapshot's step itself: free the snapshot (every rank).
 
-        Returns its request and the seconds its staging blocked the loop, or ``None`` when no
-        snapshot is pending (for ``step``, when given).
+        Returns the dropped checkpoint (its ``request`` and ``blocked_s``; its buffers are released),
+        or ``None`` when no snapshot is pending (for ``step``, when given).
         """
         pending = self.pending
         if pending is None or (step is not None and pending.request.step != step):
@@ -169,7 +169,7 @@ class StagedSaves:
             partial_folder(compat.checkpoint_dir(output_dir, pending.request.step)), ignore_errors=True
         )
         self._say(f"spot_callbacks: {TRAINER_SAVES_AT_A_STAGED_STEP}")
-        return pending.request, pending.blocked_s
+        return pending
 
     def submit(self, writer: CheckpointWriter, extra: dict[str, Any]) -> tuple[Any, float | None]:
         """Once the step's logs are in ``TrainerState``: copy it, hand the folder to the writer (every rank).
