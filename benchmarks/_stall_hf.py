@@ -138,7 +138,7 @@ def run(ctx: Context, variant: Variant) -> FitResult:
         staged = setup.timed._staged
         marks.staged_steps = lambda: staged.submitted_steps
         marks.pending_steps = lambda: [staged.pending.request.step] if staged.pending is not None else []
-        time_the_submission(staged, marks.meter)
+        time_the_submission(setup.timed, marks.meter, recorder)
     elif isinstance(setup.timed, FloorCopy):
         marks.staged_steps = lambda: setup.timed.copied_steps
     output_dir = ctx.scratch / f"hf-{uuid.uuid4().hex[:6]}"
@@ -213,29 +213,15 @@ def hf_floor_setup(ctx: Context, recorder: Recorder) -> Setup:
 def hf_spot_setup(ctx: Context, recorder: Recorder) -> Setup:
     ckpt = SpotCheckpointCallback(**spot_options(ctx))
     record_stall(ckpt.engine, "save_folder", recorder)
-    record_stall_of_staged(ckpt, recorder)
     setup = spot_setup(ctx, ckpt, landed_folders)
     setup.trainer_options["save_strategy"] = "no"  # the callback asks for the saves
     return setup
 
 
-def record_stall_of_staged(ckpt: SpotCheckpointCallback, recorder: Recorder) -> None:
-    """After each staged submission, record the engine's ``last_stall_s`` (as ``record_stall`` does)."""
+def time_the_submission(ckpt: SpotCheckpointCallback, meter: HookMeter, recorder: Recorder) -> None:
+    """The staged snapshot's submission blocks the loop too: the meter runs again while it runs. After
+    each, the engine's ``last_stall_s`` is recorded (as ``record_stall`` does for a Trainer save)."""
     staged = ckpt._staged
-    submit = staged.submit
-
-    @functools.wraps(submit)
-    def recorded(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return submit(*args, **kwargs)
-        finally:
-            recorder.record("engine.last_stall_s", ckpt.engine.last_stall_s)
-
-    staged.submit = recorded
-
-
-def time_the_submission(staged: Any, meter: HookMeter) -> None:
-    """The staged snapshot's submission blocks the loop too: the meter runs again while it runs."""
     submit = staged.submit
 
     @functools.wraps(submit)
@@ -246,6 +232,7 @@ def time_the_submission(staged: Any, meter: HookMeter) -> None:
             return submit(*args, **kwargs)
         finally:
             meter.stop(step)
+            recorder.record("engine.last_stall_s", ckpt.engine.last_stall_s)
 
     staged.submit = timed
 
