@@ -56,6 +56,8 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
             sys.exit(PREEMPTED_EXIT_CODE if ckpt.preempted else 0)
     """
 
+    _spot_never_restored_from_checkpoints = True  # compat.NEVER_RESTORED_MARK: the user's object only
+
     @checked_arguments("SpotCheckpointCallback")
     def __init__(
         self,
@@ -75,6 +77,7 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
             on_preemption=on_preemption, interruptions_per_hour=interruptions_per_hour,
         )  # fmt: skip
         self.engine = SpotEngine(self.config, framework="hf")
+        compat.never_rebuild_from_checkpoints()  # trainer_state.json is untrusted
         self.preempted = False
         self._args: Any = None
         self._materialised: Path | None = None  # pulled by on_init_end, valid until training starts

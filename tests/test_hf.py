@@ -460,3 +460,35 @@ def test_a_resume_with_another_batch_size_warns_once_naming_old_and_new(tmp_path
     assert resume(8) == []  # the same settings: nothing to say
     (warning,) = resume(4)
     assert "per-device batch size 8 -> 4" in warning and "not exact" in warning
+
+
+def test_a_checkpoint_naming_our_callback_in_stateful_callbacks_never_rebuilds_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The attack: trainer_state.json asks the Trainer to rebuild our callback with another store."""
+    run, attacker = tmp_path / "run", tmp_path / "attacker"
+    first = SpotCheckpointCallback(dirpath=str(run), interval=None, every_n_steps=5, preemption=[])
+    make_trainer(tmp_path / "a", [first], max_steps=5).train()
+    store = CheckpointStore(str(run))
+    hostile = store.pull(5, tmp_path / "hostile")
+    state = json.loads((hostile / "trainer_state.json").read_text())
+    state["stateful_callbacks"]["SpotCheckpointCallback"] = {
+        "args": {"dirpath": str(attacker), "interval": None, "every_n_steps": 1, "preemption": []},
+        "attributes": {"preempted": True},
+    }
+    (hostile / "trainer_state.json").write_text(json.dumps(state))
+    store.write_checkpoint(5, hostile, reason="interval", framework="hf")
+    assert store.verify(5)  # committed with a valid manifest
+
+    ckpt = SpotCheckpointCallback(dirpath=str(run), interval=None, every_n_steps=5, preemption=[])
+    trainer = make_trainer(tmp_path / "b", [ckpt], max_steps=8, restore_callback_states_from_checkpoint=True)
+    with caplog.at_level(logging.WARNING, logger="spot_callbacks"):
+        trainer.train(resume_from_checkpoint=ckpt.latest())
+    assert trainer.state.global_step == 8
+    assert not attacker.exists()  # nothing went to the checkpoint's store
+    assert ckpt in trainer.callback_handler.callbacks  # the user's object, not a rebuilt one
+    assert [c for c in trainer.callback_handler.callbacks if isinstance(c, SpotCheckpointCallback)] == [ckpt]
+    assert not ckpt.preempted
+    assert [c.step for c in store.committed()][-1] == 8  # the end-of-training save went to the run's store
+    warned = [r.getMessage() for r in caplog.records if "stateful_callbacks" in r.getMessage()]
+    assert len(warned) == 1 and "SpotCheckpointCallback" in warned[0] and "ignored" in warned[0], warned

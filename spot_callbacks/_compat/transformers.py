@@ -11,11 +11,15 @@
   ``Trainer._save_rng_state``'s dict layout.
 - For the metrics: ``Trainer.callback_handler.callbacks`` (a list, reordered in place),
   ``integrations.integration_utils.INTEGRATION_TO_CALLBACK`` (the ``report_to`` callback classes).
+- ``Trainer._load_callback_state``: with ``restore_callback_states_from_checkpoint=True`` it
+  re-instantiates every callback named in ``trainer_state.json``'s ``stateful_callbacks`` as
+  ``type(callback)(**stored_args)``; wrapped so that a checkpoint never rebuilds ours.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import os
 import random
@@ -261,3 +265,40 @@ def check_trainer_spans_the_process_group(args: Any) -> None:
             "On a machine without a GPU pass TrainingArguments(use_cpu=True) (use_cpu: true in YAML); "
             "launch with torchrun or `accelerate launch --multi_gpu`"
         )
+
+
+NEVER_RESTORED_MARK = "_spot_never_restored_from_checkpoints"
+
+
+def never_rebuild_from_checkpoints() -> None:
+    """Make ``Trainer._load_callback_state`` ignore the ``stateful_callbacks`` entries of our callbacks.
+
+    A checkpoint's ``trainer_state.json`` is untrusted (anyone who can write the bucket wrote it):
+    restoring an entry would rebuild our callback with the checkpoint's ``dirpath`` and
+    ``storage_options``, sending the run's state to another store. The user's object is the only
+    one; a class carries :data:`NEVER_RESTORED_MARK` to be kept so. Idempotent, process-wide.
+    """
+    original = getattr(transformers.Trainer, "_load_callback_state", None)
+    if original is None or getattr(original, NEVER_RESTORED_MARK, False):
+        return
+
+    @functools.wraps(original)
+    def _load_callback_state(self: transformers.Trainer) -> None:
+        ours = {
+            type(callback).__name__
+            for callback in self.callback_handler.callbacks
+            if getattr(type(callback), NEVER_RESTORED_MARK, False)
+        }
+        named = sorted(ours & set(self.state.stateful_callbacks))
+        if named and self.args.restore_callback_states_from_checkpoint:
+            for name in named:
+                del self.state.stateful_callbacks[name]
+            log.warning(
+                "spot_callbacks: the checkpoint's trainer_state.json names %s in stateful_callbacks; ignored: "
+                "a checkpoint never rebuilds this callback (the one passed to the Trainer stays, with its "
+                "own dirpath and storage_options)", ", ".join(named),
+            )  # fmt: skip
+        original(self)
+
+    setattr(_load_callback_state, NEVER_RESTORED_MARK, True)
+    transformers.Trainer._load_callback_state = _load_callback_state

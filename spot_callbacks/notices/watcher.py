@@ -92,6 +92,9 @@ class PreemptionWatcher:
     # ----------------------------------------------------------- notices
     @property
     def notice(self) -> Notice | None:
+        """The first notice since :meth:`clear`, signals received until now included."""
+        if self._notice is None:
+            self._signals.deliver()
         return self._notice
 
     def clear(self) -> None:
@@ -118,7 +121,8 @@ class PreemptionWatcher:
 
     def wait(self, timeout: float | None = None) -> Notice | None:
         """Block until a notice arrives (or ``timeout`` runs out); the notice, or None."""
-        self._noticed.wait(timeout)
+        if self.notice is None:
+            self._noticed.wait(timeout)
         return self._notice
 
     def report_hint(self, detail: str) -> None:
