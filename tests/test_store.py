@@ -274,8 +274,9 @@ def test_pull_reuses_a_matching_local_copy_and_replaces_a_stale_one(store, tmp_p
     _, contents = commit_step(store, tmp_path, 9)
     dest = store.pull(9, tmp_path / "cache")
     calls = []
-    real_get_file = store.fs.get_file
-    store.fs.get_file = lambda *a, **k: calls.append(a) or real_get_file(*a, **k)
+    plane = store.data_plane  # what moves payload bytes (on s3, not fsspec's get_file)
+    real_download = plane.download
+    plane.download = lambda *a, **k: calls.append(a) or real_download(*a, **k)
     try:
         store.pull(9, dest)
         assert calls == []  # verified local copy: nothing downloaded
@@ -283,7 +284,7 @@ def test_pull_reuses_a_matching_local_copy_and_replaces_a_stale_one(store, tmp_p
         store.pull(9, dest)
         assert len(calls) == 2
     finally:
-        del store.fs.get_file
+        del plane.download
     assert (dest / "state.pt").read_bytes() == contents["state.pt"]
 
 

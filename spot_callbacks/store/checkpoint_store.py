@@ -15,10 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import spot_callbacks.store.commit as protocol
+import spot_callbacks.store.dataplane as dataplane
 import spot_callbacks.store.layout as layout
 import spot_callbacks.store.transfer as transfer
 from spot_callbacks.errors import CheckpointNotFoundError, ForeignCheckpointError
 from spot_callbacks.store.checksums import FileDigest
+from spot_callbacks.store.clients.base import DataPlane
 from spot_callbacks.store.layout import MANIFEST_NAME, step_dirname
 from spot_callbacks.store.manifest import CheckpointInfo, check_payload_name, parse_manifest
 from spot_callbacks.store.manifest_limits import ManifestLimits
@@ -60,6 +62,9 @@ class CheckpointStore:
         self.dirpath = os.fspath(dirpath)
         # fs, retry and upload_timeout are read at every call, so they can be swapped on a live store.
         self.fs, self.root, self._url_protocol = layout.open_filesystem(self.dirpath, storage_options)
+        # What moves payload bytes (store/dataplane.py), built from self.fs and serving it only: a
+        # filesystem swapped in later (a wrapper that counts or injects faults) gets fsspec itself.
+        self.data_plane: DataPlane = dataplane.select_data_plane(self.fs)
         self.retry = retry or RetryPolicy()
         self.upload_timeout = upload_timeout or UploadTimeout.from_env()
         self._warned: set[tuple[int, str]] = set()
@@ -86,6 +91,13 @@ class CheckpointStore:
 
     def __repr__(self) -> str:
         return f"CheckpointStore({self.url!r})"
+
+    def payload_plane(self) -> DataPlane:
+        """The data plane that moves payload bytes now: :attr:`data_plane` when it serves :attr:`fs`,
+        else fsspec on :attr:`fs` (said once in the log, with the reason)."""
+        plane = dataplane.plane_for(self.data_plane, self.fs)
+        dataplane.announce(self.url, plane)
+        return plane
 
     # ---------------------------------------------------------------- reading
     def step_folders(self) -> dict[int, str]:
@@ -214,7 +226,9 @@ class CheckpointStore:
             log.info("spot_callbacks: %s already holds %s; not downloading", target, info.url)
             return target
         check_pull_dest(self, info, target, force=force)
-        return transfer.pull_into(self.fs, self.retry, info, self.step_path(info.step), target)
+        return transfer.pull_into(
+            self.fs, self.payload_plane(), self.retry, info, self.step_path(info.step), target
+        )
 
     def local_copy_matches(self, info: CheckpointInfo, folder: Path) -> bool:
         """True when ``folder`` holds exactly this checkpoint: same manifest, every file verified."""
@@ -237,7 +251,8 @@ class CheckpointStore:
         """
         remote = posixpath.join(self.step_path(step), check_payload_name(name))
         what = f"upload {self.step_url(step)}/{name}"
-        transfer.upload_file(self.fs, self.retry, self.upload_timeout, os.fspath(local_path), remote, what)
+        plane = self.payload_plane()
+        transfer.upload_file(plane, self.retry, self.upload_timeout, os.fspath(local_path), remote, what)
 
     def upload_files(
         self,

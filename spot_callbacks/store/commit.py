@@ -172,7 +172,7 @@ def verify(store: CheckpointStore, step: int, deep: bool = True) -> bool:
     info = store.read_manifest(step)
     store.check_sizes(info)
     if deep:
-        verify_checksums(store.fs, store.retry, info, store.step_path(step))
+        verify_checksums(store.payload_plane(), store.retry, info, store.step_path(step))
     return True
 
 

@@ -1,5 +1,8 @@
 """Moving bytes: parallel uploads, pulls and checksum reads, per-attempt timeouts, and the local disk.
 
+Payload files move through a data plane (:mod:`~spot_callbacks.store.dataplane`: the fastest client
+for the protocol, else fsspec); manifests and small objects through the fsspec filesystem itself.
+
 Every call goes through a :class:`~spot_callbacks.store.retry.RetryPolicy`, so each attempt is
 bounded: uploads by :class:`~spot_callbacks.store.retry.UploadTimeout` for their size, payload
 reads by :meth:`~spot_callbacks.store.retry.RetryPolicy.timeout_for` theirs, the rest by the
@@ -22,13 +25,16 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, BinaryIO, TypeVar
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 from spot_callbacks.errors import CorruptCheckpointError, ManifestError
-from spot_callbacks.store.checksums import FileDigest, digest_chunks, digest_local_file, read_blocks
+from spot_callbacks.store.checksums import FileDigest, digest_local_file
 from spot_callbacks.store.layout import MANIFEST_NAME, is_local_fs
 from spot_callbacks.store.manifest import CheckpointInfo, parse_manifest
 from spot_callbacks.store.retry import UPLOAD_TIMEOUT_FIX, RetryPolicy, UploadTimeout
+
+if TYPE_CHECKING:
+    from spot_callbacks.store.clients.base import DataPlane
 
 log = logging.getLogger("spot_callbacks")
 T = TypeVar("T")
@@ -144,14 +150,16 @@ def _replace_atomically(path: str, suffix: str, write: Callable[[str, BinaryIO],
 
 
 def upload_file(
-    fs: Any, retry: RetryPolicy, upload_timeout: UploadTimeout, source: str, remote: str, what: str
+    plane: DataPlane, retry: RetryPolicy, upload_timeout: UploadTimeout, source: str, remote: str, what: str
 ) -> None:
-    """Upload one file, each attempt abandoned after what ``upload_timeout`` allows for its size."""
+    """Upload one file through the data ``plane``, each attempt abandoned after what ``upload_timeout``
+    allows for its size."""
     timeout_s = upload_timeout.seconds_for(os.path.getsize(source))
     # An abandoned attempt may wake up and finish after its retry did. It writes the same bytes
-    # (scratch files are never rewritten in place) whole: an object PUT replaces the object at
-    # once, and locally put_file renames a finished copy. So a late write is harmless.
-    call_in_time(retry, lambda: put_file(fs, source, remote), timeout_s, what)
+    # (scratch files are never rewritten in place) whole: an object PUT (a multipart upload's
+    # completion included) replaces the object at once, and locally put_file renames a finished
+    # copy. So a late write is harmless.
+    call_in_time(retry, lambda: plane.upload(source, remote), timeout_s, what)
 
 
 def upload_with_digests(
@@ -209,17 +217,16 @@ def file_sizes(fs: Any, retry: RetryPolicy, folder: str, what: str) -> dict[str,
     return {posixpath.relpath(path, folder): entry.get("size") for path, entry in listing.items()}
 
 
-def verify_checksums(fs: Any, retry: RetryPolicy, info: CheckpointInfo, folder: str) -> None:
-    """Read every payload byte of ``info`` (in ``folder``) and raise unless each checksum matches."""
+def verify_checksums(plane: DataPlane, retry: RetryPolicy, info: CheckpointInfo, folder: str) -> None:
+    """Read every payload byte of ``info`` (in ``folder``) through the data ``plane`` and raise unless
+    each checksum matches."""
 
     def check(name: str) -> None:
-        def read_digest() -> FileDigest:
-            with fs.open(posixpath.join(folder, name), "rb") as handle:
-                return digest_chunks(read_blocks(handle))
-
         expected = info.files[name]
+        timeout_s = retry.timeout_for(expected.size)
+        remote = posixpath.join(folder, name)
         actual = retry.call(
-            read_digest, f"read {info.url}/{name}", timeout_s=retry.timeout_for(expected.size)
+            lambda: plane.digest(remote, timeout_s), f"read {info.url}/{name}", timeout_s=timeout_s
         )
         if actual != expected:
             raise CorruptCheckpointError(
@@ -230,12 +237,15 @@ def verify_checksums(fs: Any, retry: RetryPolicy, info: CheckpointInfo, folder: 
     run_parallel(check, list(info.files))
 
 
-def pull_into(fs: Any, retry: RetryPolicy, info: CheckpointInfo, folder: str, dest: Path) -> Path:
+def pull_into(
+    fs: Any, plane: DataPlane, retry: RetryPolicy, info: CheckpointInfo, folder: str, dest: Path
+) -> Path:
     """Download checkpoint ``info`` (in ``folder``) into ``dest``, verifying every file; return ``dest``.
 
-    A ``dest`` that already holds this checkpoint is kept as it is; otherwise the files arrive in
-    a hidden sibling folder renamed to ``dest`` only once complete, so an interrupted pull never
-    leaves a folder that looks complete.
+    Payload files come through the data ``plane`` (checksummed as they arrive where it streams),
+    the manifest through ``fs``. A ``dest`` that already holds this checkpoint is kept as it is;
+    otherwise the files arrive in a hidden sibling folder renamed to ``dest`` only once complete,
+    so an interrupted pull never leaves a folder that looks complete.
     """
     if local_copy_matches(info, dest):
         log.info("spot_callbacks: %s already holds %s; not downloading", dest, info.url)
@@ -246,12 +256,12 @@ def pull_into(fs: Any, retry: RetryPolicy, info: CheckpointInfo, folder: str, de
         local.parent.mkdir(parents=True, exist_ok=True)
         remote = posixpath.join(folder, name)
         expected = info.files[name]
-        retry.call(
-            lambda: fs.get_file(remote, str(local)),
+        timeout_s = retry.timeout_for(expected.size)
+        actual = retry.call(
+            lambda: plane.download(remote, str(local), timeout_s),
             f"download {info.url}/{name}",
-            timeout_s=retry.timeout_for(expected.size),
+            timeout_s=timeout_s,
         )
-        actual = digest_local_file(local)
         if actual != expected:
             raise CorruptCheckpointError(
                 f"{info.url}/{name} downloaded as {actual.size} bytes with checksum {actual.checksum}; "

@@ -1,0 +1,79 @@
+"""What a data plane does (move one payload file up or down, read one's checksum), and the buffer budget.
+
+A data plane moves payload bytes only: the manifest, the run lock, listings and deletes always go
+through fsspec (:mod:`~spot_callbacks.store.commit`), so the commit protocol is the same whichever
+client moves the bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from spot_callbacks.store.checksums import FileDigest
+
+MiB = 1024 * 1024
+DEFAULT_BUFFER_BYTES = 256 * MiB
+# Upload requests in flight at once across every file of a checkpoint (one shared pool): enough to
+# fill a 25 Gbit/s link with 32 MiB parts, few enough for 2 cores.
+UPLOAD_THREADS = 16
+UPLOAD_PART_BYTES = 32 * MiB
+# Files pulled at once (each one streamed GET): transfer.TRANSFER_THREADS.
+PULL_STREAMS = 8
+MIN_STREAM_CHUNK_BYTES = 1 * MiB
+MAX_STREAM_CHUNK_BYTES = 16 * MiB
+
+
+class Unsupported(Exception):
+    """A fast client cannot honour this filesystem or its options; the message says what (the store
+    then moves the bytes through fsspec, and says why once)."""
+
+
+@dataclass(frozen=True)
+class TransferBudget:
+    """How much payload the data plane may hold in memory at once, whatever the number of files.
+
+    ``buffer_bytes`` (``$SPOT_TRANSFER_BUFFER_MB``, default 256 MiB) is shared by every stream in
+    flight: a pull holds at most two chunks per stream; boto3's uploads read each part from the
+    scratch file as they send it and hold no part buffers at all.
+
+    Example:
+        >>> TransferBudget(256 * MiB).stream_chunk_bytes() // MiB
+        16
+        >>> TransferBudget(8 * MiB).stream_chunk_bytes() // MiB
+        1
+    """
+
+    buffer_bytes: int = DEFAULT_BUFFER_BYTES
+
+    def stream_chunk_bytes(self, streams: int = PULL_STREAMS) -> int:
+        """The chunk of one streamed GET when ``streams`` run at once (two chunks each in memory)."""
+        chunk = self.buffer_bytes // (2 * max(1, streams))
+        return max(MIN_STREAM_CHUNK_BYTES, min(MAX_STREAM_CHUNK_BYTES, chunk))
+
+
+class DataPlane(Protocol):
+    """Moves one payload file between the local disk and the store, each call one attempt.
+
+    Paths are the fsspec paths of the store's filesystem (``bucket/key``). A call is retried and
+    timed by :class:`~spot_callbacks.store.retry.RetryPolicy` around it; ``timeout_s`` tells a
+    streamed attempt when to stop by itself, so an abandoned one leaves nothing behind.
+    """
+
+    name: str  # what moves the bytes, as the log says it ("boto3 s3transfer up, obstore down")
+
+    def serves(self, fs: Any) -> bool:
+        """True when this plane moves the bytes of ``fs`` (the filesystem it was built from)."""
+        ...
+
+    def upload(self, local_path: str, remote_path: str) -> None:
+        """Put the local file at ``remote_path`` whole (an object PUT replaces the object at once)."""
+        ...
+
+    def download(self, remote_path: str, local_path: str, timeout_s: float | None) -> FileDigest:
+        """Write ``remote_path`` to ``local_path`` whole or not at all; return the digest of what arrived."""
+        ...
+
+    def digest(self, remote_path: str, timeout_s: float | None) -> FileDigest:
+        """Read every byte of ``remote_path`` and return its digest (nothing is written)."""
+        ...

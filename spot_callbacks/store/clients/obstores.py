@@ -1,0 +1,80 @@
+"""obstore (Rust's object_store): one streamed GET per file, its client options, its errors as fsspec's.
+
+obstore speaks S3, GCS and Azure. Its errors are told as the builtin classes fsspec's backends
+raise (a missing object is a :class:`FileNotFoundError`, a refusal a :class:`PermissionError`), so
+retries (:mod:`~spot_callbacks.store.retry`) and diagnosis lines do not change with the client.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+OBSTORE_PACKAGE = "obstore"
+# object_store's own retries run inside one attempt of the store's RetryPolicy: keep them few.
+OBSTORE_RETRIES = 2
+# A whole transfer may take long; a stall may not (read_timeout), and the attempt has its own limit.
+WHOLE_REQUEST_TIMEOUT = timedelta(hours=24)
+
+
+def obstore_installed() -> bool:
+    """Whether obstore can be imported (the ``[s3]``, ``[gcs]`` and ``[azure]`` extras install it)."""
+    return importlib.util.find_spec(OBSTORE_PACKAGE) is not None
+
+
+def client_options(
+    *, http: bool, connect_timeout_s: float, read_timeout_s: float, verify: bool = True
+) -> dict[str, Any]:
+    """obstore's HTTP client options: plain http only where the endpoint is, the store's timeouts.
+
+    Example:
+        >>> client_options(http=True, connect_timeout_s=10, read_timeout_s=60)["allow_http"]
+        True
+    """
+    options: dict[str, Any] = {
+        "connect_timeout": timedelta(seconds=connect_timeout_s),
+        "read_timeout": timedelta(seconds=read_timeout_s),
+        "timeout": WHOLE_REQUEST_TIMEOUT,
+    }
+    if http:
+        options["allow_http"] = True
+    if not verify:
+        options["allow_invalid_certificates"] = True
+    return options
+
+
+def retry_config() -> dict[str, Any]:
+    return {"max_retries": OBSTORE_RETRIES, "retry_timeout": timedelta(seconds=60)}
+
+
+def get_chunks(store: Any, key: str, chunk_bytes: int, url: str) -> Iterator[Any]:
+    """The object's bytes as chunks of at least ``chunk_bytes`` (one streamed GET), errors translated."""
+    import obstore
+
+    try:
+        stream = obstore.get(store, key).stream(min_chunk_size=chunk_bytes)
+        yield from stream
+    except Exception as err:  # noqa: BLE001 - re-raised as the class fsspec would raise
+        raise translated(err, url) from err
+
+
+def translated(error: BaseException, url: str) -> BaseException:
+    """obstore's ``error`` as the builtin class an fsspec backend raises for the same answer.
+
+    Example:
+        >>> class NotFoundError(Exception): ...
+        >>> type(translated(NotFoundError("gone"), "s3://b/k")).__name__
+        'FileNotFoundError'
+    """
+    name = type(error).__name__
+    if name == "NotFoundError":
+        return FileNotFoundError(f"{url}: {error}")
+    if name == "PermissionDeniedError":
+        return PermissionError(f"{url}: AccessDenied: {error}")
+    if name == "UnauthenticatedError":
+        return PermissionError(f"{url}: Unauthorized (the store refused the credentials): {error}")
+    if name in ("InvalidPathError", "UnknownConfigurationKeyError", "NotSupportedError"):
+        return ValueError(f"{url}: {error}")
+    return error

@@ -1,0 +1,392 @@
+"""``s3://`` payload bytes: boto3's s3transfer TransferManager uploads, obstore's streamed GET pulls.
+
+Both clients are built from the s3fs filesystem the store already has, the way s3fs builds its
+own aiobotocore client (its key, secret, token, anon, endpoint_url, use_ssl, client_kwargs,
+config_kwargs, profile, requester_pays, s3_additional_kwargs, and the environment and AWS config
+files botocore reads): no second configuration. An option neither client can honour is an
+:class:`~spot_callbacks.store.clients.base.Unsupported` naming it; one only obstore cannot honour
+moves the pulls to boto3.
+
+Measured on a local S3 server (BENCHMARKS.md): s3transfer's upload reads each part from the scratch
+file as it sends it (no part buffers: tens of MB of RSS for any checkpoint) and costs a third of
+obstore's CPU; obstore's one streamed GET per file pulls at the link's rate for the least CPU.
+On a plain-http endpoint neither hashes the payload for the wire (no SHA-256 payload signing, no
+CRC32): the manifest's xxh3, verified on every pull, is the integrity check there; on https the
+clients keep the cloud's own checks.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from spot_callbacks.store.checksums import FileDigest, digest_local_file
+from spot_callbacks.store.clients.base import (
+    UPLOAD_PART_BYTES,
+    UPLOAD_THREADS,
+    TransferBudget,
+    Unsupported,
+)
+from spot_callbacks.store.clients.obstores import (
+    client_options,
+    get_chunks,
+    obstore_installed,
+    retry_config,
+)
+from spot_callbacks.store.clients.streams import Deadline, digest_stream, stream_to_file
+
+# What boto3.session.Session(...).client("s3", ...) takes besides config: s3fs passes client_kwargs there.
+_CLIENT_KWARGS = {
+    "region_name", "api_version", "use_ssl", "verify", "endpoint_url", "aws_access_key_id",
+    "aws_secret_access_key", "aws_session_token", "aws_account_id",
+}  # fmt: skip
+# What s3fs hands its AioSession (``**kwargs`` of S3FileSystem that are not its own).
+_SESSION_KWARGS = {"profile"}
+# s3_additional_kwargs a GET carries too: obstore cannot send them, boto3 pulls then.
+_READ_ARGS = {
+    "SSECustomerAlgorithm",
+    "SSECustomerKey",
+    "SSECustomerKeyMD5",
+    "RequestPayer",
+    "ExpectedBucketOwner",
+}
+_CREDENTIAL_KEYS = ("aws_access_key_id", "aws_secret_access_key", "aws_session_token")
+CONNECT_TIMEOUT_S = 10.0
+READ_TIMEOUT_S = 60.0
+CREDENTIALS_TTL = timedelta(minutes=5)
+
+
+def s3_plane(fs: Any, budget: TransferBudget, pull_with: str = "auto") -> S3Plane:
+    """The S3 data plane for the s3fs filesystem ``fs``; :class:`Unsupported` names what it cannot honour.
+
+    ``pull_with`` is ``"auto"`` (obstore where installed and able, else boto3), ``"boto3"`` or ``"obstore"``.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("boto3") is None:
+        raise Unsupported("boto3 is not installed (pip install 'spot-callbacks[s3]')")
+    return S3Plane(fs, budget, pull_with)
+
+
+class S3Plane:
+    """Payload files of one s3fs filesystem through boto3's TransferManager (up) and obstore (down).
+
+    Clients are built at the first transfer and shared by every file: one pool of
+    :data:`~spot_callbacks.store.clients.base.UPLOAD_THREADS` requests for all uploads in flight.
+
+    Example:
+        >>> import s3fs
+        >>> fs = s3fs.S3FileSystem(key="k", secret="s", endpoint_url="http://127.0.0.1:9", skip_instance_cache=True)
+        >>> plane = S3Plane(fs, TransferBudget(), "boto3")
+        >>> plane.name, plane.serves(fs)
+        ('boto3 s3transfer (upload and pull)', True)
+    """
+
+    def __init__(self, fs: Any, budget: TransferBudget, pull_with: str = "auto") -> None:
+        self._fs = fs
+        self._budget = budget
+        self._init, self._client_kwargs, self._config = _client_arguments(fs)
+        self._upload_args = _upload_args(fs)
+        self._read_args = _read_args(fs)
+        refusal = _obstore_refusal(fs, self._client_kwargs, self._config, self._read_args)
+        if pull_with == "obstore" and refusal:
+            raise Unsupported(f"obstore cannot pull from this filesystem: {refusal}")
+        self.pull_with = "obstore" if pull_with != "boto3" and not refusal else "boto3"
+        self.pull_fallback_reason = refusal if pull_with == "auto" else None
+        self.name = (
+            "boto3 s3transfer (upload), obstore (pull)"
+            if self.pull_with == "obstore"
+            else "boto3 s3transfer (upload and pull)"
+        )
+        self._lock = threading.Lock()
+        self._session: Any = None
+        self._client: Any = None
+        self._manager: Any = None
+        self._obstores: dict[str, Any] = {}
+
+    def serves(self, fs: Any) -> bool:
+        return fs is self._fs
+
+    # ------------------------------------------------------------------ transfers
+    def upload(self, local_path: str, remote_path: str) -> None:
+        bucket, key = self._split(remote_path)
+        with _boto_errors():
+            self._transfers().upload(local_path, bucket, key, extra_args=dict(self._upload_args)).result()
+
+    def download(self, remote_path: str, local_path: str, timeout_s: float | None) -> FileDigest:
+        bucket, key = self._split(remote_path)
+        what = f"download s3://{bucket}/{key}"
+        if self.pull_with == "obstore":
+            chunks = get_chunks(
+                self._obstore(bucket), key, self._budget.stream_chunk_bytes(), f"s3://{bucket}/{key}"
+            )
+            return stream_to_file(chunks, local_path, Deadline(timeout_s), what)
+        with _boto_errors():
+            # s3transfer writes ranged GETs out of order into a temporary it renames: hash after.
+            self._transfers().download(bucket, key, local_path, extra_args=dict(self._read_args)).result()
+        return digest_local_file(local_path)
+
+    def digest(self, remote_path: str, timeout_s: float | None) -> FileDigest:
+        bucket, key = self._split(remote_path)
+        what, url = f"read s3://{bucket}/{key}", f"s3://{bucket}/{key}"
+        chunk_bytes = self._budget.stream_chunk_bytes()
+        if self.pull_with == "obstore":
+            return digest_stream(
+                get_chunks(self._obstore(bucket), key, chunk_bytes, url), Deadline(timeout_s), what
+            )
+        with _boto_errors():
+            body = self._boto()[1].get_object(Bucket=bucket, Key=key, **self._read_args)["Body"]
+            with body:
+                return digest_stream(body.iter_chunks(chunk_bytes), Deadline(timeout_s), what)
+
+    # ------------------------------------------------------------------ clients
+    def _split(self, remote_path: str) -> tuple[str, str]:
+        bucket, key, _version = self._fs.split_path(remote_path)
+        return bucket, key
+
+    def _boto(self) -> tuple[Any, Any]:
+        with self._lock:
+            if self._client is None:
+                self._session, self._client = _boto3_client(
+                    self._fs, self._init, self._client_kwargs, self._config
+                )
+            return self._session, self._client
+
+    def _transfers(self) -> Any:
+        from s3transfer.manager import TransferConfig, TransferManager
+
+        _session, client = self._boto()
+        with self._lock:
+            if self._manager is None:
+                config = TransferConfig(
+                    multipart_threshold=UPLOAD_PART_BYTES,
+                    multipart_chunksize=UPLOAD_PART_BYTES,
+                    max_request_concurrency=UPLOAD_THREADS,
+                )
+                self._manager = TransferManager(client, config)
+            return self._manager
+
+    def _obstore(self, bucket: str) -> Any:
+        session, client = self._boto()
+        with self._lock:
+            store = self._obstores.get(bucket)
+        if store is None:
+            store = _obstore_for(
+                self._fs, session, client, bucket, self._init, self._client_kwargs, self._config
+            )
+            with self._lock:
+                store = self._obstores.setdefault(bucket, store)
+        return store
+
+
+# ---------------------------------------------------------------------- s3fs's options, read once
+def _client_arguments(fs: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """boto3's ``client("s3", ...)`` arguments from an s3fs filesystem, as s3fs' ``set_session`` builds them."""
+    if not getattr(fs, "_session_is_owned", True):
+        raise Unsupported("storage_options session= (an aiobotocore session of its own) cannot drive boto3")
+    unknown = sorted(set(getattr(fs, "kwargs", {})) - _SESSION_KWARGS)
+    if unknown:
+        raise Unsupported(f"storage_options {', '.join(unknown)} mean nothing to boto3")
+    client_kwargs = dict(getattr(fs, "client_kwargs", {}) or {})
+    unknown = sorted(set(client_kwargs) - _CLIENT_KWARGS)
+    if unknown:
+        raise Unsupported(f"client_kwargs {', '.join(unknown)} mean nothing to boto3")
+    init = {
+        "aws_access_key_id": fs.key,
+        "aws_secret_access_key": fs.secret,
+        "aws_session_token": fs.token,
+        "endpoint_url": fs.endpoint_url,
+    }
+    init = {k: v for k, v in init.items() if v is not None and v != client_kwargs.get(k)}
+    if "use_ssl" not in client_kwargs:
+        init["use_ssl"] = fs.use_ssl
+    config = dict(fs.config_kwargs or {})
+    config.setdefault("connect_timeout", getattr(fs, "connect_timeout", CONNECT_TIMEOUT_S))
+    config.setdefault("read_timeout", getattr(fs, "read_timeout", READ_TIMEOUT_S))
+    config.setdefault("max_pool_connections", UPLOAD_THREADS + 4)
+    if fs.anon:
+        from botocore import UNSIGNED
+
+        init = {k: v for k, v in init.items() if k not in _CREDENTIAL_KEYS}
+        client_kwargs = {k: v for k, v in client_kwargs.items() if k not in _CREDENTIAL_KEYS}
+        config["signature_version"] = UNSIGNED
+    from botocore.config import Config
+
+    try:
+        Config(**config)
+    except TypeError as err:
+        raise Unsupported(f"config_kwargs that botocore's Config refuses: {err}") from None
+    return init, client_kwargs, config
+
+
+def _upload_args(fs: Any) -> dict[str, Any]:
+    from s3transfer.manager import TransferManager
+
+    args = dict(getattr(fs, "s3_additional_kwargs", {}) or {})
+    if fs.requester_pays:
+        args["RequestPayer"] = "requester"
+    unknown = sorted(set(args) - set(TransferManager.ALLOWED_UPLOAD_ARGS))
+    if unknown:
+        raise Unsupported(f"s3_additional_kwargs {', '.join(unknown)} that s3transfer's upload does not take")
+    return args
+
+
+def _read_args(fs: Any) -> dict[str, Any]:
+    args = {k: v for k, v in (getattr(fs, "s3_additional_kwargs", {}) or {}).items() if k in _READ_ARGS}
+    if fs.requester_pays:
+        args["RequestPayer"] = "requester"
+    return args
+
+
+def _obstore_refusal(
+    fs: Any, client_kwargs: dict[str, Any], config: dict[str, Any], read_args: dict[str, Any]
+) -> str | None:
+    """Why obstore cannot pull for this filesystem (boto3 then pulls), or ``None``."""
+    if not obstore_installed():
+        return "obstore is not installed (pip install 'spot-callbacks[s3]')"
+    if read_args:
+        return f"{', '.join(sorted(read_args))} on every GET"
+    if isinstance(client_kwargs.get("verify"), str):
+        return "client_kwargs verify= a CA bundle"
+    if config.get("proxies") or config.get("proxies_config"):
+        return "config_kwargs proxies"
+    s3_config = config.get("s3") or {}
+    if s3_config.get("use_accelerate_endpoint") or s3_config.get("use_dualstack_endpoint"):
+        return "an accelerate or dual-stack endpoint"
+    if getattr(fs, "version_aware", False):
+        return "version_aware=True"
+    return None
+
+
+def _boto3_client(
+    fs: Any, init: dict[str, Any], client_kwargs: dict[str, Any], config: dict[str, Any]
+) -> tuple[Any, Any]:
+    import boto3
+    import botocore.session
+    from botocore.config import Config
+
+    session = boto3.session.Session(botocore_session=botocore.session.Session(**getattr(fs, "kwargs", {})))
+    client = session.client("s3", config=Config(**config), **init, **client_kwargs)
+    if client.meta.endpoint_url.startswith("http://"):
+        # Plain http: botocore would SHA-256 every payload for the signature and CRC32 it too; the
+        # manifest's xxh3 is checked on every pull instead. The user's own settings win.
+        plain = dict(config)
+        plain["s3"] = {"payload_signing_enabled": False, **(config.get("s3") or {})}
+        plain.setdefault("request_checksum_calculation", "when_required")
+        plain.setdefault("response_checksum_validation", "when_required")
+        client = session.client("s3", config=Config(**plain), **init, **client_kwargs)
+    return session, client
+
+
+def _obstore_for(
+    fs: Any,
+    session: Any,
+    client: Any,
+    bucket: str,
+    init: dict[str, Any],
+    client_kwargs: dict[str, Any],
+    config: dict[str, Any],
+) -> Any:
+    """obstore's S3Store for ``bucket``, with the endpoint, region and credentials boto3 resolved."""
+    from obstore.store import S3Store
+
+    endpoint = client.meta.endpoint_url
+    on_aws = _is_aws_endpoint(endpoint)
+    options: dict[str, Any] = {
+        "region": _bucket_region(client, bucket) if on_aws else client.meta.region_name
+    }
+    if not on_aws:
+        options["endpoint"] = endpoint
+    if (config.get("s3") or {}).get("addressing_style") == "virtual":
+        options["virtual_hosted_style_request"] = True
+    http = endpoint.startswith("http://")
+    if http:
+        options["unsigned_payload"] = True
+    provider = None
+    if fs.anon:
+        options["skip_signature"] = True
+    else:
+        provider = _credentials(session, {**init, **client_kwargs})
+    return S3Store(
+        bucket,
+        config=options,
+        client_options=client_options(
+            http=http,
+            connect_timeout_s=float(config["connect_timeout"]),
+            read_timeout_s=float(config["read_timeout"]),
+            verify=client_kwargs.get("verify", True) is not False,
+        ),
+        retry_config=retry_config(),
+        credential_provider=provider,
+    )
+
+
+def _is_aws_endpoint(endpoint: str) -> bool:
+    from urllib.parse import urlsplit
+
+    host = urlsplit(endpoint).hostname or ""
+    return host.endswith(".amazonaws.com") or host == "amazonaws.com"
+
+
+def _bucket_region(client: Any, bucket: str) -> str:
+    """The bucket's own region (obstore does not follow AWS's region redirects; boto3 does)."""
+    from botocore.exceptions import ClientError
+
+    try:
+        answer = client.head_bucket(Bucket=bucket)
+    except ClientError as err:
+        answer = err.response
+    region = answer.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("x-amz-bucket-region")
+    return region or client.meta.region_name or "us-east-1"
+
+
+class _Credentials:
+    """obstore's credential callback: the keys s3fs was given, else boto3's chain (env, profile, IMDS...),
+    refreshed by boto3 as it refreshes its own. The environment is never read past what boto3 read."""
+
+    def __init__(self, session: Any, given: dict[str, Any]) -> None:
+        self._given = given
+        self._resolved = None if given else session.get_credentials()
+
+    def __call__(self) -> dict[str, Any]:
+        if self._given:
+            return {
+                "access_key_id": self._given["aws_access_key_id"],
+                "secret_access_key": self._given["aws_secret_access_key"],
+                "token": self._given.get("aws_session_token"),
+                "expires_at": None,
+            }
+        if self._resolved is None:
+            from botocore.exceptions import NoCredentialsError
+
+            raise NoCredentialsError()
+        frozen = self._resolved.get_frozen_credentials()
+        return {
+            "access_key_id": frozen.access_key,
+            "secret_access_key": frozen.secret_key,
+            "token": frozen.token,
+            # Asked again after this: boto3 refreshes temporary credentials (IMDS, SSO, a role) itself.
+            "expires_at": datetime.now(timezone.utc) + CREDENTIALS_TTL,
+        }
+
+
+def _credentials(session: Any, arguments: dict[str, Any]) -> _Credentials:
+    given = {k: arguments[k] for k in _CREDENTIAL_KEYS if arguments.get(k)}
+    if given and not ("aws_access_key_id" in given and "aws_secret_access_key" in given):
+        given = {}  # a token alone: boto3 completes the rest from its chain
+    return _Credentials(session, given)
+
+
+class _boto_errors:
+    """botocore's ClientError told as s3fs tells it (the same builtin classes for the same answers)."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, error: BaseException | None, tb: Any) -> bool:
+        if error is None or type(error).__name__ != "ClientError":
+            return False
+        from s3fs.errors import translate_boto_error
+
+        raise translate_boto_error(error) from error

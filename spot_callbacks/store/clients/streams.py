@@ -1,0 +1,86 @@
+"""A stream of chunks to a local file, hashed (xxh3) as it arrives: one pass, no whole-object buffer.
+
+The file is written beside its final name and renamed only once complete, so a retried download
+never shares a file with the attempt it replaced, and an attempt past its time stops by itself
+and removes what it wrote (a thread cannot be killed; this one notices).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import xxhash
+
+from spot_callbacks.errors import AttemptTimeoutError
+from spot_callbacks.store.checksums import CHECKSUM_ALGORITHM, FileDigest
+from spot_callbacks.store.transfer import open_new_temporary
+
+
+class Deadline:
+    """The moment a streamed attempt gives up by itself (``None``: never).
+
+    Example:
+        >>> Deadline(None).check("read x")
+        >>> Deadline(-1.0).check("read x")
+        Traceback (most recent call last):
+        ...
+        spot_callbacks.errors.AttemptTimeoutError: read x ran past its -1.0s attempt timeout; stopped
+    """
+
+    def __init__(self, timeout_s: float | None) -> None:
+        self.timeout_s = timeout_s
+        self._at = None if timeout_s is None else time.monotonic() + timeout_s
+
+    def check(self, what: str) -> None:
+        if self._at is not None and time.monotonic() > self._at:
+            raise AttemptTimeoutError(f"{what} ran past its {self.timeout_s:.1f}s attempt timeout; stopped")
+
+
+def stream_to_file(chunks: Iterable[Any], local_path: str, deadline: Deadline, what: str) -> FileDigest:
+    """Write ``chunks`` (bytes-like) to ``local_path`` through a new temporary beside it, hashing each
+    chunk as it is written; rename when the stream ends. Nothing is left behind on failure.
+
+    Example:
+        >>> import tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "a.bin")
+        >>> stream_to_file([b"he", b"llo"], path, Deadline(None), "get a.bin").size, open(path, "rb").read()
+        (5, b'hello')
+    """
+    folder, base = os.path.split(local_path)
+    os.makedirs(folder or ".", exist_ok=True)
+    partial, handle = open_new_temporary(folder or ".", base, ".part")
+    try:
+        with handle:
+            digest = _hash_chunks(chunks, deadline, what, handle.write)
+        os.replace(partial, local_path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(partial)
+        raise
+    return digest
+
+
+def digest_stream(chunks: Iterable[Any], deadline: Deadline, what: str) -> FileDigest:
+    """The digest of every byte in ``chunks`` (a verify's read: nothing is kept).
+
+    Example:
+        >>> digest_stream([b"hello"], Deadline(None), "read").size
+        5
+    """
+    return _hash_chunks(chunks, deadline, what, None)
+
+
+def _hash_chunks(chunks: Iterable[Any], deadline: Deadline, what: str, write: Any) -> FileDigest:
+    hasher, size = xxhash.xxh3_64(), 0
+    for chunk in chunks:
+        view = memoryview(chunk).cast("B")
+        hasher.update(view)
+        if write is not None:
+            write(view)
+        size += view.nbytes
+        deadline.check(what)
+    return FileDigest(size, f"{CHECKSUM_ALGORITHM}:{hasher.hexdigest()}")

@@ -1,0 +1,185 @@
+"""Which client moves a store's payload bytes, and the fsspec plane that every other one falls back to.
+
+Payload files, and only they, go through the fastest well-kept client installed for the protocol;
+the manifest, the run lock, listings and deletes always go through fsspec, so the commit protocol
+(:mod:`~spot_callbacks.store.commit`) is the same whichever client moves the bytes:
+
+============  ==========================  =============================================
+protocol      upload                      pull (and a deep verify's read)
+============  ==========================  =============================================
+``s3://``     boto3 s3transfer            obstore, one streamed GET per file (boto3's
+                                          TransferManager where obstore is missing or
+                                          cannot honour an option)
+otherwise     fsspec (gcsfs, adlfs, ...)  fsspec
+============  ==========================  =============================================
+
+The fast client is built from the store's own fsspec filesystem (same credentials, endpoint,
+region, options); anything it cannot honour, a missing extra, or ``$SPOT_DATA_PLANE=fsspec``
+leaves the bytes on fsspec, and the log says once which client moves them and why.
+
+Knobs (``# settings: move to settings.py`` once it exists):
+
+- ``SPOT_DATA_PLANE``: ``auto`` (default), ``fsspec`` (everything through fsspec), ``boto3`` (s3: boto3
+  pulls too), ``obstore`` (s3: obstore must pull; a store it cannot serve falls back to fsspec).
+- ``SPOT_TRANSFER_BUFFER_MB``: payload bytes held in memory at once by the data plane, all files
+  together (default 256; see :class:`~spot_callbacks.store.clients.base.TransferBudget`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from spot_callbacks.errors import ConfigError
+from spot_callbacks.store.checksums import FileDigest, digest_chunks, digest_local_file, read_blocks
+from spot_callbacks.store.clients.base import (
+    DEFAULT_BUFFER_BYTES,
+    DataPlane,
+    MiB,
+    TransferBudget,
+    Unsupported,
+)
+from spot_callbacks.store.layout import fs_protocols, is_local_fs
+from spot_callbacks.store.transfer import put_file
+
+log = logging.getLogger("spot_callbacks")
+
+DATA_PLANE_ENV = "SPOT_DATA_PLANE"
+DATA_PLANE_CHOICES = ("auto", "fsspec", "boto3", "obstore")
+BUFFER_ENV = "SPOT_TRANSFER_BUFFER_MB"
+MIN_BUFFER_MB = 4
+_S3_PROTOCOLS = {"s3", "s3a"}
+_said: set[tuple[str, str]] = set()
+
+
+def data_plane_choice(environ: Mapping[str, str] | None = None) -> str:  # settings: move to settings.py
+    """``$SPOT_DATA_PLANE``: which client moves payload bytes (``auto`` unless set).
+
+    Example:
+        >>> data_plane_choice({}), data_plane_choice({"SPOT_DATA_PLANE": " FSspec "})
+        ('auto', 'fsspec')
+    """
+    environ = os.environ if environ is None else environ
+    value = environ.get(DATA_PLANE_ENV, "").strip().lower() or "auto"
+    if value not in DATA_PLANE_CHOICES:
+        raise ConfigError(
+            f"{DATA_PLANE_ENV}={environ.get(DATA_PLANE_ENV)!r} is not a data plane; use one of "
+            f"{', '.join(DATA_PLANE_CHOICES)} (auto: the fastest client installed)"
+        )
+    return value
+
+
+def transfer_budget(
+    environ: Mapping[str, str] | None = None,
+) -> TransferBudget:  # settings: move to settings.py
+    """``$SPOT_TRANSFER_BUFFER_MB``: the data plane's memory for payload bytes in flight (MiB, default 256).
+
+    Example:
+        >>> transfer_budget({}).buffer_bytes // MiB, transfer_budget({"SPOT_TRANSFER_BUFFER_MB": "64"}).buffer_bytes // MiB
+        (256, 64)
+    """
+    environ = os.environ if environ is None else environ
+    text = environ.get(BUFFER_ENV, "").strip()
+    if not text:
+        return TransferBudget(DEFAULT_BUFFER_BYTES)
+    try:
+        megabytes = float(text)
+    except ValueError:
+        megabytes = float("nan")
+    if not MIN_BUFFER_MB <= megabytes < float("inf"):
+        raise ConfigError(
+            f"{BUFFER_ENV}={text!r} is not a buffer size; use a number of MiB >= {MIN_BUFFER_MB}, "
+            f"e.g. {BUFFER_ENV}=256"
+        )
+    return TransferBudget(int(megabytes * MiB))
+
+
+class FsspecPlane:
+    """Payload bytes through the store's fsspec filesystem itself (``put_file``, ``get_file``, ``open``).
+
+    ``reason`` says why no faster client moves them (``None``: none exists, e.g. a local disk).
+
+    Example:
+        >>> import fsspec, tempfile
+        >>> fs, folder = fsspec.filesystem("file"), tempfile.mkdtemp()
+        >>> _ = open(f"{folder}/a.bin", "wb").write(b"abc")
+        >>> plane = FsspecPlane(fs)
+        >>> plane.upload(f"{folder}/a.bin", f"{folder}/b.bin"); plane.digest(f"{folder}/b.bin", None).size
+        3
+    """
+
+    def __init__(self, fs: Any, reason: str | None = None) -> None:
+        self._fs = fs
+        self.reason = reason
+        self.name = f"fsspec ({type(fs).__name__})"
+
+    def serves(self, fs: Any) -> bool:
+        return fs is self._fs
+
+    def upload(self, local_path: str, remote_path: str) -> None:
+        put_file(self._fs, local_path, remote_path)
+
+    def download(self, remote_path: str, local_path: str, timeout_s: float | None) -> FileDigest:
+        self._fs.get_file(remote_path, local_path)
+        return digest_local_file(local_path)
+
+    def digest(self, remote_path: str, timeout_s: float | None) -> FileDigest:
+        with self._fs.open(remote_path, "rb") as handle:
+            return digest_chunks(read_blocks(handle))
+
+
+def select_data_plane(fs: Any, environ: Mapping[str, str] | None = None) -> DataPlane:
+    """The data plane for the store filesystem ``fs``: the fastest client that can honour it, else fsspec.
+
+    Nothing is connected here (the clients are built at the first transfer).
+
+    Example:
+        >>> import fsspec
+        >>> select_data_plane(fsspec.filesystem("memory")).name
+        'fsspec (MemoryFileSystem)'
+        >>> select_data_plane(fsspec.filesystem("memory"), {"SPOT_DATA_PLANE": "fsspec"}).reason
+        'SPOT_DATA_PLANE=fsspec'
+    """
+    choice = data_plane_choice(environ)
+    if choice == "fsspec":
+        return FsspecPlane(fs, f"{DATA_PLANE_ENV}=fsspec")
+    protocols = set(fs_protocols(fs))
+    if is_local_fs(fs) or not protocols & (_S3_PROTOCOLS | {"gs", "gcs", "az", "abfs", "abfss"}):
+        return FsspecPlane(fs)
+    if not protocols & _S3_PROTOCOLS:
+        return FsspecPlane(fs, "no client faster than it for this protocol is in use yet")
+    from spot_callbacks.store.clients.s3 import s3_plane
+
+    pull_with = {"auto": "auto", "boto3": "boto3", "obstore": "obstore"}[choice]
+    try:
+        return s3_plane(fs, transfer_budget(environ), pull_with)
+    except Unsupported as why:
+        return FsspecPlane(fs, str(why))
+
+
+def plane_for(plane: DataPlane, fs: Any) -> DataPlane:
+    """``plane`` when it serves ``fs``; fsspec on ``fs`` when the store's filesystem was replaced by
+    another (a wrapper that counts or injects faults must stay in the path of every byte)."""
+    if plane.serves(fs):
+        return plane
+    return FsspecPlane(fs, f"the store's filesystem was replaced by a {type(fs).__name__}")
+
+
+def announce(url: str, plane: DataPlane) -> None:
+    """Say once per run folder which client moves its payload bytes, and why fsspec where it falls back."""
+    reason = getattr(plane, "reason", None) or getattr(plane, "pull_fallback_reason", None)
+    key = (url, f"{plane.name}|{reason}")
+    if key in _said:
+        return
+    _said.add(key)
+    if isinstance(plane, FsspecPlane) and reason is None:
+        return  # a local disk or memory: nothing faster exists, nothing to say
+    because = (
+        f" ({'pulls by boto3: ' if not isinstance(plane, FsspecPlane) else ''}{reason})" if reason else ""
+    )
+    log.info(
+        "spot_callbacks: payload bytes of %s move through %s%s; manifests, listings and deletes through fsspec",
+        url, plane.name, because,
+    )  # fmt: skip

@@ -1,0 +1,329 @@
+"""The data plane (store/dataplane.py, store/clients/): which client moves payload bytes, built from the
+store's own fsspec options, and the store's reliability cases with that client moving the bytes.
+
+Against moto on 127.0.0.1; faults are injected by wrapping the fast client's calls
+(:class:`helpers.faultplane.FaultyPlane`, or the stream it reads), never by mocking the server.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import posixpath
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers.faultfs import FaultyFileSystem
+from helpers.faultplane import FaultyPlane
+from helpers.reliability_counts import DAMAGED, FAULTS, record
+
+import spot_callbacks.store.clients.s3 as s3_client
+from spot_callbacks import CheckpointStore, SpotConfig, load_state
+from spot_callbacks.engine import STATE_FILE, SpotEngine
+from spot_callbacks.errors import AttemptTimeoutError, ConfigError, CorruptCheckpointError
+from spot_callbacks.store import MANIFEST_NAME, step_dirname
+from spot_callbacks.store.clients.base import MiB, TransferBudget
+from spot_callbacks.store.clients.s3 import S3Plane
+from spot_callbacks.store.clients.streams import Deadline, stream_to_file
+from spot_callbacks.store.dataplane import FsspecPlane, select_data_plane, transfer_budget
+from spot_callbacks.store.retry import RetryPolicy
+
+PATIENT_RETRY = RetryPolicy(attempts=10, initial_backoff_s=0.001, max_backoff_s=0.01)
+FAST_RETRY = RetryPolicy(attempts=3, initial_backoff_s=0.01, max_backoff_s=0.05)
+
+
+def s3_url(server: Any, tmp_path: Path, name: str) -> str:
+    return f"s3://{server.bucket}/{name}-{tmp_path.name}"
+
+
+def payload_folder(tmp_path: Path, sizes: dict[str, int], seed: int = 0) -> dict[str, bytes]:
+    generator = torch.Generator().manual_seed(seed)
+    contents = {}
+    for name, size in sizes.items():
+        path = tmp_path / "src" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        contents[name] = (
+            torch.randint(0, 256, (size,), dtype=torch.uint8, generator=generator).numpy().tobytes()
+        )
+        path.write_bytes(contents[name])
+    return contents
+
+
+# ------------------------------------------------------------------ which client, from which options
+def test_an_s3_store_moves_payload_through_boto3_up_and_obstore_down_and_says_so_once(
+    s3_server, tmp_path, caplog
+):
+    store = CheckpointStore(
+        s3_url(s3_server, tmp_path, "fast"), storage_options=dict(s3_server.storage_options)
+    )
+    plane = store.data_plane
+    assert isinstance(plane, S3Plane) and plane.pull_with == "obstore"
+    # 40 MiB: a multipart upload of two 32 MiB parts; a nested name; an empty file.
+    contents = payload_folder(tmp_path, {"state.pt": 40 * MiB, "extra/rng.bin": 1000, "empty.bin": 0})
+    fsspec_calls: list[tuple[str, tuple]] = []
+    for method in ("put_file", "get_file", "open"):  # fsspec sees the manifest, never a payload byte
+        real = getattr(store.fs, method)
+        spy = lambda *a, _real=real, _method=method, **k: fsspec_calls.append((_method, a)) or _real(*a, **k)  # noqa: E731
+        setattr(store.fs, method, spy)
+    try:
+        with caplog.at_level(logging.INFO, logger="spot_callbacks"):
+            store.write_checkpoint(4, tmp_path / "src", reason="manual", framework="test")
+            assert store.verify(4)
+            pulled = store.pull(4, tmp_path / "pulled")
+            store.write_checkpoint(5, tmp_path / "src", reason="manual", framework="test")
+    finally:
+        del store.fs.put_file, store.fs.get_file, store.fs.open
+    assert {name: (pulled / name).read_bytes() for name in contents} == contents
+    assert not [call for call in fsspec_calls if any(name in str(call) for name in contents)]
+    said = [r.getMessage() for r in caplog.records if "payload bytes of" in r.getMessage()]
+    assert said == [
+        f"spot_callbacks: payload bytes of {store.url} move through boto3 s3transfer (upload), obstore (pull); "
+        "manifests, listings and deletes through fsspec"
+    ]
+
+
+def test_the_fast_clients_take_endpoint_and_credentials_from_the_environment_as_s3fs_does(s3_env, tmp_path):
+    # No storage_options at all: AWS_ENDPOINT_URL and the keys come from the environment. A fast
+    # client that read a configuration of its own would go to AWS, which is unreachable from here.
+    store = CheckpointStore(s3_url(s3_env, tmp_path, "env"), retry=FAST_RETRY)
+    assert isinstance(store.data_plane, S3Plane)
+    contents = payload_folder(tmp_path, {"state.pt": 3 * MiB})
+    store.write_checkpoint(1, tmp_path / "src", reason="manual", framework="test")
+    assert store.verify(1)
+    assert (store.pull(1, tmp_path / "pulled") / "state.pt").read_bytes() == contents["state.pt"]
+
+
+@pytest.mark.parametrize("choice", ["boto3", "obstore", "fsspec"])
+def test_spot_data_plane_chooses_who_moves_the_bytes(choice, s3_server, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("SPOT_DATA_PLANE", choice)
+    store = CheckpointStore(
+        s3_url(s3_server, tmp_path, choice), storage_options=dict(s3_server.storage_options)
+    )
+    plane = store.data_plane
+    if choice == "fsspec":
+        assert isinstance(plane, FsspecPlane) and plane.reason == "SPOT_DATA_PLANE=fsspec"
+    else:
+        assert isinstance(plane, S3Plane) and plane.pull_with == choice
+    contents = payload_folder(tmp_path, {"state.pt": 2 * MiB + 17, "b.bin": 5})
+    with caplog.at_level(logging.INFO, logger="spot_callbacks"):
+        store.write_checkpoint(2, tmp_path / "src", reason="manual", framework="test")
+    assert store.verify(2)
+    pulled = store.pull(2, tmp_path / "pulled")
+    assert {name: (pulled / name).read_bytes() for name in contents} == contents
+    assert plane.name in caplog.text
+
+
+def test_a_bad_spot_data_plane_or_buffer_is_an_error_naming_the_knob_and_the_choices(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPOT_DATA_PLANE", "fastest")
+    with pytest.raises(
+        ConfigError, match=r"SPOT_DATA_PLANE='fastest' is not a data plane; use one of auto, fsspec"
+    ):
+        CheckpointStore(str(tmp_path / "run"))
+    with pytest.raises(ConfigError, match=r"SPOT_TRANSFER_BUFFER_MB='1' .* >= 4"):
+        transfer_budget({"SPOT_TRANSFER_BUFFER_MB": "1"})
+    with pytest.raises(ConfigError, match=r"SPOT_TRANSFER_BUFFER_MB='lots'"):
+        transfer_budget({"SPOT_TRANSFER_BUFFER_MB": "lots"})
+    assert transfer_budget({"SPOT_TRANSFER_BUFFER_MB": "1024"}).stream_chunk_bytes() == 16 * MiB
+
+
+def test_an_option_the_fast_client_cannot_honour_leaves_the_bytes_on_fsspec_and_says_why(
+    s3_server, tmp_path, caplog
+):
+    import aiobotocore.session
+
+    options = {**s3_server.storage_options, "session": aiobotocore.session.AioSession()}
+    store = CheckpointStore(s3_url(s3_server, tmp_path, "own-session"), storage_options=options)
+    assert isinstance(store.data_plane, FsspecPlane)
+    assert "session=" in store.data_plane.reason and "cannot drive boto3" in store.data_plane.reason
+    contents = payload_folder(tmp_path, {"state.pt": 1000})
+    with caplog.at_level(logging.INFO, logger="spot_callbacks"):
+        store.write_checkpoint(1, tmp_path / "src", reason="manual", framework="test")
+    assert (store.pull(1, tmp_path / "pulled") / "state.pt").read_bytes() == contents["state.pt"]
+    assert (
+        f"payload bytes of {store.url} move through fsspec (S3FileSystem) (storage_options session="
+        in caplog.text
+    )
+
+
+def test_options_only_boto3_can_send_on_a_get_move_the_pulls_to_boto3(s3_server):
+    import s3fs
+
+    sse_c = {"SSECustomerAlgorithm": "AES256", "SSECustomerKey": "k" * 32}
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, s3_additional_kwargs=sse_c, **s3_server.storage_options)
+    plane = S3Plane(fs, TransferBudget())
+    assert (
+        plane.pull_with == "boto3"
+        and "SSECustomerAlgorithm, SSECustomerKey on every GET" in plane.pull_fallback_reason
+    )
+    unknown = s3fs.S3FileSystem(
+        skip_instance_cache=True, s3_additional_kwargs={"Bogus": 1}, **s3_server.storage_options
+    )
+    assert "Bogus" in select_data_plane(unknown).reason
+
+
+def test_a_filesystem_replaced_by_a_wrapper_keeps_the_wrapper_in_the_path(s3_server, tmp_path):
+    store = CheckpointStore(
+        s3_url(s3_server, tmp_path, "wrapped"), storage_options=dict(s3_server.storage_options)
+    )
+    store.fs = wrapper = FaultyFileSystem(store.fs)
+    plane = store.payload_plane()
+    assert isinstance(plane, FsspecPlane) and "replaced by a FaultyFileSystem" in plane.reason
+    payload_folder(tmp_path, {"state.pt": 100})
+    store.write_checkpoint(1, tmp_path / "src", reason="manual", framework="test")
+    assert ("put_file", posixpath.join(store.step_path(1), "state.pt")) in wrapper.calls
+
+
+# ------------------------------------------------------------------ reliability, the fast client moving the bytes
+def test_with_30_percent_transient_failures_of_the_fast_client_every_checkpoint_lands(s3_server, tmp_path):
+    url, options = s3_url(s3_server, tmp_path, "flaky"), dict(s3_server.storage_options)
+    config = SpotConfig(dirpath=url, interval=None, preemption=[], keep_last=0, storage_options=options,
+                        scratch_dir=str(tmp_path / "scratch"))  # fmt: skip
+    engine = SpotEngine(config, "test")
+    assert isinstance(engine.store.data_plane, S3Plane)
+    faulty = FaultyPlane(engine.store.data_plane, failure_rate=0.3, seed=3)
+    engine.store.data_plane, engine.store.retry = faulty, PATIENT_RETRY
+    engine.start()
+    weights = torch.zeros(64)
+    for step in range(1, 9):
+        weights += 1
+        engine.save_state(step=step, epoch=0, state={"w": weights}, reason="steps")
+        assert engine.wait_for_commit(timeout=120)
+        assert engine.new_failures() == []
+    engine.finish()
+    uploads = faulty.injected
+    # Pulls and deep verifies through the same faulty fast client.
+    reader = CheckpointStore(url, storage_options=options, retry=PATIENT_RETRY)
+    reader.data_plane = FaultyPlane(reader.data_plane, failure_rate=0.3, seed=4)
+    assert [info.step for info in reader.committed()] == list(range(1, 9))
+    assert all(reader.verify(step) for step in range(1, 9))
+    pulled = reader.pull(8, tmp_path / "pulled")
+    assert torch.equal(load_state(pulled / STATE_FILE)["w"], weights)
+    assert uploads >= 3 and reader.data_plane.injected >= 3
+    assert {op for op, _ in faulty.calls} == {"upload"}
+    record(FAULTS, uploads + reader.data_plane.injected)
+
+
+def test_a_hung_fast_upload_times_out_is_retried_and_its_late_write_changes_nothing(
+    s3_server, tmp_path, monkeypatch, caplog
+):
+    url, options = s3_url(s3_server, tmp_path, "hung"), dict(s3_server.storage_options)
+    monkeypatch.setenv("SPOT_UPLOAD_TIMEOUT_S", "2")
+    config = SpotConfig(dirpath=url, interval=None, preemption=[], storage_options=options,
+                        scratch_dir=str(tmp_path / "scratch"))  # fmt: skip
+    engine = SpotEngine(config, "test")
+    faulty = FaultyPlane(engine.store.data_plane)
+    faulty.gate, faulty.gate_only, faulty.hang_first = threading.Event(), STATE_FILE, 1
+    engine.store.data_plane = faulty
+    engine.store.retry = RetryPolicy(attempts=5, initial_backoff_s=0.01, max_backoff_s=0.05)
+    weights = torch.arange(5000, dtype=torch.float32)
+    engine.start()
+    with caplog.at_level(logging.WARNING, logger="spot_callbacks"):
+        engine.save_state(step=1, epoch=0, state={"w": weights}, reason="steps")
+        assert engine.wait_for_commit(timeout=120)
+    store = CheckpointStore(url, storage_options=options)
+    try:
+        assert engine.new_failures() == []
+        assert faulty.held.is_set() and faulty.injected == 1
+        retried = [r.getMessage() for r in caplog.records if "did not finish within 2.0s" in r.getMessage()]
+        assert retried and "attempt 1 of 5" in retried[0] and step_dirname(1) in retried[0]
+        assert store.latest().step == 1 and store.verify(1)
+        manifest = store.fs.cat_file(posixpath.join(store.step_path(1), MANIFEST_NAME))
+    finally:
+        faulty.gate.set()  # the abandoned attempt wakes up and uploads through s3transfer, after the commit
+    assert faulty.held_writes_done.wait(timeout=60)
+    for attempt in [t for t in threading.enumerate() if t.name == "spot-attempt"]:
+        attempt.join(timeout=60)
+    engine.finish()
+    assert store.fs.cat_file(posixpath.join(store.step_path(1), MANIFEST_NAME)) == manifest
+    assert store.verify(1)
+    assert torch.equal(load_state(store.pull(1, tmp_path / "pulled") / STATE_FILE)["w"], weights)
+    record(FAULTS, faulty.injected)
+
+
+class LostManifestAnswer(FaultyFileSystem):
+    """Writes the manifest, then raises as if the answer never came back."""
+
+    def pipe_file(self, path: str, value: bytes, *args: Any, **kwargs: Any) -> Any:
+        self.inner.pipe_file(path, value, *args, **kwargs)
+        if path.endswith(MANIFEST_NAME):
+            self.injected += 1
+            raise ConnectionError(f"injected: the answer to writing {path} was lost")
+
+
+def test_a_lost_manifest_answer_is_read_back_while_the_fast_client_moves_the_payload(
+    s3_server, tmp_path, caplog
+):
+    store = CheckpointStore(s3_url(s3_server, tmp_path, "lost"), storage_options=dict(s3_server.storage_options),
+                            retry=FAST_RETRY)  # fmt: skip
+    fast = FaultyPlane(store.data_plane)  # counts; injects nothing
+    store.fs = lost = LostManifestAnswer(store.fs)
+    store.data_plane = fast
+    payload_folder(tmp_path, {"state.pt": 4000})
+    with caplog.at_level(logging.WARNING, logger="spot_callbacks"):
+        store.write_checkpoint(3, tmp_path / "src", reason="interval", framework="test")
+    assert store.latest().step == 3 and lost.injected >= 1
+    assert "is committed" in caplog.text
+    assert fast.calls == [("upload", posixpath.join(store.step_path(3), "state.pt"))]
+    record(FAULTS, lost.injected)
+
+
+def test_a_stream_broken_mid_file_is_retried_and_leaves_no_partial_file(s3_server, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPOT_TRANSFER_BUFFER_MB", "4")  # 1 MiB chunks: the break comes after the first
+    store = CheckpointStore(s3_url(s3_server, tmp_path, "broken"), storage_options=dict(s3_server.storage_options),
+                            retry=FAST_RETRY)  # fmt: skip
+    contents = payload_folder(tmp_path, {"state.pt": 3 * MiB + 5})
+    store.write_checkpoint(1, tmp_path / "src", reason="manual", framework="test")
+    real_get_chunks, broken = s3_client.get_chunks, []
+
+    def breaks_once(*args: Any, **kwargs: Any) -> Any:
+        for index, chunk in enumerate(real_get_chunks(*args, **kwargs)):
+            if index == 1 and not broken:
+                broken.append(len(chunk))
+                raise ConnectionResetError("injected: connection reset by peer after the first chunk")
+            yield chunk
+
+    monkeypatch.setattr(s3_client, "get_chunks", breaks_once)
+    pulled = store.pull(1, tmp_path / "out" / "pulled")
+    assert broken and (pulled / "state.pt").read_bytes() == contents["state.pt"]
+    assert sorted(os.listdir(tmp_path / "out")) == ["pulled"]
+    assert sorted(os.listdir(pulled)) == [MANIFEST_NAME, "state.pt"]
+    record(FAULTS)
+
+
+def test_a_streamed_attempt_past_its_time_stops_by_itself_and_removes_what_it_wrote(tmp_path):
+    def chunks() -> Any:
+        yield b"a" * 10
+        yield b"b" * 10
+
+    with pytest.raises(AttemptTimeoutError, match="download x ran past its -1.0s attempt timeout"):
+        stream_to_file(chunks(), str(tmp_path / "x.bin"), Deadline(-1.0), "download x")
+    assert os.listdir(tmp_path) == []
+    digest = stream_to_file(chunks(), str(tmp_path / "x.bin"), Deadline(60), "download x")
+    assert digest.size == 20 and (tmp_path / "x.bin").read_bytes() == b"a" * 10 + b"b" * 10
+    assert os.listdir(tmp_path) == ["x.bin"]
+
+
+def test_damaged_and_missing_payloads_are_caught_by_the_fast_pull_and_the_deep_verify(s3_server, tmp_path):
+    store = CheckpointStore(s3_url(s3_server, tmp_path, "damage"), storage_options=dict(s3_server.storage_options),
+                            retry=FAST_RETRY)  # fmt: skip
+    contents = payload_folder(tmp_path, {"state.pt": 2 * MiB, "extra.bin": 100})
+    store.write_checkpoint(1, tmp_path / "src", reason="manual", framework="test")
+    remote = posixpath.join(store.step_path(1), "state.pt")
+    flipped = bytearray(contents["state.pt"])
+    flipped[MiB] ^= 0xFF  # same size: only the checksum can tell
+    store.fs.pipe_file(remote, bytes(flipped))
+    with pytest.raises(CorruptCheckpointError, match="does not match its manifest"):
+        store.verify(1)
+    with pytest.raises(CorruptCheckpointError, match="downloaded as .* the manifest says"):
+        store.pull(1, tmp_path / "pulled")
+    assert not (tmp_path / "pulled").exists()
+    store.fs.rm(posixpath.join(store.step_path(1), "extra.bin"))
+    with pytest.raises(FileNotFoundError):
+        store.data_plane.download(
+            posixpath.join(store.step_path(1), "extra.bin"), str(tmp_path / "e.bin"), 30.0
+        )
+    assert not (tmp_path / "e.bin").exists()
+    record(DAMAGED, 2)
