@@ -46,7 +46,7 @@ from _stall import (
 )
 
 from spot_callbacks.hf import SpotCheckpointCallback
-from spot_callbacks.hf_checkpoint import SAVE_PATH_ENV
+from spot_callbacks.hf.checkpoint import SAVE_PATH_ENV
 
 FLOOR = "hf-floor"
 LOCAL = "hf-local"

@@ -3,7 +3,7 @@
 Add one callback (``spot_callbacks.lightning.SpotCheckpoint`` or
 ``spot_callbacks.hf.SpotCheckpointCallback``) and resume with ``ckpt_path="latest"``.
 This module holds the public contract only: the configuration, the view of a run's committed
-checkpoints, the loaders, and the error classes. Internals stay importable from their own
+checkpoints, the loaders, and the error classes (one root: ``SpotError``). Internals stay importable from their own
 modules (see docs/architecture.md).
 
 The library logs to the ``spot_callbacks`` logger and configures no logging at import; see
@@ -21,9 +21,11 @@ from spot_callbacks.errors import (
     DeleteIncompleteError,
     ForeignCheckpointError,
     IncompatibleCheckpointError,
+    LockLostError,
     ManifestError,
     PersistError,
     RunLockedError,
+    SpotError,
     StoreUnavailableError,
     UnknownStoreError,
     UnsafeCheckpointError,
@@ -58,10 +60,12 @@ __all__ = [
     "DeleteIncompleteError",
     "ForeignCheckpointError",
     "IncompatibleCheckpointError",
+    "LockLostError",
     "ManifestError",
     "PersistError",
     "RunLockedError",
     "SpotConfig",
+    "SpotError",
     "StoreUnavailableError",
     "UnknownStoreError",
     "UnsafeCheckpointError",

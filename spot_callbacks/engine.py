@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import spot_callbacks.settings as settings
 from spot_callbacks.accounting.clock import RunAccounts
 from spot_callbacks.accounting.region import RegionCheck
 from spot_callbacks.accounting.watch import PersistWatch
@@ -74,6 +75,7 @@ class SpotEngine:
 
     def __init__(self, config: SpotConfig, framework: str) -> None:
         show_info_lines()
+        settings.check_all()  # a bad SPOT_* value fails here, before the first step
         self.config = config
         self.framework = framework
         self.store = CheckpointStore(config.dirpath, storage_options=config.storage_options)

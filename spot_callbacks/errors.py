@@ -1,8 +1,32 @@
-"""Every exception spot_callbacks raises, in one place.
+"""Every exception spot_callbacks raises, in one place, under one root: :class:`SpotError`.
 
-Each message says what was wrong, with the value, and what to do. The classes keep the
-builtin bases callers already catch (``ValueError`` for configuration, ``FileNotFoundError``
-for a missing checkpoint, ``TimeoutError`` for an abandoned attempt).
+``except SpotError`` catches every failure the library raises on purpose. Each class also keeps
+the builtin base callers already catch (``ValueError`` for configuration, ``FileNotFoundError``
+for a missing checkpoint, ``TimeoutError`` for an abandoned attempt). Each message says what was
+wrong, with the value, and what to do::
+
+    SpotError
+    ├── ConfigError(ValueError)              a setting or argument spot_callbacks cannot use
+    ├── CheckpointError                      about a checkpoint in a store
+    │   ├── CheckpointNotFoundError(FileNotFoundError)   no committed checkpoint at that step
+    │   ├── ManifestError                    a manifest that cannot be trusted
+    │   ├── CorruptCheckpointError           files that do not match their manifest
+    │   ├── DeleteIncompleteError            a delete the store answered, objects left
+    │   ├── ForeignCheckpointError           a step folder that is a link: never ours
+    │   ├── UnsafeDestinationError           a pull destination that holds what is not the run's
+    │   ├── RunLockedError                   another live run holds the dirpath
+    │   └── StoreUnavailableError            the store cannot hold checkpoints (found at start)
+    │       └── UnknownStoreError(ValueError)    no filesystem for the protocol
+    ├── UnsafeCheckpointError(pickle.UnpicklingError)   objects safe loading refuses to build
+    ├── IncompatibleCheckpointError(RuntimeError)       tensors that do not fit the model
+    ├── AttemptTimeoutError(TimeoutError)    one storage attempt abandoned (retried as transient)
+    ├── MetadataError                        a cloud metadata service gave no usable answer
+    ├── PersistError(RuntimeError)           a checkpoint could not be made durable
+    └── LockLostError(RuntimeError)          the run lost its lock: it stopped checkpointing
+
+Example:
+    >>> issubclass(CheckpointNotFoundError, SpotError) and issubclass(CheckpointNotFoundError, FileNotFoundError)
+    True
 """
 
 from __future__ import annotations
@@ -13,11 +37,15 @@ import pickle
 from pathlib import Path
 
 
-class ConfigError(ValueError):
+class SpotError(Exception):
+    """The root of every exception spot_callbacks raises on purpose."""
+
+
+class ConfigError(SpotError, ValueError):
     """A configuration key has a value spot_callbacks cannot use; the message names the key and the fix."""
 
 
-class CheckpointError(Exception):
+class CheckpointError(SpotError):
     """Base class of the errors about a checkpoint in a store."""
 
 
@@ -83,19 +111,19 @@ class UnknownStoreError(StoreUnavailableError, ValueError):
     """No filesystem for the protocol of ``dirpath``: fsspec does not know it, or its package is missing."""
 
 
-class UnsafeCheckpointError(pickle.UnpicklingError):
+class UnsafeCheckpointError(SpotError, pickle.UnpicklingError):
     """A state file holds objects that safe (``weights_only``) loading refuses to construct."""
 
 
-class IncompatibleCheckpointError(RuntimeError):
+class IncompatibleCheckpointError(SpotError, RuntimeError):
     """A checkpoint's tensors do not fit the model resuming from it (another model, or a changed one)."""
 
 
-class AttemptTimeoutError(TimeoutError):
+class AttemptTimeoutError(SpotError, TimeoutError):
     """One attempt of a storage call ran past its timeout and was abandoned (retried as transient)."""
 
 
-class MetadataError(Exception):
+class MetadataError(SpotError):
     """The metadata service gave no usable answer: refused, timed out, 5xx, or a body it does not document.
 
     ``unreachable`` is True when no connection could be made at all (nothing listens there).
@@ -106,7 +134,7 @@ class MetadataError(Exception):
         self.unreachable = unreachable
 
 
-class PersistError(RuntimeError):
+class PersistError(SpotError, RuntimeError):
     """A checkpoint could not be made durable; ``url`` names where it was going, ``__cause__`` why."""
 
     def __init__(self, step: int, url: str, cause: BaseException, local_dir: Path | None) -> None:
@@ -121,6 +149,11 @@ class PersistError(RuntimeError):
         self.url = url
         self.cause = cause
         self.local_dir = local_dir
+
+
+class LockLostError(SpotError, RuntimeError):
+    """The run lost the lock of its ``dirpath`` (another run took it over): it stopped checkpointing,
+    and training fails at the end of the current step rather than finish as if it had checkpointed."""
 
 
 def _holds_payload(folder: Path) -> bool:
@@ -144,6 +177,8 @@ def _no_space_hint(cause: BaseException, local_dir: Path | None) -> str:
 
 
 __all__ = [
+    "SpotError",
+    "LockLostError",
     "DeleteIncompleteError",
     "ForeignCheckpointError",
     "UnsafeDestinationError",

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from spot_callbacks import CheckpointStore, cli
+from spot_callbacks import CheckpointStore
 from spot_callbacks.accounting import report
 from spot_callbacks.accounting.costs import break_even_interruptions_per_hour, daly_interval_s, plan_job
 from spot_callbacks.accounting.ledger import RunLedger, measure_resume
+from spot_callbacks.cli import commands as cli
 from spot_callbacks.cli import main
 from spot_callbacks.store import MANIFEST_NAME, step_dirname
 from spot_callbacks.store.retry import RetryPolicy

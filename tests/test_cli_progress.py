@@ -13,10 +13,11 @@ from datetime import datetime, timezone
 
 import pytest
 
-from spot_callbacks import CheckpointStore, CorruptCheckpointError, cli
+from spot_callbacks import CheckpointStore, CorruptCheckpointError
 from spot_callbacks.accounting import throughput
 from spot_callbacks.accounting.throughput import SLOW_PULL_S, slow_pull_line
-from spot_callbacks.cli_progress import PlainPullProgress, RichPullProgress, pull_progress, reporting_pull
+from spot_callbacks.cli import commands as cli
+from spot_callbacks.progress import PlainPullProgress, RichPullProgress, pull_progress, reporting_pull
 from spot_callbacks.resume import pull_latest
 from spot_callbacks.store.checksums import FileDigest
 from spot_callbacks.store.manifest import CheckpointInfo

@@ -14,7 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from test_hf import make_trainer
 
 from spot_callbacks.hf import SpotCheckpointCallback
-from spot_callbacks.hf_checkpoint import SAVE_PATH_ENV, STAGED, TRAINER
+from spot_callbacks.hf.checkpoint import SAVE_PATH_ENV, STAGED, TRAINER
 
 CHECKPOINT_EVERY = 4
 MAX_STEPS = 12

@@ -22,7 +22,7 @@ from test_hf import assert_same_weights, hf_run, make_trainer, result_of, run_sc
 
 from spot_callbacks import CheckpointStore, ConfigError
 from spot_callbacks.hf import SpotCheckpointCallback
-from spot_callbacks.hf_checkpoint import SAVE_PATH_ENV
+from spot_callbacks.hf.checkpoint import SAVE_PATH_ENV
 
 MAX_STEPS = 40  # 32 steps per epoch: a resume at step 13 or 15 is mid-epoch
 TRAINER_FILES = {
@@ -198,9 +198,9 @@ def test_a_later_callback_that_saves_or_evaluates_at_a_staged_step_gets_the_trai
 
 def test_an_unknown_save_path_setting_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(SAVE_PATH_ENV, "fast")
-    trainer = make_trainer(tmp_path / "out", [spot(tmp_path / "store", every_n_steps=4)], max_steps=2)
     with pytest.raises(ConfigError, match=f"{SAVE_PATH_ENV}='fast': expected 'staged' or 'trainer'"):
-        trainer.train()
+        spot(tmp_path / "store", every_n_steps=4)  # refused when the callback is built: nothing trained
+    assert not (tmp_path / "store").exists()
 
 
 @pytest.mark.slow

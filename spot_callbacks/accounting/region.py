@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+import spot_callbacks.settings as settings
 from spot_callbacks.accounting.report import format_seconds
 from spot_callbacks.notices.clouds import CLOUDS, ask_each
 from spot_callbacks.notices.metadata import DETECT_TIMEOUT_S
@@ -225,7 +225,7 @@ class RegionCheck:
 
     @staticmethod
     def enabled() -> bool:
-        return os.environ.get("SPOT_REGION_CHECK", "1").strip().lower() not in ("0", "false", "no", "off")
+        return settings.REGION_CHECK.value()
 
     def start(self) -> None:
         self._thread.start()

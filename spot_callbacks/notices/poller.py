@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
+import spot_callbacks.settings as settings
 from spot_callbacks.notices.metadata import LINK_LOCAL, REQUEST_TIMEOUT_S, MetadataClient
 from spot_callbacks.notices.notice import Notice
 
@@ -42,7 +42,9 @@ class CloudPoller(ABC):
     default_endpoint: ClassVar[str] = f"http://{LINK_LOCAL}"
 
     def __init__(self, endpoint: str | None = None, request_timeout_s: float = REQUEST_TIMEOUT_S) -> None:
-        self.client = MetadataClient(endpoint or os.environ.get(self.env_var) or self.default_endpoint)
+        self.client = MetadataClient(
+            endpoint or settings.environment_variable(self.env_var) or self.default_endpoint
+        )
         self.request_timeout_s = request_timeout_s
 
     @property

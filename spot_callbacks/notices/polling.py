@@ -9,11 +9,11 @@ when none answers. ``$SPOT_METADATA_POLL_S`` sets the poll interval (default 5 s
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 
+import spot_callbacks.settings as settings
 from spot_callbacks.errors import MetadataError
 from spot_callbacks.notices.clouds import ask_each
 from spot_callbacks.notices.metadata import DETECT_TIMEOUT_S
@@ -22,23 +22,12 @@ from spot_callbacks.notices.poller import CloudPoller
 
 log = logging.getLogger("spot_callbacks")
 
-DEFAULT_POLL_INTERVAL_S = 5.0
+DEFAULT_POLL_INTERVAL_S = settings.METADATA_POLL_S.default
 
 
 def default_poll_interval_s() -> float:
     """Seconds between polls: ``$SPOT_METADATA_POLL_S``, else 5."""
-    raw = os.environ.get("SPOT_METADATA_POLL_S")
-    try:
-        value = float(raw) if raw else DEFAULT_POLL_INTERVAL_S
-    except ValueError:
-        value = -1.0
-    if value <= 0:
-        log.warning(
-            "spot_callbacks: SPOT_METADATA_POLL_S=%r is not a positive number; polling every %.0fs",
-            raw, DEFAULT_POLL_INTERVAL_S,
-        )  # fmt: skip
-        return DEFAULT_POLL_INTERVAL_S
-    return value
+    return settings.METADATA_POLL_S.value()
 
 
 class CloudNoticeThread:

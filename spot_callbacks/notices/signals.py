@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import queue
 import signal
 import threading
@@ -26,26 +25,20 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+import spot_callbacks.settings as settings
 from spot_callbacks.notices.notice import Notice
 
 log = logging.getLogger("spot_callbacks")
 
 # Kubernetes' default terminationGracePeriodSeconds; SLURM and clouds give as much or more.
-DEFAULT_SIGNAL_GRACE_S = 30.0
+DEFAULT_SIGNAL_GRACE_S = settings.SIGNAL_GRACE_S.default
 GRACE_SIGNALS = ("SIGTERM", "SIGUSR1")  # SIGKILL follows them after the grace period
 SIGNAL_SOURCES = (*GRACE_SIGNALS, "SIGINT")
 
 
 def signal_grace_s() -> float:
     """Seconds between a termination signal and SIGKILL: ``$SPOT_SIGNAL_GRACE_S``, else 30 (Kubernetes)."""
-    raw = os.environ.get("SPOT_SIGNAL_GRACE_S")
-    try:
-        return float(raw) if raw else DEFAULT_SIGNAL_GRACE_S
-    except ValueError:
-        log.warning(
-            "spot_callbacks: SPOT_SIGNAL_GRACE_S=%r is not a number; using %.0fs", raw, DEFAULT_SIGNAL_GRACE_S
-        )
-        return DEFAULT_SIGNAL_GRACE_S
+    return settings.SIGNAL_GRACE_S.value()
 
 
 class ChainedSignalHandlers:
@@ -59,6 +52,7 @@ class ChainedSignalHandlers:
         on_notice: called (outside the handler) with the notice of each signal received.
 
     Example:
+        >>> import os
         >>> notices, before = [], signal.getsignal(signal.SIGUSR1)
         >>> handlers = ChainedSignalHandlers(notices.append); handlers.install(signal.SIGUSR1)
         >>> os.kill(os.getpid(), signal.SIGUSR1); handlers.deliver()

@@ -10,11 +10,11 @@ SIGUSR1 too inside a SLURM job, and the cloud this machine runs on.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 from typing import Any
 
+import spot_callbacks.settings as settings
 from spot_callbacks.notices.clouds import CLOUD_SOURCES, CLOUDS
 from spot_callbacks.notices.metadata import REQUEST_TIMEOUT_S
 from spot_callbacks.notices.notice import Notice
@@ -38,7 +38,7 @@ def resolve_sources(preemption: str | list[str]) -> list[str]:
     """
     if preemption == "auto":
         # SLURM sends the signal chosen with --signal (SIGUSR1 by convention) before its time limit.
-        signals = ["SIGTERM", "SIGUSR1"] if os.environ.get("SLURM_JOB_ID") else ["SIGTERM"]
+        signals = ["SIGTERM", "SIGUSR1"] if settings.environment_variable("SLURM_JOB_ID") else ["SIGTERM"]
         return [*signals, "SIGINT", *CLOUD_SOURCES]  # Ctrl-C: a graceful stop, the second one at once
     return list(preemption)
 
@@ -59,6 +59,7 @@ class PreemptionWatcher:
         request_timeout_s: timeout of one metadata request.
 
     Example:
+        >>> import os
         >>> watcher = PreemptionWatcher(["SIGUSR1"]); watcher.start()
         >>> os.kill(os.getpid(), signal.SIGUSR1)
         >>> watcher.wait(timeout=5).source

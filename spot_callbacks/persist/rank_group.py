@@ -21,7 +21,6 @@ nothing uncommitted commits any more, the newest committed checkpoint stands.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import threading
 import time
@@ -34,6 +33,7 @@ from typing import Any, Generic, TypeVar
 import torch
 import torch.distributed as dist
 
+import spot_callbacks.settings as settings
 from spot_callbacks.errors import CheckpointError, PersistError
 from spot_callbacks.persist.scratch import discard_folder
 from spot_callbacks.persist.tracking import CheckpointJob, PersistRecord, StepTracker
@@ -44,15 +44,13 @@ from spot_callbacks.trigger.collectives import broadcast_object
 
 log = logging.getLogger("spot_callbacks")
 
-# Collectives of the checkpoint groups wait for the slowest rank's upload, which can take long.
-GROUP_TIMEOUT_S = float(os.environ.get("SPOT_SHARDED_TIMEOUT_S", "7200"))
 
 Report = tuple[str, Any]  # ("ok", {name: FileDigest}) or ("failed", why), from one rank
 
 
 def where_this_rank_runs() -> str:
     """Where this rank runs, for an error: torchrun's node rank and the host name."""
-    node = os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK"))
+    node = settings.environment_variable("GROUP_RANK") or settings.environment_variable("NODE_RANK")
     return f"{f'node {node}, ' if node is not None else ''}host {socket.gethostname()}"
 
 
@@ -71,7 +69,9 @@ class RankGroup:
     """
 
     def __init__(self) -> None:
-        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+        self.group = dist.new_group(
+            backend="gloo", timeout=timedelta(seconds=settings.SHARDED_TIMEOUT_S.value())
+        )
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
 

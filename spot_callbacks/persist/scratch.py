@@ -20,6 +20,7 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
+import spot_callbacks.settings as settings
 from spot_callbacks.errors import ConfigError
 from spot_callbacks.store import MANIFEST_NAME, local_payload_names, parse_step_dirname
 
@@ -46,7 +47,7 @@ def default_scratch_root(store_url: str, scratch_dir: str | None = None) -> Path
     """
     base = (
         scratch_dir
-        or os.environ.get("SPOT_SCRATCH")
+        or settings.SCRATCH.value()
         or os.path.join(tempfile.gettempdir(), f"spot-callbacks-{_user_key()}")
     )
     run_key = hashlib.sha256(store_url.encode()).hexdigest()[:12]
@@ -66,7 +67,7 @@ def private_scratch_root(store_url: str, scratch_dir: str | None = None) -> Path
         '0o700'
     """
     root = default_scratch_root(store_url, scratch_dir)
-    if not (scratch_dir or os.environ.get("SPOT_SCRATCH")):
+    if not (scratch_dir or settings.SCRATCH.value()):
         ensure_private_folder(root.parent)
     ensure_private_folder(root)
     return root

@@ -18,22 +18,22 @@ Fixed: JSON nesting depth 32, a payload name of 1024 characters (the S3 key limi
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass
 from typing import Any
 
+import spot_callbacks.settings as settings
 from spot_callbacks.errors import ManifestError
 
 MAX_DEPTH = 32
 MAX_NAME_CHARS = 1024
 MAX_INT_DIGITS = 20  # 2**64 has 20 digits; a longer integer is no step, size or count
 
-_ENV_DEFAULTS = {
-    "max_manifest_bytes": ("SPOT_MANIFEST_MAX_BYTES", 32 * 1024**2),
-    "max_files": ("SPOT_MANIFEST_MAX_FILES", 200_000),
-    "max_file_bytes": ("SPOT_CHECKPOINT_MAX_FILE_BYTES", 5 * 1024**4),
-    "max_total_bytes": ("SPOT_CHECKPOINT_MAX_BYTES", 100 * 1024**4),
+_KNOBS = {
+    "max_manifest_bytes": settings.MANIFEST_MAX_BYTES,
+    "max_files": settings.MANIFEST_MAX_FILES,
+    "max_file_bytes": settings.CHECKPOINT_MAX_FILE_BYTES,
+    "max_total_bytes": settings.CHECKPOINT_MAX_BYTES,
 }
 
 
@@ -49,24 +49,14 @@ class ManifestLimits:
         spot_callbacks.errors.ManifestError: memory:///run/step-000000001/manifest.json lists 3 files, more than 2 (SPOT_MANIFEST_MAX_FILES)
     """
 
-    max_manifest_bytes: int = _ENV_DEFAULTS["max_manifest_bytes"][1]
-    max_files: int = _ENV_DEFAULTS["max_files"][1]
-    max_file_bytes: int = _ENV_DEFAULTS["max_file_bytes"][1]
-    max_total_bytes: int = _ENV_DEFAULTS["max_total_bytes"][1]
+    max_manifest_bytes: int = _KNOBS["max_manifest_bytes"].default
+    max_files: int = _KNOBS["max_files"].default
+    max_file_bytes: int = _KNOBS["max_file_bytes"].default
+    max_total_bytes: int = _KNOBS["max_total_bytes"].default
 
     @classmethod
     def from_env(cls) -> ManifestLimits:
-        values = {}
-        for field_name, (env, _) in _ENV_DEFAULTS.items():
-            raw = os.environ.get(env)
-            if raw is None:
-                continue
-            try:
-                values[field_name] = int(raw)
-            except ValueError:
-                values[field_name] = 0
-            if values[field_name] <= 0:
-                raise ValueError(f"{env}={raw!r} must be a positive integer")
+        values = {field_name: knob.value() for field_name, knob in _KNOBS.items()}
         return cls(**values)
 
     def check_size(self, raw: bytes, where: str) -> None:

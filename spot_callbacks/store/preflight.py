@@ -13,7 +13,6 @@ The probe, ``<dirpath>/.spot-preflight-<token>``, is the only object it writes, 
 from __future__ import annotations
 
 import logging
-import os
 import posixpath
 import threading
 import time
@@ -21,7 +20,8 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from spot_callbacks.errors import StoreUnavailableError
+import spot_callbacks.settings as settings
+from spot_callbacks.errors import SpotError, StoreUnavailableError
 from spot_callbacks.store.diagnosis import Diagnosis, diagnose
 from spot_callbacks.store.layout import fs_protocols, list_folder, remove_file
 from spot_callbacks.store.retry import call_with_timeout
@@ -32,19 +32,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("spot_callbacks")
 
-PREFLIGHT_ENV = "SPOT_PREFLIGHT"
-PREFLIGHT_TIMEOUT_ENV = "SPOT_PREFLIGHT_TIMEOUT_S"
+PREFLIGHT_ENV = settings.PREFLIGHT.name
+PREFLIGHT_TIMEOUT_ENV = settings.PREFLIGHT_TIMEOUT_S.name
 DEFAULT_BUDGET_S = 60.0
 PROBE_PREFIX = ".spot-preflight-"
 _BACKOFF_S = (0.5, 1.0, 2.0, 4.0)
 _TIMEOUT_FIX = f"raise {PREFLIGHT_TIMEOUT_ENV} for a slow store"
 
 
-class _ProbeMismatch(ValueError):
+class _ProbeMismatch(SpotError, ValueError):
     """The probe read back is not what was written (permanent: a store that changes bytes)."""
 
 
-class _ProbeNotListed(OSError):
+class _ProbeNotListed(SpotError, OSError):
     """The probe is not in the listing yet (transient: an eventually consistent listing)."""
 
 
@@ -87,7 +87,7 @@ def preflight_enabled(enabled: bool | None = None) -> bool:
     """
     if enabled is not None:
         return enabled
-    return os.environ.get(PREFLIGHT_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+    return settings.PREFLIGHT.value()
 
 
 def preflight_budget_s() -> float:
@@ -97,16 +97,7 @@ def preflight_budget_s() -> float:
         >>> preflight_budget_s()
         60.0
     """
-    raw = os.environ.get(PREFLIGHT_TIMEOUT_ENV, "").strip()
-    if not raw:
-        return DEFAULT_BUDGET_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not 0 < value < float("inf"):
-        raise ValueError(f"{PREFLIGHT_TIMEOUT_ENV}={raw!r} is not a positive number of seconds; use e.g. 60")
-    return value
+    return settings.PREFLIGHT_TIMEOUT_S.value()
 
 
 class _Probe:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from typing import Any, TypeVar
 
 import tenacity
 
+import spot_callbacks.settings as settings
 from spot_callbacks.errors import AttemptTimeoutError
 
 log = logging.getLogger("spot_callbacks")
@@ -85,8 +85,8 @@ def is_transient(error: BaseException) -> bool:
     return not (isinstance(error, OSError) and error.errno in _PERMANENT_ERRNOS)
 
 
-STORE_TIMEOUT_ENV = "SPOT_STORE_TIMEOUT_S"
-DEFAULT_STORE_TIMEOUT_S = 60.0
+STORE_TIMEOUT_ENV = settings.STORE_TIMEOUT_S.name
+DEFAULT_STORE_TIMEOUT_S = settings.STORE_TIMEOUT_S.default
 
 
 def store_timeout_from_env(environ: Mapping[str, str] | None = None) -> float | None:
@@ -96,8 +96,7 @@ def store_timeout_from_env(environ: Mapping[str, str] | None = None) -> float | 
         >>> store_timeout_from_env({}), store_timeout_from_env({"SPOT_STORE_TIMEOUT_S": "off"})
         (60.0, None)
     """
-    environ = os.environ if environ is None else environ
-    return _seconds_or_off(STORE_TIMEOUT_ENV, environ.get(STORE_TIMEOUT_ENV, ""), DEFAULT_STORE_TIMEOUT_S)
+    return settings.STORE_TIMEOUT_S.value(environ)
 
 
 @dataclass(frozen=True)
@@ -158,8 +157,8 @@ class RetryPolicy:
         return UploadTimeout(self.attempt_timeout_s, min_mb_per_s).seconds_for(nbytes)
 
 
-UPLOAD_TIMEOUT_ENV = "SPOT_UPLOAD_TIMEOUT_S"
-UPLOAD_MIN_SPEED_ENV = "SPOT_UPLOAD_MIN_MBPS"
+UPLOAD_TIMEOUT_ENV = settings.UPLOAD_TIMEOUT_S.name
+UPLOAD_MIN_SPEED_ENV = settings.UPLOAD_MIN_MBPS.name
 UPLOAD_TIMEOUT_FIX = f"raise {UPLOAD_TIMEOUT_ENV} (seconds) or lower {UPLOAD_MIN_SPEED_ENV}"
 
 
@@ -193,14 +192,7 @@ class UploadTimeout:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> UploadTimeout:
-        environ = os.environ if environ is None else environ
-        default = cls()
-        floor_s = _seconds_or_off(UPLOAD_TIMEOUT_ENV, environ.get(UPLOAD_TIMEOUT_ENV, ""), default.floor_s)
-        speed_text = environ.get(UPLOAD_MIN_SPEED_ENV, "").strip()
-        speed = (
-            _positive_number(UPLOAD_MIN_SPEED_ENV, speed_text, "MB/s") if speed_text else default.min_mb_per_s
-        )
-        return cls(floor_s, speed)
+        return cls(settings.UPLOAD_TIMEOUT_S.value(environ), settings.UPLOAD_MIN_MBPS.value(environ))
 
 
 def _seconds_or_off(name: str, text: str, default: float | None) -> float | None:

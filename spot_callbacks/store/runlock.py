@@ -36,6 +36,7 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
 
+import spot_callbacks.settings as settings
 from spot_callbacks.errors import RunLockedError
 from spot_callbacks.store.checkpoint_store import CheckpointStore
 from spot_callbacks.store.layout import is_local_fs
@@ -44,9 +45,9 @@ from spot_callbacks.store.transfer import put_bytes
 log = logging.getLogger("spot_callbacks")
 
 LOCK_NAME = ".spot-lock.json"
-FORCE_ENV = "SPOT_FORCE_LOCK"
-STALE_ENV = "SPOT_LOCK_STALE_S"
-DEFAULT_STALE_S = 120.0
+FORCE_ENV = settings.FORCE_LOCK.name
+STALE_ENV = settings.LOCK_STALE_S.name
+DEFAULT_STALE_S = settings.LOCK_STALE_S.default
 HEARTBEATS_PER_STALE = 4  # a live owner refreshes several times before its lock could look stale
 # Releasing the lock is the last store call of a run: a store that does not answer must not hold
 # up the exit (SIGKILL may be seconds away); a lock left behind only goes stale.
@@ -55,16 +56,7 @@ CLAIM_ATTEMPTS = 8  # each failed attempt means another run claimed the lock in 
 
 
 def stale_after_s() -> float:
-    raw = os.environ.get(STALE_ENV)
-    if raw is None:
-        return DEFAULT_STALE_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{STALE_ENV}={raw!r} is not a number of seconds; use e.g. 120") from None
-    if not value > 0:
-        raise ValueError(f"{STALE_ENV}={raw!r} must be a positive number of seconds")
-    return value
+    return settings.LOCK_STALE_S.value()
 
 
 def _pid_alive(pid: int) -> bool:
@@ -135,7 +127,7 @@ class RunLock:
         """Why the lock in ``doc`` may be taken over, or None when its owner looks alive."""
         if doc.get("run_id") == self.run_id:
             return "it is ours"
-        if os.environ.get(FORCE_ENV) == "1":
+        if settings.FORCE_LOCK.value():
             return f"{FORCE_ENV}=1"
         same_host = doc.get("host") == self._owner["host"]
         pid = doc.get("pid")

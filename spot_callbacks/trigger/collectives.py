@@ -6,11 +6,12 @@ process path never needs a process group.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+import spot_callbacks.settings as settings
 
 
 def distributed_ready() -> bool:
@@ -101,7 +102,7 @@ def is_writer() -> bool:
 
 
 def local_rank() -> int:
-    return int(os.environ.get("LOCAL_RANK", "0")) if distributed_ready() else 0
+    return int(settings.environment_variable("LOCAL_RANK") or 0) if distributed_ready() else 0
 
 
 def world_size() -> int:

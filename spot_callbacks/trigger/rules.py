@@ -16,15 +16,15 @@ the answer into their framework's terms.
 from __future__ import annotations
 
 import enum
-import os
 from dataclasses import dataclass
 
+import spot_callbacks.settings as settings
 from spot_callbacks.errors import PersistError
 from spot_callbacks.notices import Notice
 
 FAILURE_CONTINUES = "training continues, the last committed checkpoint stands"
 # Set to 1: any checkpoint that could not be persisted fails the run at its end, not only the newest.
-STRICT_ENV = "SPOT_STRICT"
+STRICT_ENV = settings.STRICT.name
 
 
 class Act(enum.Enum):
@@ -237,7 +237,7 @@ def end_verdict(
     if not failures:
         return EndVerdict()
     if strict is None:
-        strict = os.environ.get(STRICT_ENV, "") not in ("", "0")
+        strict = settings.STRICT.value()
     newest_failure = max(failures, key=lambda failure: failure.step)
     if strict or newest_committed_step is None or newest_failure.step >= newest_committed_step:
         return EndVerdict(error=failures[-1])

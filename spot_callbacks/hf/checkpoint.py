@@ -12,7 +12,7 @@ persister's writer thread writes the files ``Trainer._save_checkpoint`` would
 ``scheduler.pt``, ``scaler.pt``, ``rng_state[_{rank}].pth``, ``trainer_state.json``,
 ``training_args.bin``, the processing class) into a hidden folder renamed to ``checkpoint-N`` when
 complete; the existing pipeline uploads and commits it. Where the state cannot be staged faithfully
-(see :func:`~spot_callbacks._compat.transformers.staging_blocker`) the Trainer saves as before.
+(see :func:`~spot_callbacks.hf._compat.staging_blocker`) the Trainer saves as before.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from typing import Any
 import torch
 import transformers
 
-from spot_callbacks._compat import transformers as compat
-from spot_callbacks.errors import ConfigError
+import spot_callbacks.hf._compat as compat
+import spot_callbacks.settings as settings
 from spot_callbacks.saving import CheckpointWriter
 from spot_callbacks.staging import StagedState, StagingArea
 from spot_callbacks.store.checksums import FileDigest
@@ -39,7 +39,7 @@ from spot_callbacks.trigger.collectives import is_writer
 
 log = logging.getLogger("spot_callbacks")
 
-SAVE_PATH_ENV = "SPOT_HF_SAVE"  # "staged" (the default where it applies) or "trainer"
+SAVE_PATH_ENV = settings.HF_SAVE.name  # "staged" (the default where it applies) or "trainer"
 STAGED, TRAINER = "staged", "trainer"  # the manifest's ``extra["hf_save"]``: the path a checkpoint took
 TRAINER_SAVES_AT_A_STAGED_STEP = (
     "a save or evaluation comes at a staged checkpoint's step: the Trainer writes it"
@@ -48,10 +48,7 @@ TRAINER_SAVES_AT_A_STAGED_STEP = (
 
 def save_path_setting() -> str:
     """The path the user asked for in ``SPOT_HF_SAVE`` (default ``staged``)."""
-    setting = os.environ.get(SAVE_PATH_ENV, STAGED).strip().lower() or STAGED
-    if setting not in (STAGED, TRAINER):
-        raise ConfigError(f"{SAVE_PATH_ENV}={setting!r}: expected {STAGED!r} or {TRAINER!r}")
-    return setting
+    return settings.HF_SAVE.value()
 
 
 @dataclass
@@ -59,7 +56,7 @@ class StagedCheckpoint:
     """One checkpoint between its snapshot and its submission.
 
     Example:
-        >>> from spot_callbacks.hf_saves import SaveRequest
+        >>> from spot_callbacks.hf.saves import SaveRequest
         >>> StagedCheckpoint(SaveRequest(5, "interval"), epoch=0, staged=None, blocked_s=0.01).request.step
         5
     """

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from spot_callbacks._compat import transformers as compat
+import spot_callbacks.hf._compat as compat
 from spot_callbacks.data_position import DataPosition, warn_if_changed
 from spot_callbacks.notices import PREEMPTED_EXIT_CODE, Notice
 from spot_callbacks.trigger.collectives import gather_from_ranks, is_writer

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any, TextIO
 
-from spot_callbacks.cli_progress import is_terminal
+from spot_callbacks.progress import is_terminal
 
 
 def rich_console(stream: TextIO, *, stderr: bool = False) -> Any:

@@ -11,7 +11,7 @@ import os
 import types
 from typing import Any, Literal, Union
 
-from spot_callbacks._compat import lightning as compat
+import spot_callbacks.lightning._compat as compat
 from spot_callbacks.config import SpotConfig, checked_arguments
 from spot_callbacks.engine import STATE_FILE, SpotEngine
 from spot_callbacks.notices import PREEMPTED_EXIT_CODE
@@ -81,7 +81,7 @@ class _SpotCheckpointHooks:
         self._saving = False
 
     @classmethod
-    def from_yaml(cls, path: str | os.PathLike[str]) -> SpotCheckpoint:
+    def from_yaml(cls, path: str | os.PathLike[str]) -> _SpotCheckpointHooks:
         """Build from a YAML file whose keys are the SpotConfig fields."""
         return cls(**SpotConfig.from_yaml(path).to_dict())
 
@@ -241,10 +241,3 @@ def spot_checkpoint_class(pl: types.ModuleType, module: str = __name__) -> type:
         internals.fitting,
     )
     return spot_checkpoint
-
-
-import lightning.pytorch as _pl  # noqa: E402
-
-SpotCheckpoint = spot_checkpoint_class(_pl)
-
-__all__ = ["SpotCheckpoint"]

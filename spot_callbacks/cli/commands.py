@@ -42,16 +42,17 @@ from spot_callbacks.accounting.report import (
     resume_rows,
     write_plan_plot,
 )
-from spot_callbacks.cli_progress import is_terminal, reporting_on_a_terminal, reporting_pull
-from spot_callbacks.cli_redaction import Redactor, install_log_handler
-from spot_callbacks.cli_tables import busy, plain_table, print_rich_table, rich_console
+from spot_callbacks.cli.redaction import Redactor, install_log_handler
+from spot_callbacks.cli.tables import busy, plain_table, print_rich_table, rich_console
 from spot_callbacks.config import load_storage_options, parse_duration
 from spot_callbacks.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     ConfigError,
     ManifestError,
+    SpotError,
 )
+from spot_callbacks.progress import is_terminal, reporting_on_a_terminal, reporting_pull
 from spot_callbacks.store import CheckpointInfo, CheckpointStore
 from spot_callbacks.store.commit import Verdict
 from spot_callbacks.store.pull_dest import check_pull_dest
@@ -63,7 +64,7 @@ EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 _SIZE_CHECK_THREADS = 8
 
 
-class CliError(Exception):
+class CliError(SpotError):
     """A problem to report as one line and exit status 1 (the message says what to do)."""
 
 
@@ -532,7 +533,7 @@ def parse_storage_options(text: str | None) -> dict[str, Any]:
         >>> parse_storage_options("{endpoint_url: x}")
         Traceback (most recent call last):
         ...
-        spot_callbacks.cli.CliError: --storage-options is not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2); pass a JSON object such as '{"endpoint_url": "http://localhost:9000"}'
+        spot_callbacks.cli.commands.CliError: --storage-options is not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2); pass a JSON object such as '{"endpoint_url": "http://localhost:9000"}'
     """
     if text is None:
         return {}
@@ -597,7 +598,3 @@ def _confirm(question: str) -> bool:
 
 def _print_error(message: str, redact: Redactor) -> None:
     print(f"{PROG}: error: {redact(message)}", file=sys.stderr)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+import spot_callbacks.settings as settings
 from spot_callbacks.data_position import DataPosition, warn_if_changed
 from spot_callbacks.errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
 from spot_callbacks.notices import Notice, signal_grace_s
@@ -296,7 +297,8 @@ SEED_ENV_VARS = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")
 
 
 def seed_environment() -> dict[str, str]:
-    return {name: os.environ[name] for name in SEED_ENV_VARS if name in os.environ}
+    values = {name: settings.environment_variable(name) for name in SEED_ENV_VARS}
+    return {name: value for name, value in values.items() if value is not None}
 
 
 _SEED_ENV_PATTERNS = {
@@ -338,12 +340,12 @@ def restore_seed_environment(saved: Any) -> None:
                 repr(value)[:80],
             )
             continue
-        if os.environ.get(name) != value:
+        if settings.environment_variable(name) != value:
             log.info(
                 "spot_callbacks: %s=%s restored from the checkpoint (was %s)",
                 name,
                 value,
-                os.environ.get(name),
+                settings.environment_variable(name),
             )
             os.environ[name] = value
 

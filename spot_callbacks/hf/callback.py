@@ -11,14 +11,14 @@ from typing import Any, Literal, Union
 
 import transformers
 
-from spot_callbacks import hf_saves
-from spot_callbacks._compat import transformers as compat
+import spot_callbacks.hf._compat as compat
+import spot_callbacks.hf.saves as hf_saves
 from spot_callbacks.config import SpotConfig, checked_arguments
 from spot_callbacks.engine import SpotEngine
-from spot_callbacks.hf_checkpoint import STAGED, TRAINER, StagedSaves
-from spot_callbacks.hf_metrics import SpotMetrics
-from spot_callbacks.hf_saves import SaveRequest
-from spot_callbacks.notices import PREEMPTED_EXIT_CODE, Notice
+from spot_callbacks.hf.checkpoint import STAGED, TRAINER, StagedSaves
+from spot_callbacks.hf.metrics import SpotMetrics
+from spot_callbacks.hf.saves import SaveRequest
+from spot_callbacks.notices import Notice
 from spot_callbacks.store import CheckpointStore
 from spot_callbacks.trigger.rules import AfterEmergency, after_emergency
 
@@ -250,4 +250,4 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
         self.engine.log_cost_summary()
 
 
-__all__ = ["PREEMPTED_EXIT_CODE", "SpotCheckpointCallback"]
+__all__ = ["SpotCheckpointCallback"]

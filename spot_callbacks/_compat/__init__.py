@@ -1,1 +1,0 @@
-"""Every private Lightning and Transformers API spot_callbacks touches."""

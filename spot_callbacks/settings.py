@@ -1,0 +1,256 @@
+"""Every ``SPOT_*`` environment knob, in one table: name, default, parser, one line of what it does.
+
+The arguments of the callbacks (:class:`~spot_callbacks.config.SpotConfig`) are the configuration;
+these knobs are for what a deployment sets once for all its runs (timeouts, limits, switches).
+Precedence is stated once: an explicit argument where one exists, else the variable, else the
+default. A knob is read where it is used (so a test or launcher may set it before the run
+starts), and :func:`check_all` parses every one when an engine is built: a bad value is a
+:class:`~spot_callbacks.errors.ConfigError` naming the variable and the accepted values, before
+the first training step, never a silent default.
+
+This is also the one module that reads the process environment: the variables other programs
+set (launchers' ranks, SLURM, the clouds' metadata endpoints, Lightning's seed) and the user's
+``${NAME}`` references in ``storage_options`` are read through :func:`environment_variable`.
+
+Example:
+    >>> LOCK_STALE_S.value({"SPOT_LOCK_STALE_S": "2min"})
+    120.0
+    >>> STORE_TIMEOUT_S.value({"SPOT_STORE_TIMEOUT_S": "off"}) is None
+    True
+    >>> PREFLIGHT.value({"SPOT_PREFLIGHT": "maybe"})
+    Traceback (most recent call last):
+    ...
+    spot_callbacks.errors.ConfigError: SPOT_PREFLIGHT='maybe' is not a switch; use 1/true/yes/on or 0/false/no/off
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from spot_callbacks._format import parse_duration
+from spot_callbacks.errors import ConfigError
+
+T = TypeVar("T")
+_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class Knob(Generic[T]):
+    """One ``SPOT_*`` variable: its name, default, parser and one line of documentation.
+
+    Example:
+        >>> Knob("SPOT_EXAMPLE_S", 5.0, seconds, "an example").value({"SPOT_EXAMPLE_S": "90s"})
+        90.0
+    """
+
+    name: str
+    default: T
+    parse: Callable[[str, str], T]
+    doc: str
+    accepts: str = ""  # the README's "accepts" column; from the parser when empty
+
+    def value(self, environ: Mapping[str, str] | None = None) -> T:
+        """The parsed value from ``environ`` (default: the process environment), else the default."""
+        raw = (os.environ if environ is None else environ).get(self.name, "").strip()
+        return self.parse(self.name, raw) if raw else self.default
+
+    @property
+    def readme_row(self) -> str:
+        """This knob as a row of README's table of knobs."""
+        default = "unset" if self.default is None else _shown(self.default)
+        return f"| `{self.name}` | {self.accepts or _ACCEPTS[self.parse]} | {default} | {self.doc} |"
+
+
+# ------------------------------------------------------------------ parsers: (name, text) -> value
+def seconds(name: str, text: str) -> float:
+    """A positive duration: ``"90"``, ``"90s"``, ``"2min"``, ``"1h"`` (:func:`parse_duration`)."""
+    value = parse_duration(text, key=name)
+    assert value is not None
+    return value
+
+
+def seconds_or_off(name: str, text: str) -> float | None:
+    """A duration, or ``0``/``off``/``none`` for no limit (``None``)."""
+    return None if text.lower() in ("0", "off", "none") else seconds(name, text)
+
+
+def switch(name: str, text: str) -> bool:
+    """On (``1``, ``true``, ``yes``, ``on``) or off (``0``, ``false``, ``no``, ``off``)."""
+    if text.lower() in _ON:
+        return True
+    if text.lower() in _OFF:
+        return False
+    raise ConfigError(f"{name}={text!r} is not a switch; use 1/true/yes/on or 0/false/no/off")
+
+
+def positive_int(name: str, text: str) -> int:
+    """A whole number above 0 (``_`` separators allowed: ``200_000``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ConfigError(f"{name}={text!r} is not a positive whole number; use e.g. 1000")
+    return value
+
+
+def positive_number(name: str, text: str) -> float:
+    """A finite number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise ConfigError(f"{name}={text!r} is not a positive number; use e.g. 4 or 2.5")
+    return value
+
+
+def text(name: str, value: str) -> str:
+    """Any text (a path, a URL)."""
+    return value
+
+
+def choice(*options: str) -> Callable[[str, str], str]:
+    """One of ``options`` (case-insensitive)."""
+
+    def parse(name: str, text: str) -> str:
+        if text.lower() not in options:
+            accepted = " or ".join(repr(option) for option in options)
+            raise ConfigError(f"{name}={text!r}: expected {accepted}")
+        return text.lower()
+
+    parse.__doc__ = " or ".join(f"`{option}`" for option in options)
+    return parse
+
+
+_ACCEPTS: dict[Callable[..., Any], str] = {
+    seconds: "duration (`90`, `90s`, `2min`, `1h`)",
+    seconds_or_off: "duration, or `0`/`off` (no limit)",
+    switch: "`1`/`0` (also true/false, yes/no, on/off)",
+    positive_int: "whole number > 0",
+    positive_number: "number > 0",
+    text: "text",
+}
+
+
+def _shown(value: object) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, float) and value.is_integer():
+        return f"{value:.0f}"
+    if isinstance(value, int) and value >= 1024**2 and value % 1024**2 == 0:
+        for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2)):
+            if value % size == 0:
+                return f"{value // size} {unit} ({value})"
+    return f"`{value}`" if isinstance(value, str) else f"{value:_}" if isinstance(value, int) else str(value)
+
+
+# ------------------------------------------------------------------------------------ the table
+SCRATCH = Knob(
+    "SPOT_SCRATCH", None, text,
+    "fast local disk for staging when `scratch_dir` is not given (default: a per-user folder in the temp dir)",
+    "folder",
+)  # fmt: skip
+STORE_TIMEOUT_S = Knob(
+    "SPOT_STORE_TIMEOUT_S", 60.0, seconds_or_off,
+    "how long one attempt of a storage call (list, read, manifest) may take before it is retried",
+)  # fmt: skip
+UPLOAD_TIMEOUT_S = Knob(
+    "SPOT_UPLOAD_TIMEOUT_S", 120.0, seconds_or_off,
+    "the floor of one upload attempt's timeout; its size at `SPOT_UPLOAD_MIN_MBPS` is added",
+)  # fmt: skip
+UPLOAD_MIN_MBPS = Knob(
+    "SPOT_UPLOAD_MIN_MBPS", 4.0, positive_number,
+    "the slowest upload (MB/s) that still counts as progress, for the upload timeout",
+)  # fmt: skip
+PREFLIGHT = Knob(
+    "SPOT_PREFLIGHT", True, switch,
+    "prove the store usable (write, read, list, delete a probe) before the first step",
+)  # fmt: skip
+PREFLIGHT_TIMEOUT_S = Knob(
+    "SPOT_PREFLIGHT_TIMEOUT_S", 60.0, seconds, "how long the preflight may retry a transient failure"
+)
+LOCK_STALE_S = Knob(
+    "SPOT_LOCK_STALE_S", 120.0, seconds,
+    "a run lock whose heartbeat is older than this belongs to a dead run and may be taken over",
+)  # fmt: skip
+FORCE_LOCK = Knob(
+    "SPOT_FORCE_LOCK", False, switch,
+    "take the run lock of `dirpath` even from a live owner (you know the other run is gone)",
+)  # fmt: skip
+STRICT = Knob(
+    "SPOT_STRICT", False, switch,
+    "fail the run at its end when any checkpoint could not be persisted, not only the newest",
+)  # fmt: skip
+REGION_CHECK = Knob(
+    "SPOT_REGION_CHECK", True, switch,
+    "warn once when the bucket is in another region than the instance (cross-region traffic costs)",
+)  # fmt: skip
+HF_SAVE = Knob(
+    "SPOT_HF_SAVE", "staged", choice("staged", "trainer"),
+    "Hugging Face: `staged` (a RAM snapshot, written in the background) where it applies, "
+    "or `trainer` (always the Trainer's own save)",
+    "`staged` or `trainer`",
+)  # fmt: skip
+SHARDED_TIMEOUT_S = Knob(
+    "SPOT_SHARDED_TIMEOUT_S", 7200.0, seconds,
+    "how long the checkpoint's own process groups wait for the slowest rank's upload",
+)  # fmt: skip
+SIGNAL_GRACE_S = Knob(
+    "SPOT_SIGNAL_GRACE_S", 30.0, seconds,
+    "seconds between SIGTERM/SIGUSR1 and SIGKILL (Kubernetes' default), the emergency checkpoint's deadline",
+)  # fmt: skip
+METADATA_POLL_S = Knob(
+    "SPOT_METADATA_POLL_S", 5.0, seconds, "seconds between two polls of the cloud's preemption notice"
+)
+AZURE_METADATA_ENDPOINT = Knob(
+    "SPOT_AZURE_METADATA_ENDPOINT", None, text,
+    "Azure's metadata service for Scheduled Events (default `http://169.254.169.254`)", "URL",
+)  # fmt: skip
+MANIFEST_MAX_BYTES = Knob(
+    "SPOT_MANIFEST_MAX_BYTES", 32 * 1024**2, positive_int, "the largest manifest.json read from a store"
+)
+MANIFEST_MAX_FILES = Knob(
+    "SPOT_MANIFEST_MAX_FILES", 200_000, positive_int, "the most payload files one manifest may list"
+)
+CHECKPOINT_MAX_FILE_BYTES = Knob(
+    "SPOT_CHECKPOINT_MAX_FILE_BYTES", 5 * 1024**4, positive_int,
+    "the largest payload file a manifest may announce (bytes)",
+)  # fmt: skip
+CHECKPOINT_MAX_BYTES = Knob(
+    "SPOT_CHECKPOINT_MAX_BYTES", 100 * 1024**4, positive_int,
+    "the largest checkpoint (all its files, bytes) a manifest may announce",
+)  # fmt: skip
+
+KNOBS: dict[str, Knob[Any]] = {knob.name: knob for knob in list(globals().values()) if isinstance(knob, Knob)}
+
+
+def check_all(environ: Mapping[str, str] | None = None) -> None:
+    """Parse every knob set in ``environ``; the first bad value raises its :class:`ConfigError`.
+
+    Example:
+        >>> check_all({"SPOT_SIGNAL_GRACE_S": "30 fortnights"})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        spot_callbacks.errors.ConfigError: SPOT_SIGNAL_GRACE_S='30 fortnights' is not a duration; ...
+    """
+    for knob in KNOBS.values():
+        knob.value(environ)
+
+
+def environment_variable(name: str) -> str | None:
+    """A variable another program set (a launcher's rank, SLURM, a cloud endpoint, Lightning's
+    seed) or a ``${NAME}`` reference of the user's; ``None`` when unset."""
+    return os.environ.get(name)
+
+
+def readme_table() -> str:
+    """README's table of knobs (tests/test_settings.py keeps README in step with it)."""
+    head = "| variable | accepts | default | what it does |\n|---|---|---|---|"
+    return "\n".join([head, *(knob.readme_row for knob in KNOBS.values())])
+
+
+__all__ = ["KNOBS", "Knob", "check_all", "environment_variable", "readme_table"]
