@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spot_callbacks.accounting.throughput import log_slow_pull
-from spot_callbacks.progress import reporting_on_a_terminal
+from spot_callbacks.cli_progress import reporting_on_a_terminal
+from spot_callbacks.persist.dcp_safety import check_sharded_folder
 from spot_callbacks.store import CheckpointInfo, CheckpointStore
 from spot_callbacks.store.commit import DAMAGE_ERRORS, damaged_message
 from spot_callbacks.trigger.collectives import barrier, broadcast_object
@@ -43,7 +44,9 @@ def pull_newest_valid(
 
     ``check(folder, info)``, the framework's, raises :class:`~spot_callbacks.errors.CorruptCheckpointError`
     for a payload it cannot load (a truncated file behind a matching manifest, another kind of
-    file): that is damage too.
+    file): that is damage too. So is a sharded (DCP) folder whose pickles would construct anything
+    DCP does not write (:func:`~spot_callbacks.persist.dcp_safety.check_sharded_folder`), checked
+    before any framework loads it.
 
     Example:
         >>> import tempfile
@@ -54,6 +57,7 @@ def pull_newest_valid(
     while candidate is not None:
         try:
             pull_showing_progress(store, candidate, folder_for(candidate.step))
+            check_sharded_folder(folder_for(candidate.step))
             if check is not None:
                 check(folder_for(candidate.step), candidate)
             return candidate
@@ -87,6 +91,7 @@ def pull_latest(
     local_dir = folder_for(info.step)
     if local_rank == 0 and rank != 0:  # the other nodes pull what rank 0 chose
         pull_showing_progress(store, info, local_dir)
+        check_sharded_folder(local_dir)  # the same bytes rank 0 checked, unless the store changed since
     barrier()
     resumed = ResumeInfo(info, local_dir, time.perf_counter() - started, pulled_at=time.perf_counter())
     if rank == 0:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from spot_callbacks.persist.dcp_safety import SafeFileSystemReader, SafeLoadPlanner, check_dcp_folder
 from spot_callbacks.persist.rank_group import RankGroup, RankGroupPersister
 from spot_callbacks.persist.scratch import discard_folder, discard_leftover_step_folders
 from spot_callbacks.persist.tracking import CheckpointJob
@@ -63,7 +64,9 @@ def load_sharded_state(folder: str | os.PathLike[str], state: dict[str, Any]) ->
 
     ``state`` holds the current (sharded) state dicts under the keys they were saved with, e.g.
     ``{"model": get_model_state_dict(model)}``; apply them afterwards (``set_state_dict``).
-    ``meta.pt`` is read with ``weights_only=True``: it never runs code.
+    Nothing in the folder runs code: it must first pass :func:`~spot_callbacks.persist.dcp_safety.check_dcp_folder`
+    (else :class:`~spot_callbacks.errors.CorruptCheckpointError`), DCP's ``.metadata`` is then read with
+    an allowlist of DCP's classes, byte items and ``meta.pt`` with ``weights_only=True``.
 
     Example:
         >>> import tempfile, torch.distributed.checkpoint as dcp
@@ -78,7 +81,13 @@ def load_sharded_state(folder: str | os.PathLike[str], state: dict[str, Any]) ->
     import torch.distributed.checkpoint as dcp
 
     folder = Path(folder)
-    dcp.load(state, checkpoint_id=folder, no_dist=not dist.is_initialized())
+    check_dcp_folder(folder)  # the clear error; the reader and planner below refuse the same on their own
+    dcp.load(
+        state,
+        storage_reader=SafeFileSystemReader(folder),
+        planner=SafeLoadPlanner(),
+        no_dist=not dist.is_initialized(),
+    )
     meta_path = folder / META_FILE
     return torch.load(meta_path, weights_only=True) if meta_path.is_file() else {}
 

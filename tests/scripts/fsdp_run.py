@@ -30,6 +30,7 @@ parser.add_argument("--sigterm-at-step", type=int, default=-1)
 parser.add_argument("--storage-options", default="{}")
 parser.add_argument("--hidden", type=int, default=64)
 parser.add_argument("--gathered", action="store_true", help="save_distributed_checkpoint=False")
+parser.add_argument("--keep-last", type=int, default=2)
 args = parser.parse_args()
 
 
@@ -120,7 +121,7 @@ def main() -> int:
         from spot_callbacks.lightning import SpotCheckpoint
 
         spot = SpotCheckpoint(
-            dirpath=args.dirpath, interval=None, every_n_steps=args.every_n_steps, keep_last=2,
+            dirpath=args.dirpath, interval=None, every_n_steps=args.every_n_steps, keep_last=args.keep_last,
             storage_options=json.loads(args.storage_options), preemption=["SIGTERM"],
         )  # fmt: skip
         callbacks.append(spot)
