@@ -8,7 +8,7 @@ An adapter translates framework hooks into these calls:
 - :meth:`SpotEngine.save_state` (a state to snapshot), :meth:`SpotEngine.save_sharded_state`
   (every rank's shards, FSDP) or :meth:`SpotEngine.save_folder` (a folder the framework wrote)
   when a checkpoint is due;
-- :meth:`SpotEngine.finish_emergency` after an emergency checkpoint (``trigger/emergency.py``),
+- :meth:`SpotEngine.finish_emergency` after an emergency checkpoint (``preemption/emergency.py``),
   :meth:`SpotEngine.finish` at the end;
 - :meth:`SpotEngine.pull_latest` before resuming (``resume.py``).
 
@@ -24,14 +24,22 @@ from pathlib import Path
 from typing import Any
 
 import spot_callbacks.settings as settings
+from spot_callbacks._dist import (
+    agree_at_step,
+    barrier,
+    is_writer,
+    local_rank,
+    rank,
+)
 from spot_callbacks.accounting.clock import RunAccounts
 from spot_callbacks.accounting.region import RegionCheck
 from spot_callbacks.accounting.watch import PersistWatch
 from spot_callbacks.config import SpotConfig
 from spot_callbacks.errors import PersistError
 from spot_callbacks.log import show_info_lines
-from spot_callbacks.notices import Notice, PreemptionWatcher
-from spot_callbacks.persist import PersistRecord, exit_guard, private_scratch_root
+from spot_callbacks.persist import PersistRecord, private_scratch_root
+from spot_callbacks.preemption import Notice, PreemptionWatcher, exit_guard
+from spot_callbacks.preemption.emergency import EXIT_MARGIN_S, Emergency, time_left_s, warn_if_grace_too_short
 from spot_callbacks.resume import ResumeInfo, move_aside_uncommitted, pull_latest
 from spot_callbacks.run_lease import RunLease
 from spot_callbacks.saving import CheckpointWriter
@@ -39,14 +47,6 @@ from spot_callbacks.staging import STATE_FILE, StagingArea
 from spot_callbacks.store import CheckpointStore, step_dirname
 from spot_callbacks.store.runlock import RELEASE_TIMEOUT_S
 from spot_callbacks.trigger import CheckpointTrigger, rules
-from spot_callbacks.trigger.collectives import (
-    agree_at_step,
-    barrier,
-    is_writer,
-    local_rank,
-    rank,
-)
-from spot_callbacks.trigger.emergency import EXIT_MARGIN_S, Emergency, time_left_s, warn_if_grace_too_short
 
 log = logging.getLogger("spot_callbacks")
 
@@ -142,7 +142,7 @@ class SpotEngine:
 
     def _release(self, notice: Notice | None) -> None:
         """Release the run lock within what is left before the deadline; a preempted exit is armed to end
-        with 143 by then, whatever a worker is still doing (``persist/exit_guard.py``)."""
+        with 143 by then, whatever a worker is still doing (``preemption/exit_guard.py``)."""
         left = max(time_left_s(notice, RELEASE_TIMEOUT_S) or 0.0, RELEASE_FLOOR_S)
         exit_guard.arm_for(notice, self.config.on_preemption == "stop", self.watcher.interrupted_twice)
         self.lease.release(left)
@@ -257,7 +257,7 @@ class SpotEngine:
 
         In an emergency (``notice``, or the one agreed at the last :meth:`decide`) only the newest
         checkpoint is waited for, ahead of older uploads, until the deadline less a margin to exit
-        (``trigger/emergency.py``); once it committed and training is to stop, the cloud is told (Azure).
+        (``preemption/emergency.py``); once it committed and training is to stop, the cloud is told (Azure).
         """
         notice = notice or self.emergency.active_notice()
         committed = self.writer.wait_for_commit(notice, self.emergency.wait_limit(notice, timeout))

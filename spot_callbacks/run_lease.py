@@ -16,7 +16,7 @@ from spot_callbacks.errors import CheckpointError, RunLockedError, StoreUnavaila
 from spot_callbacks.store import CheckpointStore
 from spot_callbacks.store.preflight import preflight
 from spot_callbacks.store.runlock import RELEASE_TIMEOUT_S, RunLock
-from spot_callbacks.trigger.collectives import broadcast_object, is_writer
+from spot_callbacks._dist import broadcast_object, is_writer
 
 log = logging.getLogger("spot_callbacks")
 

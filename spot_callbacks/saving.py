@@ -23,20 +23,20 @@ from spot_callbacks.jobs import (
     folder_job,
     state_file_job,
 )
-from spot_callbacks.notices import Notice
+from spot_callbacks.preemption import Notice
 from spot_callbacks.persist import PersistRecord
 from spot_callbacks.staging import StagingArea
 from spot_callbacks.store import CheckpointStore
 from spot_callbacks.store.checksums import FileDigest
 from spot_callbacks.trigger import CheckpointTrigger, rules
-from spot_callbacks.trigger.collectives import (
+from spot_callbacks._dist import (
     barrier,
     broadcast_object,
     gather_from_ranks,
     is_writer,
     local_rank,
 )
-from spot_callbacks.trigger.emergency import Emergency
+from spot_callbacks.preemption.emergency import Emergency
 
 log = logging.getLogger("spot_callbacks")
 
@@ -46,7 +46,7 @@ class CheckpointWriter:
 
     Example:
         >>> import tempfile, torch
-        >>> from spot_callbacks.notices import PreemptionWatcher
+        >>> from spot_callbacks.preemption import PreemptionWatcher
         >>> store = CheckpointStore(tempfile.mkdtemp())
         >>> writer = CheckpointWriter(store, Path(tempfile.mkdtemp()), 3, "demo", RunAccounts(),
         ...                           Emergency(PreemptionWatcher([])), CheckpointTrigger(None, None))

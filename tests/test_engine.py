@@ -13,7 +13,7 @@ from helpers.reliability_counts import DAMAGED, record
 
 from spot_callbacks import SpotConfig
 from spot_callbacks.engine import STATE_FILE, SpotEngine
-from spot_callbacks.notices import Notice
+from spot_callbacks.preemption import Notice
 from spot_callbacks.trigger import CheckpointTrigger
 
 

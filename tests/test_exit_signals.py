@@ -13,7 +13,7 @@ import weakref
 from pathlib import Path
 
 from spot_callbacks import CheckpointStore
-from spot_callbacks.persist import exit_guard
+from spot_callbacks.preemption import exit_guard
 from spot_callbacks.store.runlock import LOCK_NAME
 
 SCRIPT = Path(__file__).parent / "scripts" / "exit_signals_run.py"

@@ -32,7 +32,7 @@ from spot_callbacks import CheckpointStore, SpotConfig
 from spot_callbacks.engine import SpotEngine
 from spot_callbacks.hf import SpotCheckpointCallback
 from spot_callbacks.lightning import SpotCheckpoint
-from spot_callbacks.notices import PreemptionWatcher
+from spot_callbacks.preemption import PreemptionWatcher
 from spot_callbacks.persist import Persister, PersistJob, plan_emergency
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -1,4 +1,4 @@
-"""trigger/rules.py, trigger/emergency.py and resume.py's move-aside: the rules, without a trainer."""
+"""trigger/rules.py, preemption/emergency.py and resume.py's move-aside: the rules, without a trainer."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from spot_callbacks.notices import Notice, PreemptionWatcher
+from spot_callbacks.preemption import Notice, PreemptionWatcher
 from spot_callbacks.resume import move_aside_uncommitted
 from spot_callbacks.trigger import rules
-from spot_callbacks.trigger.emergency import EXIT_MARGIN_S, Emergency, time_left_s
+from spot_callbacks.preemption.emergency import EXIT_MARGIN_S, Emergency, time_left_s
 
 QUIET = {"notice": None, "hint": None, "interval_due": False, "steps_due": False}
 

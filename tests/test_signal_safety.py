@@ -32,7 +32,7 @@ def test_a_signal_while_the_main_thread_holds_the_watchers_lock_does_not_hang():
     # take_hint/clear at a step boundary) when the signal's handler runs.
     done = run_child(
         """
-        from spot_callbacks.notices import PreemptionWatcher
+        from spot_callbacks.preemption import PreemptionWatcher
         watcher = PreemptionWatcher(["SIGUSR1"]); watcher.start()
         with watcher._lock:
             os.kill(os.getpid(), signal.SIGUSR1)
@@ -54,7 +54,7 @@ def test_signals_every_2ms_at_step_boundaries_and_inside_a_handler_never_hang():
         """
         import logging, sys
         logging.basicConfig(stream=sys.stderr, level=logging.INFO)
-        from spot_callbacks.notices import PreemptionWatcher
+        from spot_callbacks.preemption import PreemptionWatcher
 
         nested = []
         def earlier_handler(signum, frame):  # a framework's own handler, chained after ours
@@ -95,7 +95,7 @@ def test_the_handler_itself_writes_nothing_and_takes_no_lock():
     done = run_child(
         """
         import sys
-        from spot_callbacks.notices import PreemptionWatcher
+        from spot_callbacks.preemption import PreemptionWatcher
         watcher = PreemptionWatcher(["SIGUSR1", "SIGINT"]); watcher.start()
         handlers = [signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGINT)]
         called = []

@@ -4,7 +4,7 @@ A resume pulls the whole checkpoint; across regions that is slower (and billed a
 98 GB checkpoint can add minutes to every resume. At start the writer asks, off the training thread:
 
 - the **instance's region**, from the cloud's metadata service, through the lookup each cloud's
-  module of :mod:`spot_callbacks.notices` has (same endpoints and variables as its notices,
+  module of :mod:`spot_callbacks.preemption` has (same endpoints and variables as its notices,
   ``$AWS_EC2_METADATA_SERVICE_ENDPOINT``, ``$GCE_METADATA_HOST``, ``$SPOT_AZURE_METADATA_ENDPOINT``)
   and the short detection timeout: AWS IMDSv2 ``placement/region``, GCP ``instance/zone``
   (``us-central1-a`` -> ``us-central1``), Azure IMDS ``compute/location``;
@@ -27,8 +27,8 @@ from urllib.parse import urlsplit
 
 import spot_callbacks.settings as settings
 from spot_callbacks.accounting.report import format_seconds
-from spot_callbacks.notices.clouds import CLOUDS, ask_each
-from spot_callbacks.notices.metadata import DETECT_TIMEOUT_S
+from spot_callbacks.preemption.clouds import CLOUDS, ask_each
+from spot_callbacks.preemption.metadata import DETECT_TIMEOUT_S
 from spot_callbacks.store.layout import fs_protocols
 
 log = logging.getLogger("spot_callbacks")

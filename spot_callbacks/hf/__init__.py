@@ -8,7 +8,7 @@
 """
 
 from spot_callbacks.hf.callback import SpotCheckpointCallback
-from spot_callbacks.notices import PREEMPTED_EXIT_CODE
+from spot_callbacks.preemption import PREEMPTED_EXIT_CODE
 
 SpotCheckpointCallback.__module__ = __name__  # the public import path, as HfArgumentParser/YAML name it
 

@@ -18,7 +18,7 @@ from spot_callbacks.engine import SpotEngine
 from spot_callbacks.hf.checkpoint import STAGED, TRAINER, StagedSaves
 from spot_callbacks.hf.metrics import SpotMetrics
 from spot_callbacks.hf.saves import SaveRequest
-from spot_callbacks.notices import Notice
+from spot_callbacks.preemption import Notice
 from spot_callbacks.store import CheckpointStore
 from spot_callbacks.trigger.rules import AfterEmergency, after_emergency
 

@@ -35,7 +35,7 @@ import spot_callbacks.settings as settings
 from spot_callbacks.saving import CheckpointWriter
 from spot_callbacks.staging import StagedState, StagingArea
 from spot_callbacks.store.checksums import FileDigest
-from spot_callbacks.trigger.collectives import is_writer
+from spot_callbacks._dist import is_writer
 
 log = logging.getLogger("spot_callbacks")
 

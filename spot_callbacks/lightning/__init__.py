@@ -9,7 +9,7 @@
 import lightning.pytorch as _pl
 
 from spot_callbacks.lightning.callback import spot_checkpoint_class
-from spot_callbacks.notices import PREEMPTED_EXIT_CODE
+from spot_callbacks.preemption import PREEMPTED_EXIT_CODE
 
 # __module__ is the public path: LightningCLI writes class_path: spot_callbacks.lightning.SpotCheckpoint
 SpotCheckpoint = spot_checkpoint_class(_pl, __name__)

@@ -38,7 +38,7 @@ import torch
 import spot_callbacks.settings as settings
 from spot_callbacks.data_position import DataPosition, warn_if_changed
 from spot_callbacks.errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
-from spot_callbacks.notices import Notice, signal_grace_s
+from spot_callbacks.preemption import Notice, signal_grace_s
 from spot_callbacks.persist.tracking import PersistRecord
 from spot_callbacks.resume import ResumeInfo
 from spot_callbacks.staging import (
@@ -50,7 +50,7 @@ from spot_callbacks.staging import (
 )
 from spot_callbacks.store import CheckpointInfo
 from spot_callbacks.store.layout import DCP_METADATA_FILE
-from spot_callbacks.trigger.collectives import gather_from_ranks, rank, world_size
+from spot_callbacks._dist import gather_from_ranks, rank, world_size
 
 log = logging.getLogger("spot_callbacks")
 

@@ -14,7 +14,7 @@ from typing import Any, Literal, Union
 import spot_callbacks.lightning._compat as compat
 from spot_callbacks.config import SpotConfig, checked_arguments
 from spot_callbacks.engine import STATE_FILE, SpotEngine
-from spot_callbacks.notices import PREEMPTED_EXIT_CODE
+from spot_callbacks.preemption import PREEMPTED_EXIT_CODE
 from spot_callbacks.store import CheckpointStore
 from spot_callbacks.trigger.rules import AfterEmergency, StepAction
 

@@ -40,7 +40,7 @@ from spot_callbacks.persist.tracking import CheckpointJob, PersistRecord, StepTr
 from spot_callbacks.store import CheckpointStore, local_payload_names, new_manifest
 from spot_callbacks.store.checksums import FileDigest
 from spot_callbacks.store.commit import settle_commit
-from spot_callbacks.trigger.collectives import broadcast_object
+from spot_callbacks._dist import broadcast_object
 
 log = logging.getLogger("spot_callbacks")
 

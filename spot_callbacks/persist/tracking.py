@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from spot_callbacks.errors import PersistError
-from spot_callbacks.persist.exit_guard import guard
+from spot_callbacks.preemption.exit_guard import guard
 from spot_callbacks.store import CheckpointInfo
 
 log = logging.getLogger("spot_callbacks")

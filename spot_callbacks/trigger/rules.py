@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import spot_callbacks.settings as settings
 from spot_callbacks.errors import PersistError
-from spot_callbacks.notices import Notice
+from spot_callbacks.preemption import Notice
 
 FAILURE_CONTINUES = "training continues, the last committed checkpoint stands"
 # Set to 1: any checkpoint that could not be persisted fails the run at its end, not only the newest.

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from spot_callbacks import SpotConfig
 from spot_callbacks.engine import SpotEngine
-from spot_callbacks.notices import Notice
+from spot_callbacks.preemption import Notice
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)

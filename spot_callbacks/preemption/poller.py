@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import spot_callbacks.settings as settings
-from spot_callbacks.notices.metadata import LINK_LOCAL, REQUEST_TIMEOUT_S, MetadataClient
-from spot_callbacks.notices.notice import Notice
+from spot_callbacks.preemption.metadata import LINK_LOCAL, REQUEST_TIMEOUT_S, MetadataClient
+from spot_callbacks.preemption.notice import Notice
 
 
 @dataclass(frozen=True)

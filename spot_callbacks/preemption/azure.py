@@ -16,9 +16,9 @@ import time
 from typing import Any, ClassVar
 
 from spot_callbacks.errors import MetadataError
-from spot_callbacks.notices.metadata import REQUEST_TIMEOUT_S, MetadataClient, json_object, parse_time
-from spot_callbacks.notices.notice import Notice
-from spot_callbacks.notices.poller import CloudPoller, Poll
+from spot_callbacks.preemption.metadata import REQUEST_TIMEOUT_S, MetadataClient, json_object, parse_time
+from spot_callbacks.preemption.notice import Notice
+from spot_callbacks.preemption.poller import CloudPoller, Poll
 
 log = logging.getLogger("spot_callbacks")
 

@@ -15,10 +15,10 @@ from collections.abc import Callable, Sequence
 
 import spot_callbacks.settings as settings
 from spot_callbacks.errors import MetadataError
-from spot_callbacks.notices.clouds import ask_each
-from spot_callbacks.notices.metadata import DETECT_TIMEOUT_S
-from spot_callbacks.notices.notice import Notice
-from spot_callbacks.notices.poller import CloudPoller
+from spot_callbacks.preemption.clouds import ask_each
+from spot_callbacks.preemption.metadata import DETECT_TIMEOUT_S
+from spot_callbacks.preemption.notice import Notice
+from spot_callbacks.preemption.poller import CloudPoller
 
 log = logging.getLogger("spot_callbacks")
 
@@ -43,7 +43,7 @@ class CloudNoticeThread:
         detect_timeout_s: timeout of one detection request.
 
     Example:
-        >>> from spot_callbacks.notices.aws import AwsPoller
+        >>> from spot_callbacks.preemption.aws import AwsPoller
         >>> thread = CloudNoticeThread([AwsPoller("http://127.0.0.1:9")], print, print, detect=True)
         >>> thread.start(); thread.detected.wait(5), thread.watched  # nothing listens there
         (True, [])

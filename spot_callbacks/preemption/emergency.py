@@ -13,13 +13,9 @@ import time
 from datetime import datetime, timezone
 from typing import Any, Protocol
 
-from spot_callbacks.notices import (
-    GRACE_SIGNALS,
-    PREEMPTED_EXIT_CODE,
-    Notice,
-    PreemptionWatcher,
-    signal_grace_s,
-)
+from spot_callbacks.preemption.notice import PREEMPTED_EXIT_CODE, Notice
+from spot_callbacks.preemption.signals import GRACE_SIGNALS, signal_grace_s
+from spot_callbacks.preemption.watcher import PreemptionWatcher
 
 log = logging.getLogger("spot_callbacks")
 

@@ -1,7 +1,7 @@
 """What happens on a preemption notice: every source (signals, the clouds) -> the first :class:`Notice`.
 
-:class:`PreemptionWatcher` installs the signal handlers (:mod:`~spot_callbacks.notices.signals`)
-and starts the clouds' polling thread (:mod:`~spot_callbacks.notices.polling`); the first notice
+:class:`PreemptionWatcher` installs the signal handlers (:mod:`~spot_callbacks.preemption.signals`)
+and starts the clouds' polling thread (:mod:`~spot_callbacks.preemption.polling`); the first notice
 is kept for the engine, an early hint (AWS rebalance) apart from it, and once the emergency
 checkpoint has committed, the clouds that ask for it (Azure) are told. ``"auto"`` watches SIGTERM,
 SIGUSR1 too inside a SLURM job, and the cloud this machine runs on.
@@ -15,12 +15,12 @@ import threading
 from typing import Any
 
 import spot_callbacks.settings as settings
-from spot_callbacks.notices.clouds import CLOUD_SOURCES, CLOUDS
-from spot_callbacks.notices.metadata import REQUEST_TIMEOUT_S
-from spot_callbacks.notices.notice import Notice
-from spot_callbacks.notices.poller import CloudPoller
-from spot_callbacks.notices.polling import CloudNoticeThread
-from spot_callbacks.notices.signals import SIGNAL_SOURCES, ChainedSignalHandlers
+from spot_callbacks.preemption.clouds import CLOUD_SOURCES, CLOUDS
+from spot_callbacks.preemption.metadata import REQUEST_TIMEOUT_S
+from spot_callbacks.preemption.notice import Notice
+from spot_callbacks.preemption.poller import CloudPoller
+from spot_callbacks.preemption.polling import CloudNoticeThread
+from spot_callbacks.preemption.signals import SIGNAL_SOURCES, ChainedSignalHandlers
 
 log = logging.getLogger("spot_callbacks")
 

@@ -18,6 +18,8 @@ import time
 import weakref
 from typing import Any
 
+from spot_callbacks.preemption.notice import PREEMPTED_EXIT_CODE
+
 log = logging.getLogger("spot_callbacks")
 
 # How long an exit that nobody armed waits for busy workers (a plain end of the script).
@@ -27,7 +29,6 @@ EXIT_SLACK_S = 1.0
 # Waited without a word: a worker finishing the bookkeeping after its commit is not worth a warning.
 QUIET_WAIT_S = 1.0
 
-PREEMPTED_EXIT_CODE = 143  # notices.PREEMPTED_EXIT_CODE: stopped to be resumed
 INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT: the second Ctrl-C
 
 _open: weakref.WeakSet[Any] = weakref.WeakSet()

@@ -10,10 +10,10 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 from spot_callbacks.errors import MetadataError
-from spot_callbacks.notices.aws import AwsPoller
-from spot_callbacks.notices.azure import AzurePoller
-from spot_callbacks.notices.gcp import GcpPoller
-from spot_callbacks.notices.poller import CloudPoller
+from spot_callbacks.preemption.aws import AwsPoller
+from spot_callbacks.preemption.azure import AzurePoller
+from spot_callbacks.preemption.gcp import GcpPoller
+from spot_callbacks.preemption.poller import CloudPoller
 
 Answer = TypeVar("Answer")
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import time
 
 from spot_callbacks.errors import MetadataError
-from spot_callbacks.notices.metadata import REQUEST_TIMEOUT_S, json_object, parse_time
-from spot_callbacks.notices.notice import Notice
-from spot_callbacks.notices.poller import CloudPoller, Poll
+from spot_callbacks.preemption.metadata import REQUEST_TIMEOUT_S, json_object, parse_time
+from spot_callbacks.preemption.notice import Notice
+from spot_callbacks.preemption.poller import CloudPoller, Poll
 
 # The warning AWS documents; used when a notice carries no usable time of its own.
 AWS_NOTICE_S = 120.0

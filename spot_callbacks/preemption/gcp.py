@@ -12,9 +12,9 @@ from typing import ClassVar
 from urllib.parse import urlencode
 
 from spot_callbacks.errors import MetadataError
-from spot_callbacks.notices.metadata import REQUEST_TIMEOUT_S
-from spot_callbacks.notices.notice import Notice
-from spot_callbacks.notices.poller import CloudPoller, Poll
+from spot_callbacks.preemption.metadata import REQUEST_TIMEOUT_S
+from spot_callbacks.preemption.notice import Notice
+from spot_callbacks.preemption.poller import CloudPoller, Poll
 
 # The warning GCP documents between "preempted" and the stop.
 GCP_NOTICE_S = 30.0

@@ -26,7 +26,7 @@ from types import FrameType
 from typing import Any
 
 import spot_callbacks.settings as settings
-from spot_callbacks.notices.notice import Notice
+from spot_callbacks.preemption.notice import Notice
 
 log = logging.getLogger("spot_callbacks")
 
