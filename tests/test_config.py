@@ -325,3 +325,24 @@ def test_checked_arguments_names_the_public_class_for_every_wrong_call():
         Hooks("x", 2, 3)
     parameters = list(inspect.signature(Hooks.__init__).parameters)  # what jsonargparse reads
     assert parameters == ["self", "dirpath", "keep_last"]
+
+
+@pytest.mark.parametrize("adapter", ["lightning", "hf", "pytorch_lightning"])
+def test_the_adapters_arguments_are_spot_configs_fields_with_the_same_types_and_defaults(adapter):
+    """Names, defaults and annotations: jsonargparse, LightningCLI and HfArgumentParser read the
+    adapters' own signatures, so a type that drifted from SpotConfig's refuses a documented form."""
+    import importlib
+    import typing
+
+    module = importlib.import_module(f"spot_callbacks.{adapter}")
+    cls = module.SpotCheckpoint if adapter != "hf" else module.SpotCheckpointCallback
+    init = inspect.unwrap(cls.__init__)
+    parameters = {k: v for k, v in inspect.signature(init).parameters.items() if k != "self"}
+    fields = {f.name: f for f in dataclasses.fields(SpotConfig)}
+    assert list(parameters) == list(fields)
+    config_hints = typing.get_type_hints(SpotConfig)
+    adapter_hints = typing.get_type_hints(init)
+    for name, parameter in parameters.items():
+        expected = fields[name].default
+        assert parameter.default == (parameter.empty if expected is dataclasses.MISSING else expected), name
+        assert adapter_hints[name] == config_hints[name], f"{cls.__name__}({name}): {adapter_hints[name]}"

@@ -66,7 +66,7 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
         every_n_steps: Union[int, None] = None,  # noqa: UP007
         keep_last: int = 3,
         scratch_dir: Union[str, None] = None,  # noqa: UP007
-        storage_options: Union[dict, None] = None,  # noqa: UP007
+        storage_options: Union[dict, str, None] = None,  # noqa: UP007
         preemption: Union[str, list[str]] = "auto",  # noqa: UP007
         on_preemption: Literal["stop", "continue"] = "stop",
         interruptions_per_hour: Union[float, None] = None,  # noqa: UP007
