@@ -20,6 +20,7 @@ import yaml
 import spot_callbacks.settings as settings
 from spot_callbacks._format import parse_duration
 from spot_callbacks.errors import ConfigError
+from spot_callbacks.store.backends import is_local_path, misread_url
 
 PREEMPTION_SOURCES = ("SIGTERM", "SIGUSR1", "SIGINT", "aws", "gcp", "azure")
 ON_PREEMPTION_CHOICES = ("stop", "continue")
@@ -107,6 +108,7 @@ class SpotConfig:
         if self.scratch_dir is not None:
             self.scratch_dir = os.fspath(self.scratch_dir)
         self.storage_options = load_storage_options(self.storage_options)
+        _check_options_fit_dirpath(self.dirpath, self.storage_options)
         self.preemption = _normalize_preemption(self.preemption)
         if self.on_preemption not in ON_PREEMPTION_CHOICES:
             raise ConfigError(
@@ -245,7 +247,21 @@ def _check_dirpath(dirpath: Any) -> str:
         raise ConfigError(
             f"dirpath={dirpath!r} must be a non-empty fsspec URL or local path, e.g. 's3://bucket/run' or 'runs/exp1'"
         )
+    if (misread := misread_url(dirpath)) is not None:
+        cause, fix = misread
+        raise ConfigError(f"dirpath={dirpath!r} has {cause}; {fix}")
     return dirpath
+
+
+def _check_options_fit_dirpath(dirpath: str, storage_options: dict[str, Any] | None) -> None:
+    # A local folder takes no credentials or endpoint: options given for one mean the URL is not
+    # what the user meant (a bucket name without its scheme), and they would be ignored silently.
+    if storage_options and is_local_path(dirpath):
+        raise ConfigError(
+            f"storage_options ({', '.join(sorted(map(str, storage_options)))}) were given but "
+            f"dirpath={dirpath!r} is a local folder, where they would be ignored; write the store's URL "
+            "(e.g. 's3://bucket/run', 'gs://bucket/run', 'az://container/run') or drop storage_options"
+        )
 
 
 def _normalize_interval(interval: Any) -> float | str | None:

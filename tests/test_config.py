@@ -190,7 +190,7 @@ def test_storage_options_read_env_references_and_files_at_construction(tmp_path,
 
     (tmp_path / "s3.json").write_text('{"key": "k-json", "secret": "${SPOT_TEST_KEY}"}')
     (tmp_path / "s3.yaml").write_text("key: k-yaml\nclient_kwargs: {region_name: eu-west-1}\n")
-    assert SpotConfig(dirpath="d", storage_options=f"@{tmp_path / 's3.json'}").storage_options == {
+    assert SpotConfig(dirpath="s3://b/r", storage_options=f"@{tmp_path / 's3.json'}").storage_options == {
         "key": "k-json", "secret": "key-from-env",
     }  # fmt: skip
     spot_yaml = tmp_path / "spot.yaml"
@@ -219,7 +219,7 @@ def test_bad_storage_options_say_what_to_do_and_never_quote_a_value(tmp_path, op
     if isinstance(options, str):
         options = options.format(tmp=tmp_path)
     with pytest.raises(ConfigError) as info:
-        SpotConfig(dirpath="d", storage_options=options)
+        SpotConfig(dirpath="s3://b/r", storage_options=options)
     assert message in str(info.value) and "hunter2" not in str(info.value)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import re
 from typing import Any
 
 import fsspec
@@ -30,6 +31,10 @@ S3_CONNECT_TIMEOUT_S = 10
 S3_READ_TIMEOUT_S = 60
 S3_MAX_ATTEMPTS = 3  # botocore's, each inside one of the store's own retried attempts
 GCS_CONTROL_RETRY_S = 5.0  # gcsfs' bucket-layout probe (gRPC); a plain bucket answers in well under 1 s
+# "word:" not followed by "//": fsspec reads it as a local path (a folder named "s3:" on a disk
+# that dies with the VM). One letter is a Windows drive ("C:/runs").
+_SCHEME_WITHOUT_SLASHES = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]+):(?!//)(.*)$", re.DOTALL)
+LOCAL_PROTOCOLS = ("file", "local")
 
 
 def resolve_filesystem(dirpath: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:
@@ -44,10 +49,59 @@ def resolve_filesystem(dirpath: str, storage_options: dict[str, Any] | None) -> 
         ...
         spot_callbacks.errors.UnknownStoreError: dirpath='s4://bucket/run' cannot hold checkpoints: ...
     """
+    if (misread := misread_url(dirpath)) is not None:
+        raise UnknownStoreError(dirpath, *misread)
     protocol, _ = fsspec.core.split_protocol(dirpath)
     if protocol is not None:
         check_protocol(dirpath, protocol)
     return fsspec.core.url_to_fs(dirpath, **with_backend_defaults(protocol, storage_options))
+
+
+def misread_url(dirpath: str) -> tuple[str, str] | None:
+    """``(cause, fix)`` when ``dirpath`` looks like a URL with a slash missing after its scheme, which
+    fsspec would silently read as a local folder (``s3:/bucket/run`` is the folder ``s3:``); else ``None``.
+
+    Any scheme-like word (two characters or more) before ``:/`` counts, and a known protocol
+    before a bare ``:`` too (``s3:bucket``). ``./s3:/x`` spells a local folder with a colon.
+
+    Example:
+        >>> misread_url("s3:/bucket/run")[1]
+        "write 's3://bucket/run' (two slashes after 's3:'), or './s3:/bucket/run' if you do mean a local folder"
+        >>> misread_url("runs/exp:1") is None and misread_url("C:/runs") is None
+        True
+    """
+    if "://" in dirpath:
+        return None
+    match = _SCHEME_WITHOUT_SLASHES.match(dirpath)
+    if match is None:
+        return None
+    scheme, rest = match.groups()
+    known = scheme.lower() in (*CLOUD_BACKENDS, *LOCAL_PROTOCOLS, *fsspec.available_protocols())
+    if not rest.startswith("/") and not known:
+        return None  # "exp:1/run": a folder name with a colon, not a URL
+    slashes = "one slash" if rest.startswith("/") and not rest.startswith("//") else "no slash"
+    fixed = f"{scheme}://{rest}" if scheme.lower() in LOCAL_PROTOCOLS else f"{scheme}://{rest.lstrip('/')}"
+    where = (
+        "in the current directory"
+        if scheme.lower() in LOCAL_PROTOCOLS
+        else "(storage_options ignored, checkpoints on a disk that dies with the machine)"
+    )
+    cause = f"{slashes} after {scheme + ':'!r}, so it would be a local folder named {scheme + ':'!r} {where}"
+    return (
+        cause,
+        f"write {fixed!r} (two slashes after {scheme + ':'!r}), or './{dirpath}' if you do mean a local folder",
+    )
+
+
+def is_local_path(dirpath: str) -> bool:
+    """True when ``dirpath`` names a folder of the local filesystem (a bare path, ``file://``, ``local://``).
+
+    Example:
+        >>> is_local_path("runs/exp1"), is_local_path("file:///tmp/x"), is_local_path("s3://b/r")
+        (True, True, False)
+    """
+    protocol, _ = fsspec.core.split_protocol(dirpath)
+    return protocol is None or protocol in LOCAL_PROTOCOLS
 
 
 def check_protocol(dirpath: str, protocol: str) -> None:
