@@ -15,12 +15,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from spot_callbacks._dist import barrier, broadcast_object
 from spot_callbacks.accounting.throughput import log_slow_pull
 from spot_callbacks.persist.dcp_safety import check_sharded_folder
 from spot_callbacks.progress import reporting_on_a_terminal
 from spot_callbacks.store import CheckpointInfo, CheckpointStore
 from spot_callbacks.store.commit import DAMAGE_ERRORS, damaged_message
-from spot_callbacks._dist import barrier, broadcast_object
 
 log = logging.getLogger("spot_callbacks")
 
