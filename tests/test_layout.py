@@ -20,6 +20,9 @@ from spot_callbacks import errors
 PACKAGE = Path(spot_callbacks.__file__).parent
 # SpotEngine is the one orchestrator (DESIGN): 300 was where it was split by a counter, not a concept.
 MAX_CLASS_LINES = 340
+# Bigger by concept, not by drift: the store facade is where every I/O step of the commit protocol
+# lives (store/commit.py keeps the rules and never calls back into it), one method per step.
+LONGER_CLASSES = {"spot_callbacks.store.checkpoint_store.CheckpointStore": 500}
 MAX_FUNCTION_LINES = 80
 # Smoke detectors, not walls (DESIGN): an adapter past this is asked why, and split by concept only.
 MAX_ADAPTER_LINES = 300
@@ -36,14 +39,9 @@ def modules() -> dict[str, Path]:
 
 
 def imported_modules(name: str, path: Path, known: set[str]) -> set[str]:
-    """Every package module ``name`` imports, at any depth of its code (TYPE_CHECKING blocks excluded)."""
+    """Every package module ``name`` imports, at any depth of its code, ``TYPE_CHECKING`` blocks
+    included: a type-only import is still an arrow of responsibility (DESIGN: no cycle of any kind)."""
     tree = ast.parse(path.read_text())
-    for node in ast.walk(tree):  # `if TYPE_CHECKING:` imports never run
-        if (
-            isinstance(node, ast.If)
-            and getattr(node.test, "id", getattr(node.test, "attr", "")) == "TYPE_CHECKING"
-        ):
-            node.body = []
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
     for node in ast.walk(tree):
@@ -95,7 +93,7 @@ def test_no_class_or_function_is_too_long_to_read():
     for name, path in modules().items():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef):
-                limit = MAX_CLASS_LINES
+                limit = LONGER_CLASSES.get(f"{name}.{node.name}", MAX_CLASS_LINES)
             elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 limit = MAX_FUNCTION_LINES
             else:

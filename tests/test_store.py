@@ -32,7 +32,6 @@ from spot_callbacks.store import (
     step_dirname,
 )
 from spot_callbacks.store.checksums import FileDigest
-from spot_callbacks.store.commit import settle_commit
 from spot_callbacks.store.layout import open_filesystem, url_of
 from spot_callbacks.store.manifest import encode_manifest
 from spot_callbacks.store.retry import RetryPolicy
@@ -438,7 +437,7 @@ def make_payload_file(tmp_path: Path) -> Path:
 def test_settle_commit_prunes_after_a_commit_but_never_for_an_emergency(store, tmp_path, caplog):
     infos = [commit_step(store, tmp_path, step)[0] for step in (1, 2, 3)]
     with caplog.at_level(logging.WARNING, logger="spot_callbacks"):
-        settle_commit(store, infos[-1], keep_last=1, deadline=time.time() - 5)  # an emergency, late
+        store.settle_commit(infos[-1], keep_last=1, deadline=time.time() - 5)  # an emergency, late
     assert [i.step for i in store.committed()] == [1, 2, 3]  # an emergency spends nothing on deletes
     assert any("step 3 committed" in r.message and "after its deadline" in r.message for r in caplog.records)
 
@@ -446,11 +445,11 @@ def test_settle_commit_prunes_after_a_commit_but_never_for_an_emergency(store, t
     store.delete = lambda step: (_ for _ in ()).throw(ConnectionError("store unreachable"))
     try:
         with caplog.at_level(logging.WARNING, logger="spot_callbacks"):
-            settle_commit(store, infos[-1], keep_last=1, deadline=None)  # never fails the commit
+            store.settle_commit(infos[-1], keep_last=1, deadline=None)  # never fails the commit
     finally:
         store.delete = real_delete
     assert any("retention in" in r.message and "store unreachable" in r.message for r in caplog.records)
-    settle_commit(store, infos[-1], keep_last=1, deadline=None)
+    store.settle_commit(infos[-1], keep_last=1, deadline=None)
     assert [i.step for i in store.committed()] == [3]
 
 

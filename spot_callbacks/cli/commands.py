@@ -402,7 +402,7 @@ def _cmd_pull(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
         )
     step = info.step
     dest = Path(os.path.abspath(Path(args.dest).expanduser()))
-    check_pull_dest(store, None, dest, force=args.force)  # stricter than the library: DEST is the user's
+    check_pull_dest(store.url, store.committed_at, None, dest, force=args.force)  # stricter than the library: DEST is the user's
     with reporting_pull(store, info):
         pulled = store.pull(step, dest, force=True)  # links, files and the working directory stay refused
     log.info("%s: pulled step %d from %s", PROG, step, store.url)

@@ -9,7 +9,7 @@
 
 The two multi-rank ones share the round of ``rank_group.py``; all three keep their settled steps,
 records and failures as ``tracking.py`` does, and follow a commit with
-:func:`spot_callbacks.store.commit.settle_commit`. The engine calls them only through
+:meth:`spot_callbacks.store.CheckpointStore.settle_commit`. The engine calls them only through
 :class:`CheckpointPersister` (and ``submit`` with the job the persister made), never by type.
 The multi-rank persisters import torch.distributed, so they are imported from their own modules.
 """

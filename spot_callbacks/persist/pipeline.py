@@ -26,7 +26,6 @@ from spot_callbacks.persist.scratch import NewestCommittedFolder, discard_folder
 from spot_callbacks.persist.tracking import CheckpointJob, Outcome, PersistRecord, StepTracker
 from spot_callbacks.store import MANIFEST_NAME, CheckpointStore
 from spot_callbacks.store.checksums import FileDigest
-from spot_callbacks.store.commit import settle_commit
 from spot_callbacks.store.transfer import write_local_atomically
 
 log = logging.getLogger("spot_callbacks")
@@ -290,11 +289,11 @@ class Persister(StepTracker):
         if not newest:  # an older upload that finished after an emergency checkpoint: only say if it was late
             discard_folder(job.local_dir, job.owns_local_dir)
             if job.deadline is not None:
-                settle_commit(self.store, info, self.keep_last, job.deadline)
+                self.store.settle_commit(info, self.keep_last, job.deadline)
             return
         self._keep_local(job)
         self._prune_scratch(job)
-        settle_commit(self.store, info, self.keep_last, job.deadline)
+        self.store.settle_commit(info, self.keep_last, job.deadline)
 
     def _keep_local(self, job: PersistJob) -> None:
         if not job.owns_local_dir:

@@ -34,13 +34,12 @@ import torch
 import torch.distributed as dist
 
 import spot_callbacks.settings as settings
+from spot_callbacks._dist import broadcast_object
 from spot_callbacks.errors import CheckpointError, PersistError
 from spot_callbacks.persist.scratch import discard_folder
 from spot_callbacks.persist.tracking import CheckpointJob, PersistRecord, StepTracker
 from spot_callbacks.store import CheckpointStore, local_payload_names, new_manifest
 from spot_callbacks.store.checksums import FileDigest
-from spot_callbacks.store.commit import settle_commit
-from spot_callbacks._dist import broadcast_object
 
 log = logging.getLogger("spot_callbacks")
 
@@ -313,7 +312,7 @@ class RankGroupPersister(StepTracker, ABC, Generic[JobT]):
             "spot_callbacks: committed %s (%s, %d ranks, %.1f MB in %.2fs)",
             info.url, job.reason, self.world_size, info.size_bytes / 1e6, upload_s,
         )  # fmt: skip
-        settle_commit(self.store, info, self.keep_last, job.deadline)
+        self.store.settle_commit(info, self.keep_last, job.deadline)
         return ("committed", info)
 
     def _settle_round(self, job: JobT, outcome: Report, upload_s: float) -> None:

@@ -1,8 +1,9 @@
 """`CheckpointStore`: the checkpoints of one run, over any fsspec filesystem.
 
-A facade: the layout (:mod:`~spot_callbacks.store.layout`), the manifest
-(:mod:`~spot_callbacks.store.manifest`), the commit protocol (:mod:`~spot_callbacks.store.commit`)
-and the transfers (:mod:`~spot_callbacks.store.transfer`) behind one object per run folder.
+The I/O steps of the commit protocol are its methods, in the order of the protocol's rules
+(:mod:`~spot_callbacks.store.commit` states them and holds the pure decisions they take); the
+layout (:mod:`~spot_callbacks.store.layout`), the manifest (:mod:`~spot_callbacks.store.manifest`)
+and the transfers (:mod:`~spot_callbacks.store.transfer`) are below it.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import posixpath
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,11 +20,23 @@ import spot_callbacks.store.commit as protocol
 import spot_callbacks.store.dataplane as dataplane
 import spot_callbacks.store.layout as layout
 import spot_callbacks.store.transfer as transfer
-from spot_callbacks.errors import CheckpointNotFoundError, ForeignCheckpointError
+from spot_callbacks.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    DeleteIncompleteError,
+    ForeignCheckpointError,
+    ManifestError,
+)
 from spot_callbacks.store.checksums import FileDigest
 from spot_callbacks.store.clients.base import DataPlane
 from spot_callbacks.store.layout import MANIFEST_NAME, step_dirname
-from spot_callbacks.store.manifest import CheckpointInfo, check_payload_name, parse_manifest
+from spot_callbacks.store.manifest import (
+    CheckpointInfo,
+    check_payload_name,
+    encode_manifest,
+    new_manifest,
+    parse_manifest,
+)
 from spot_callbacks.store.manifest_limits import ManifestLimits
 from spot_callbacks.store.pull_dest import check_pull_dest
 from spot_callbacks.store.retry import RetryPolicy, UploadTimeout
@@ -138,11 +152,20 @@ class CheckpointStore:
         )
 
     def committed(self) -> list[CheckpointInfo]:
-        """Every checkpoint whose manifest exists and parses, oldest first.
+        """Every checkpoint whose manifest exists and parses, oldest first (rule 1); one that does
+        not parse is skipped with a warning naming it and the reason.
 
         Reads one listing and the manifests (fetched concurrently by async filesystems), never a payload.
         """
-        return protocol.committed(self)
+        infos = []
+        for verdict in self.manifest_verdicts():
+            if verdict.info is None:
+                self.warn_once(
+                    verdict.step, f"spot_callbacks: ignoring checkpoint {verdict.url}: {verdict.problem}"
+                )
+            else:
+                infos.append(verdict.info)
+        return infos
 
     def read_manifest(self, step: int) -> CheckpointInfo:
         """The parsed manifest of one step; :class:`CheckpointNotFoundError` if it has none."""
@@ -161,13 +184,34 @@ class CheckpointStore:
         return parse_manifest(raw, step, self.step_url(step), limits)
 
     def manifest_verdicts(self) -> list[protocol.Verdict]:
-        """Every step folder holding a manifest, oldest first, with its manifest or why it cannot be
-        trusted (see :func:`~spot_callbacks.store.commit.manifest_verdicts`)."""
-        return protocol.manifest_verdicts(self)
+        """Every step folder holding a manifest, oldest first, with the manifest parsed or why it
+        cannot be trusted (one listing and the manifests, none parsed past
+        ``SPOT_MANIFEST_MAX_BYTES``; never a payload)."""
+        manifests = {step: posixpath.join(path, MANIFEST_NAME) for step, path in self.step_folders().items()}
+        if not manifests:
+            return []
+        limits = ManifestLimits.from_env()
+        what = f"read manifests under {self.url}"
+        # A ranged read would bound the download too, but backends answer a range past the end of a
+        # small or empty object differently (InvalidRange); the size is checked before parsing.
+        raw_by_path = transfer.read_files(self.fs, self.retry, list(manifests.values()), self.root, what)
+        verdicts = [
+            protocol.manifest_verdict(step, self.step_url(step), raw_by_path.get(manifests[step]), limits)
+            for step in sorted(manifests)
+        ]
+        return [verdict for verdict in verdicts if verdict is not None]
 
     def damage(self, info: CheckpointInfo) -> str | None:
-        """Why a committed checkpoint cannot be used, or ``None``: the verdict resume and CLI share."""
-        return protocol.damage(self, info)
+        """Why the committed checkpoint ``info`` cannot be used (``None``: its files have the
+        manifest's sizes): THE verdict, which :meth:`newest_valid` and ``spot-callbacks ls`` share.
+
+        A checkpoint deleted since it was listed is damaged; an unreachable store raises.
+        """
+        try:
+            self.check_sizes(info)
+        except protocol.DAMAGE_ERRORS as err:
+            return str(err) or type(err).__name__
+        return None
 
     def latest(self) -> CheckpointInfo | None:
         """The newest committed checkpoint whose files exist with the manifest's sizes, or ``None``.
@@ -175,7 +219,8 @@ class CheckpointStore:
         A checkpoint that fails the check is skipped with a warning naming it and the reason; it
         is never deleted here.
         """
-        return protocol.latest(self)
+        self.data_plane.prepare()  # a pull usually follows: the fast client is built meanwhile
+        return self.newest_valid(self.committed())
 
     def newest_valid(
         self,
@@ -184,11 +229,20 @@ class CheckpointStore:
     ) -> CheckpointInfo | None:
         """The newest of ``infos`` (oldest first) whose files have the manifest's sizes; each one
         skipped goes to ``on_damaged(info, reason)`` (default: a warning), none is deleted."""
-        return protocol.newest_valid(self, infos, on_damaged)
+        for info in reversed(infos):
+            problem = self.damage(info)
+            if problem is None:
+                return info
+            if on_damaged is not None:
+                on_damaged(info, problem)
+            else:
+                self.warn_once(info.step, protocol.damaged_message(info.url, problem))
+        return None
 
     def check_sizes(self, info: CheckpointInfo) -> None:
         """Raise :class:`CorruptCheckpointError` unless every payload file exists with its manifest size."""
-        protocol.check_sizes(self, info)
+        sizes = transfer.file_sizes(self.fs, self.retry, self.step_path(info.step), f"list {info.url}")
+        protocol.check_size_problem(info, sizes)
 
     def verify(self, step: int, deep: bool = True) -> bool:
         """True when the checkpoint is committed and intact; otherwise an exception saying what is wrong.
@@ -196,7 +250,11 @@ class CheckpointStore:
         ``deep`` (the default) reads every payload byte and compares checksums; ``deep=False``
         checks existence and sizes only.
         """
-        return protocol.verify(self, step, deep)
+        info = self.read_manifest(step)
+        self.check_sizes(info)
+        if deep:
+            transfer.verify_checksums(self.payload_plane(), self.retry, info, self.step_path(step))
+        return True
 
     def warn_once(self, step: int, message: str) -> None:
         """Log ``message`` about ``step`` once per store (a listing repeats, its warnings need not)."""
@@ -225,10 +283,17 @@ class CheckpointStore:
         if transfer.local_copy_matches(info, target):
             log.info("spot_callbacks: %s already holds %s; not downloading", target, info.url)
             return target
-        check_pull_dest(self, info, target, force=force)
+        check_pull_dest(self.url, self.committed_at, info, target, force=force)
         return transfer.pull_into(
             self.fs, self.payload_plane(), self.retry, info, self.step_path(info.step), target
         )
+
+    def committed_at(self, step: int) -> CheckpointInfo | None:
+        """The manifest of ``step`` when it is committed, else ``None``."""
+        try:
+            return self.read_manifest(step)
+        except (CheckpointNotFoundError, ManifestError):
+            return None
 
     def local_copy_matches(self, info: CheckpointInfo, folder: Path) -> bool:
         """True when ``folder`` holds exactly this checkpoint: same manifest, every file verified."""
@@ -241,7 +306,8 @@ class CheckpointStore:
         A folder that already exists (a run that resumed from an older checkpoint reached this
         step again) loses its manifest first, so it is never committed with mixed payloads.
         """
-        protocol.clear_stale_step(self, step)
+        if self._delete(step):
+            log.info("spot_callbacks: replacing the existing checkpoint %s", self.step_url(step))
 
     def upload_file(self, local_path: str | os.PathLike[str], step: int, name: str) -> None:
         """Upload one payload file into the folder of ``step`` (multipart through the backend).
@@ -274,8 +340,40 @@ class CheckpointStore:
         return transfer.upload_with_digests(upload, Path(folder), names, digests)
 
     def commit(self, manifest: dict[str, Any]) -> CheckpointInfo:
-        """Write the manifest, which makes the checkpoint visible; every payload file must be durable."""
-        return protocol.commit_manifest(self, manifest)
+        """Write the manifest, which makes the checkpoint visible; every payload file must be durable.
+
+        A write that failed (or whose answer was lost) may still have landed: before saying so the
+        manifest is read back, and one equal to what was written means the checkpoint is committed.
+        """
+        step = manifest["step"]
+        raw = encode_manifest(manifest)
+        info = parse_manifest(raw, step, self.step_url(step))  # never commit what a reader would refuse
+        path = posixpath.join(self.step_path(step), MANIFEST_NAME)
+        what = f"write {self.step_url(step)}/{MANIFEST_NAME}"
+        try:
+            transfer.call_in_time(
+                self.retry,
+                lambda: transfer.put_bytes(self.fs, path, raw),
+                self.upload_timeout.seconds_for(len(raw)),
+                what,
+            )
+        except Exception as err:
+            if protocol.landed(self._read_back(path), raw):
+                log.warning(
+                    "spot_callbacks: %s reported %s: %s, but the manifest is in the store as written: "
+                    "checkpoint %s is committed", what, type(err).__name__, err, info.url,
+                )  # fmt: skip
+                return info
+            raise
+        return info
+
+    def _read_back(self, path: str) -> bytes | None:
+        try:
+            read = transfer.read_files(self.fs, self.retry, [path], path, f"read back {self.url_of(path)}")
+        except Exception:  # noqa: BLE001 - the read-back is a second chance; the write's error is the one to tell
+            return None
+        found = read.get(path)
+        return found if isinstance(found, bytes) else None
 
     def write_checkpoint(
         self,
@@ -295,20 +393,108 @@ class CheckpointStore:
         the others are computed while the upload runs. The background :class:`Persister`
         calls this; use it directly for a blocking save.
         """
-        return protocol.write_checkpoint(
-            self, step, Path(folder), digests=digests, metrics=metrics,
-            reason=reason, framework=framework, epoch=epoch, extra=extra,
-        )  # fmt: skip
+        names = layout.local_payload_names(Path(folder))
+        if not names:
+            raise CheckpointError(f"{folder} holds no files to checkpoint")
+        upload_started = time.perf_counter()
+        self.clear_stale_step(step)
+        files = self.upload_files(step, folder, names, digests)
+        # Known only now, and recorded with the rest: the manifest is the run's cost record (ledger.py).
+        metrics = {**(metrics or {}), "upload_s": round(time.perf_counter() - upload_started, 6)}
+        manifest = new_manifest(
+            step, files, metrics=metrics, reason=reason, framework=framework, epoch=epoch, extra=extra
+        )
+        return self.commit(manifest)
 
     # ---------------------------------------------------------------- deleting
     def delete(self, step: int) -> None:
-        """Delete one checkpoint: its manifest first (it stops counting), then its payload."""
-        protocol.delete(self, step)
+        """Delete one checkpoint: its manifest first (it stops counting), then its payload.
+
+        Each part is confirmed gone before the next: a store that answers a delete as done but
+        keeps objects raises :class:`DeleteIncompleteError` naming them, and a manifest that stayed
+        keeps its payload (the checkpoint stays committed and whole). A step folder that is a
+        symbolic link is another run's: :class:`ForeignCheckpointError`.
+        """
+        self._delete(step)
+
+    def _delete(self, step: int) -> bool:
+        """:meth:`delete`; whether the step had a manifest."""
+        folder = self.step_path(step)
+        self.refuse_foreign(step)
+        manifest = posixpath.join(folder, MANIFEST_NAME)
+        had_manifest = self._exists(manifest)
+        if had_manifest:
+            url = f"{self.step_url(step)}/{MANIFEST_NAME}"
+            self.retry.call(lambda: layout.remove_file(self.fs, manifest), f"delete {url}")
+            if self._exists(manifest):
+                raise DeleteIncompleteError(
+                    f"the store kept {url} although it answered the delete as done (a bucket policy or an "
+                    f"object lock?): checkpoint {self.step_url(step)} is still committed, its files untouched",
+                    [url],
+                )
+        if self._exists(folder):
+            self.retry.call(lambda: layout.remove_tree(self.fs, folder), f"delete {self.url_of(folder)}")
+            remaining = sorted(
+                transfer.file_sizes(self.fs, self.retry, folder, f"list {self.url_of(folder)}")
+            )
+            if remaining:
+                urls = [f"{self.url_of(folder)}/{name}" for name in remaining]
+                raise DeleteIncompleteError(
+                    f"the store kept {len(urls)} file(s) of {self.url_of(folder)} although it answered the "
+                    f"delete as done: {', '.join(urls[:5])}{' ...' if len(urls) > 5 else ''} (its manifest is "
+                    "gone: it is no longer committed)",
+                    urls,
+                )
+        return had_manifest
+
+    def _exists(self, path: str) -> bool:
+        return self.retry.call(lambda: layout.exists_fresh(self.fs, path), f"check {self.url_of(path)}")
 
     def prune(self, keep_last: int) -> list[int]:
         """Keep the newest ``keep_last`` committed checkpoints (0 keeps all); return the steps deleted.
 
         The newest *valid* checkpoint is never deleted, even when newer damaged ones exist.
         Only checkpoints this call saw committed are touched, so a commit racing the prune is safe.
+        A checkpoint the store would not (wholly) delete is logged with what stayed and not returned.
         """
-        return protocol.prune(self, keep_last)
+        if keep_last < 0:
+            raise ValueError(f"keep_last={keep_last!r} must be >= 0")
+        if keep_last == 0:
+            return []
+        seen = self.committed()  # a checkpoint committed after this listing is never touched
+        if len(seen) <= keep_last:
+            return []
+        deleted = []
+        for info in protocol.retention_victims(seen, keep_last, self.newest_valid(seen)):
+            try:
+                self.delete(info.step)
+            except DeleteIncompleteError as err:
+                log.warning(
+                    "spot_callbacks: retention could not delete %s (keep_last=%d): %s",
+                    info.url,
+                    keep_last,
+                    err,
+                )
+                continue
+            log.info("spot_callbacks: retention deleted %s (keep_last=%d)", info.url, keep_last)
+            deleted.append(info.step)
+        return deleted
+
+    def settle_commit(self, info: CheckpointInfo, keep_last: int, deadline: float | None) -> None:
+        """What follows a commit: a late emergency is said, and retention runs unless it was an emergency.
+
+        Retention failing never fails the commit; it is retried after the next one.
+        """
+        if not protocol.retention_follows(deadline):
+            if deadline is not None and time.time() > deadline:
+                log.warning(
+                    "spot_callbacks: the emergency checkpoint of step %d committed %.1fs after its deadline",
+                    info.step, time.time() - deadline,
+                )  # fmt: skip
+            return
+        try:
+            self.prune(keep_last)
+        except Exception as err:  # noqa: BLE001 - retention failing must not fail the commit
+            log.warning(
+                "spot_callbacks: retention in %s failed, will retry after the next commit: %s", self.url, err
+            )

@@ -15,30 +15,30 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from spot_callbacks.errors import (
-    CheckpointNotFoundError,
-    ManifestError,
-    UnsafeDestinationError,
-)
+from spot_callbacks.errors import UnsafeDestinationError
 from spot_callbacks.store.layout import MANIFEST_NAME, is_temporary_name
 from spot_callbacks.store.manifest import CheckpointInfo
+from spot_callbacks.store.transfer import local_copy_matches
 
-if TYPE_CHECKING:
-    from spot_callbacks.store.checkpoint_store import CheckpointStore
+CommittedAt = Callable[
+    [int], "CheckpointInfo | None"
+]  # the store's manifest of a step, None if not committed
 
 log = logging.getLogger("spot_callbacks")
 
 
-def check_pull_dest(store: CheckpointStore, info: CheckpointInfo | None, dest: Path, *, force: bool) -> None:
-    """Raise :class:`UnsafeDestinationError` unless pulling ``info`` may replace ``dest`` losing nothing.
+def check_pull_dest(
+    run_url: str, committed_at: CommittedAt, info: CheckpointInfo | None, dest: Path, *, force: bool
+) -> None:
+    """Raise :class:`UnsafeDestinationError` unless pulling ``info`` of the run at ``run_url`` may
+    replace ``dest`` losing nothing; ``committed_at(step)`` is the store's manifest of a step.
 
     Example:
         >>> import tempfile
-        >>> from spot_callbacks.store import CheckpointStore
-        >>> check_pull_dest(CheckpointStore("memory://doc-dest/pull"), None, Path(tempfile.mkdtemp()), force=False)
+        >>> check_pull_dest("memory://doc-dest/pull", lambda step: None, None, Path(tempfile.mkdtemp()), force=False)
     """
     dest = Path(os.path.abspath(dest))
     fix = "pull into a new or empty folder"
@@ -55,7 +55,7 @@ def check_pull_dest(store: CheckpointStore, info: CheckpointInfo | None, dest: P
             f"{dest} is the current directory or holds it, and pull replaces DEST as a whole; "
             f"nothing was changed: {fix}, e.g. ./resume"
         )
-    problem = _not_the_runs(store, info, dest)
+    problem = _not_the_runs(run_url, committed_at, info, dest)
     if problem is None:
         return
     if force:
@@ -66,7 +66,9 @@ def check_pull_dest(store: CheckpointStore, info: CheckpointInfo | None, dest: P
     )
 
 
-def _not_the_runs(store: CheckpointStore, info: CheckpointInfo | None, dest: Path) -> str | None:
+def _not_the_runs(
+    run_url: str, committed_at: CommittedAt, info: CheckpointInfo | None, dest: Path
+) -> str | None:
     """Why ``dest`` (a real folder) is not the run's to replace; None when it is (or is empty)."""
     top = sorted(entry.name for entry in os.scandir(dest))
     if not top:
@@ -75,22 +77,19 @@ def _not_the_runs(store: CheckpointStore, info: CheckpointInfo | None, dest: Pat
         return None
     step = _pulled_step(dest / MANIFEST_NAME)
     if step is None:
-        return f"is not empty ({_some(top)}) and is not an earlier pull of {store.url}"
-    try:
-        pulled: CheckpointInfo | None = store.read_manifest(step)
-    except (CheckpointNotFoundError, ManifestError):
-        pulled = None
+        return f"is not empty ({_some(top)}) and is not an earlier pull of {run_url}"
+    pulled = committed_at(step)
     if pulled is None:
         return (
-            f"holds a pull of step {step}, which is not committed in {store.url} now "
+            f"holds a pull of step {step}, which is not committed in {run_url} now "
             "(deleted since, or of another run): it may be the only copy"
         )
     unexpected = _first_unexpected_entry(dest, pulled)
     if unexpected is not None:
         return f"holds a pull of step {step} and {unexpected}"
-    if not store.local_copy_matches(pulled, dest):
+    if not local_copy_matches(pulled, dest):
         return (
-            f"holds a pull of step {step} whose files differ from that checkpoint in {store.url} "
+            f"holds a pull of step {step} whose files differ from that checkpoint in {run_url} "
             "(changed since, or of another run): it may be the only copy"
         )
     return None
