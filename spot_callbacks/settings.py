@@ -225,6 +225,17 @@ CHECKPOINT_MAX_BYTES = Knob(
     "the largest checkpoint (all its files, bytes) a manifest may announce",
 )  # fmt: skip
 
+DATA_PLANE = Knob(
+    "SPOT_DATA_PLANE", "auto", choice("auto", "fsspec", "boto3", "obstore"),
+    "which client moves payload bytes: `auto` (s3: boto3 uploads, obstore pulls), `fsspec` (all through "
+    "fsspec), `boto3` or `obstore` (s3: the one that pulls)",
+    "`auto`, `fsspec`, `boto3` or `obstore`",
+)  # fmt: skip
+TRANSFER_BUFFER_MB = Knob(
+    "SPOT_TRANSFER_BUFFER_MB", 256, positive_int,
+    "MiB of payload the data plane holds in memory at once, all files together (at least 4)",
+)  # fmt: skip
+
 KNOBS: dict[str, Knob[Any]] = {knob.name: knob for knob in list(globals().values()) if isinstance(knob, Knob)}
 
 

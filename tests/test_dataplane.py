@@ -119,12 +119,12 @@ def test_spot_data_plane_chooses_who_moves_the_bytes(choice, s3_server, tmp_path
 def test_a_bad_spot_data_plane_or_buffer_is_an_error_naming_the_knob_and_the_choices(monkeypatch, tmp_path):
     monkeypatch.setenv("SPOT_DATA_PLANE", "fastest")
     with pytest.raises(
-        ConfigError, match=r"SPOT_DATA_PLANE='fastest' is not a data plane; use one of auto, fsspec"
+        ConfigError, match=r"SPOT_DATA_PLANE='fastest': expected 'auto' or 'fsspec' or 'boto3' or 'obstore'"
     ):
         CheckpointStore(str(tmp_path / "run"))
-    with pytest.raises(ConfigError, match=r"SPOT_TRANSFER_BUFFER_MB='1' .* >= 4"):
+    with pytest.raises(ConfigError, match=r"SPOT_TRANSFER_BUFFER_MB=1 is too small a buffer; .* >= 4"):
         transfer_budget({"SPOT_TRANSFER_BUFFER_MB": "1"})
-    with pytest.raises(ConfigError, match=r"SPOT_TRANSFER_BUFFER_MB='lots'"):
+    with pytest.raises(ConfigError, match=r"SPOT_TRANSFER_BUFFER_MB='lots' is not a positive whole number"):
         transfer_budget({"SPOT_TRANSFER_BUFFER_MB": "lots"})
     assert transfer_budget({"SPOT_TRANSFER_BUFFER_MB": "1024"}).stream_chunk_bytes() == 16 * MiB
 
@@ -270,27 +270,75 @@ def test_a_lost_manifest_answer_is_read_back_while_the_fast_client_moves_the_pay
     record(FAULTS, lost.injected)
 
 
-def test_a_stream_broken_mid_file_is_retried_and_leaves_no_partial_file(s3_server, tmp_path, monkeypatch):
-    monkeypatch.setenv("SPOT_TRANSFER_BUFFER_MB", "4")  # 1 MiB chunks: the break comes after the first
-    store = CheckpointStore(s3_url(s3_server, tmp_path, "broken"), storage_options=dict(s3_server.storage_options),
+@pytest.mark.parametrize("how", ["stream", "range"])
+def test_a_transfer_broken_mid_file_is_retried_and_leaves_no_partial_file(
+    how, s3_server, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("SPOT_TRANSFER_BUFFER_MB", "4")  # 1 MiB chunks, 4 ranges in memory at most
+    store = CheckpointStore(s3_url(s3_server, tmp_path, f"broken-{how}"), storage_options=dict(s3_server.storage_options),
                             retry=FAST_RETRY)  # fmt: skip
-    contents = payload_folder(tmp_path, {"state.pt": 3 * MiB + 5})
+    # Below two chunks one streamed GET (broken after its first chunk); from two chunks on, ranges.
+    size = MiB + MiB // 2 if how == "stream" else 5 * MiB + 5
+    contents = payload_folder(tmp_path, {"state.pt": size})
     store.write_checkpoint(1, tmp_path / "src", reason="manual", framework="test")
-    real_get_chunks, broken = s3_client.get_chunks, []
+    broken: list[str] = []
+    if how == "stream":
+        real_get_chunks = s3_client.get_chunks
 
-    def breaks_once(*args: Any, **kwargs: Any) -> Any:
-        for index, chunk in enumerate(real_get_chunks(*args, **kwargs)):
-            if index == 1 and not broken:
-                broken.append(len(chunk))
-                raise ConnectionResetError("injected: connection reset by peer after the first chunk")
-            yield chunk
+        def breaks_once(*args: Any, **kwargs: Any) -> Any:
+            for index, chunk in enumerate(real_get_chunks(*args, **kwargs)):
+                if index == 1 and not broken:
+                    broken.append("after the first chunk")
+                    raise ConnectionResetError("injected: connection reset by peer after the first chunk")
+                yield chunk
 
-    monkeypatch.setattr(s3_client, "get_chunks", breaks_once)
+        monkeypatch.setattr(s3_client, "get_chunks", breaks_once)
+    else:
+        real_get_range = s3_client.get_range
+
+        def third_range_breaks_once(store: Any, key: str, start: int, end: int, url: str) -> Any:
+            if start == 2 * MiB and not broken:
+                broken.append(f"range {start}-{end}")
+                raise ConnectionResetError("injected: connection reset by peer in the third range")
+            return real_get_range(store, key, start, end, url)
+
+        monkeypatch.setattr(s3_client, "get_range", third_range_breaks_once)
     pulled = store.pull(1, tmp_path / "out" / "pulled")
     assert broken and (pulled / "state.pt").read_bytes() == contents["state.pt"]
     assert sorted(os.listdir(tmp_path / "out")) == ["pulled"]
     assert sorted(os.listdir(pulled)) == [MANIFEST_NAME, "state.pt"]
-    record(FAULTS)
+    broken.clear()
+    assert store.verify(1) and broken  # the deep verify's read is broken once too, and retried
+    record(FAULTS, 2)
+
+
+def test_ranges_hold_no_more_memory_than_the_budget_and_every_byte_is_hashed_in_order(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from spot_callbacks.store.checksums import digest_local_file
+    from spot_callbacks.store.clients.ranged import ranged_to_file
+
+    data = os.urandom(3 * 1000 + 7)
+    permits, held, most = threading.Semaphore(2), [0], [0]
+    lock, second_answered = threading.Lock(), threading.Event()
+
+    def fetch(start: int, end: int) -> bytes:
+        with lock:
+            held[0] += 1
+            most[0] = max(most[0], held[0])
+        if start == 0:  # the first range answers after the second: out of order on purpose
+            assert second_answered.wait(timeout=30)
+        with lock:
+            held[0] -= 1
+        if start == 1000:
+            second_answered.set()
+        return data[start:end]
+
+    with ThreadPoolExecutor(4) as pool:
+        digest = ranged_to_file(fetch, len(data), str(tmp_path / "a.bin"), chunk=1000, permits=permits,
+                                pool=pool, deadline=Deadline(None), what="get a.bin")  # fmt: skip
+    assert (tmp_path / "a.bin").read_bytes() == data and digest == digest_local_file(tmp_path / "a.bin")
+    assert most[0] <= 2 and permits.acquire(blocking=False) and permits.acquire(blocking=False)
 
 
 def test_a_streamed_attempt_past_its_time_stops_by_itself_and_removes_what_it_wrote(tmp_path):
@@ -306,8 +354,12 @@ def test_a_streamed_attempt_past_its_time_stops_by_itself_and_removes_what_it_wr
     assert os.listdir(tmp_path) == ["x.bin"]
 
 
-def test_damaged_and_missing_payloads_are_caught_by_the_fast_pull_and_the_deep_verify(s3_server, tmp_path):
-    store = CheckpointStore(s3_url(s3_server, tmp_path, "damage"), storage_options=dict(s3_server.storage_options),
+@pytest.mark.parametrize("buffer_mb", ["256", "4"], ids=["streamed", "ranged"])
+def test_damaged_and_missing_payloads_are_caught_by_the_fast_pull_and_the_deep_verify(
+    buffer_mb, s3_server, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("SPOT_TRANSFER_BUFFER_MB", buffer_mb)  # 4: 1 MiB chunks, the 2 MiB file in ranges
+    store = CheckpointStore(s3_url(s3_server, tmp_path, f"damage-{buffer_mb}"), storage_options=dict(s3_server.storage_options),
                             retry=FAST_RETRY)  # fmt: skip
     contents = payload_folder(tmp_path, {"state.pt": 2 * MiB, "extra.bin": 100})
     store.write_checkpoint(1, tmp_path / "src", reason="manual", framework="test")

@@ -17,7 +17,7 @@ The fast client is built from the store's own fsspec filesystem (same credential
 region, options); anything it cannot honour, a missing extra, or ``$SPOT_DATA_PLANE=fsspec``
 leaves the bytes on fsspec, and the log says once which client moves them and why.
 
-Knobs (``# settings: move to settings.py`` once it exists):
+Knobs (in :mod:`spot_callbacks.settings`):
 
 - ``SPOT_DATA_PLANE``: ``auto`` (default), ``fsspec`` (everything through fsspec), ``boto3`` (s3: boto3
   pulls too), ``obstore`` (s3: obstore must pull; a store it cannot serve falls back to fsspec).
@@ -28,14 +28,13 @@ Knobs (``# settings: move to settings.py`` once it exists):
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping
 from typing import Any
 
+import spot_callbacks.settings as settings
 from spot_callbacks.errors import ConfigError
 from spot_callbacks.store.checksums import FileDigest, digest_chunks, digest_local_file, read_blocks
 from spot_callbacks.store.clients.base import (
-    DEFAULT_BUFFER_BYTES,
     DataPlane,
     MiB,
     TransferBudget,
@@ -46,54 +45,37 @@ from spot_callbacks.store.transfer import put_file
 
 log = logging.getLogger("spot_callbacks")
 
-DATA_PLANE_ENV = "SPOT_DATA_PLANE"
-DATA_PLANE_CHOICES = ("auto", "fsspec", "boto3", "obstore")
-BUFFER_ENV = "SPOT_TRANSFER_BUFFER_MB"
+DATA_PLANE_ENV = settings.DATA_PLANE.name
+BUFFER_ENV = settings.TRANSFER_BUFFER_MB.name
 MIN_BUFFER_MB = 4
 _S3_PROTOCOLS = {"s3", "s3a"}
 _said: set[tuple[str, str]] = set()
 
 
-def data_plane_choice(environ: Mapping[str, str] | None = None) -> str:  # settings: move to settings.py
+def data_plane_choice(environ: Mapping[str, str] | None = None) -> str:
     """``$SPOT_DATA_PLANE``: which client moves payload bytes (``auto`` unless set).
 
     Example:
         >>> data_plane_choice({}), data_plane_choice({"SPOT_DATA_PLANE": " FSspec "})
         ('auto', 'fsspec')
     """
-    environ = os.environ if environ is None else environ
-    value = environ.get(DATA_PLANE_ENV, "").strip().lower() or "auto"
-    if value not in DATA_PLANE_CHOICES:
-        raise ConfigError(
-            f"{DATA_PLANE_ENV}={environ.get(DATA_PLANE_ENV)!r} is not a data plane; use one of "
-            f"{', '.join(DATA_PLANE_CHOICES)} (auto: the fastest client installed)"
-        )
-    return value
+    return settings.DATA_PLANE.value(environ)
 
 
-def transfer_budget(
-    environ: Mapping[str, str] | None = None,
-) -> TransferBudget:  # settings: move to settings.py
+def transfer_budget(environ: Mapping[str, str] | None = None) -> TransferBudget:
     """``$SPOT_TRANSFER_BUFFER_MB``: the data plane's memory for payload bytes in flight (MiB, default 256).
 
     Example:
         >>> transfer_budget({}).buffer_bytes // MiB, transfer_budget({"SPOT_TRANSFER_BUFFER_MB": "64"}).buffer_bytes // MiB
         (256, 64)
     """
-    environ = os.environ if environ is None else environ
-    text = environ.get(BUFFER_ENV, "").strip()
-    if not text:
-        return TransferBudget(DEFAULT_BUFFER_BYTES)
-    try:
-        megabytes = float(text)
-    except ValueError:
-        megabytes = float("nan")
-    if not MIN_BUFFER_MB <= megabytes < float("inf"):
+    megabytes = settings.TRANSFER_BUFFER_MB.value(environ)
+    if megabytes < MIN_BUFFER_MB:
         raise ConfigError(
-            f"{BUFFER_ENV}={text!r} is not a buffer size; use a number of MiB >= {MIN_BUFFER_MB}, "
+            f"{BUFFER_ENV}={megabytes!r} is too small a buffer; use a number of MiB >= {MIN_BUFFER_MB}, "
             f"e.g. {BUFFER_ENV}=256"
         )
-    return TransferBudget(int(megabytes * MiB))
+    return TransferBudget(megabytes * MiB)
 
 
 class FsspecPlane:
@@ -121,13 +103,20 @@ class FsspecPlane:
     def upload(self, local_path: str, remote_path: str) -> None:
         put_file(self._fs, local_path, remote_path)
 
-    def download(self, remote_path: str, local_path: str, timeout_s: float | None) -> FileDigest:
+    def download(
+        self, remote_path: str, local_path: str, timeout_s: float | None, expected_size: int | None = None
+    ) -> FileDigest:
         self._fs.get_file(remote_path, local_path)
         return digest_local_file(local_path)
 
-    def digest(self, remote_path: str, timeout_s: float | None) -> FileDigest:
+    def digest(
+        self, remote_path: str, timeout_s: float | None, expected_size: int | None = None
+    ) -> FileDigest:
         with self._fs.open(remote_path, "rb") as handle:
             return digest_chunks(read_blocks(handle))
+
+    def prepare(self) -> None:
+        """Nothing to build: the filesystem is the client."""
 
 
 def select_data_plane(fs: Any, environ: Mapping[str, str] | None = None) -> DataPlane:

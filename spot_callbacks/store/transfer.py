@@ -226,7 +226,9 @@ def verify_checksums(plane: DataPlane, retry: RetryPolicy, info: CheckpointInfo,
         timeout_s = retry.timeout_for(expected.size)
         remote = posixpath.join(folder, name)
         actual = retry.call(
-            lambda: plane.digest(remote, timeout_s), f"read {info.url}/{name}", timeout_s=timeout_s
+            lambda: plane.digest(remote, timeout_s, expected.size),
+            f"read {info.url}/{name}",
+            timeout_s=timeout_s,
         )
         if actual != expected:
             raise CorruptCheckpointError(
@@ -258,7 +260,7 @@ def pull_into(
         expected = info.files[name]
         timeout_s = retry.timeout_for(expected.size)
         actual = retry.call(
-            lambda: plane.download(remote, str(local), timeout_s),
+            lambda: plane.download(remote, str(local), timeout_s, expected.size),
             f"download {info.url}/{name}",
             timeout_s=timeout_s,
         )

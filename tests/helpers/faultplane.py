@@ -88,10 +88,15 @@ class FaultyPlane:
                 if self._holding == 0:
                     self.held_writes_done.set()
 
-    def download(self, remote_path: str, local_path: str, timeout_s: float | None) -> Any:
+    def download(
+        self, remote_path: str, local_path: str, timeout_s: float | None, expected_size: Any = None
+    ) -> Any:
         self._before("download", remote_path, write=False)
-        return self.inner.download(remote_path, local_path, timeout_s)
+        return self.inner.download(remote_path, local_path, timeout_s, expected_size)
 
-    def digest(self, remote_path: str, timeout_s: float | None) -> Any:
+    def digest(self, remote_path: str, timeout_s: float | None, expected_size: Any = None) -> Any:
         self._before("digest", remote_path, write=False)
-        return self.inner.digest(remote_path, timeout_s)
+        return self.inner.digest(remote_path, timeout_s, expected_size)
+
+    def prepare(self) -> None:
+        self.inner.prepare()

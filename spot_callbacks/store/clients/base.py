@@ -34,8 +34,9 @@ class TransferBudget:
     """How much payload the data plane may hold in memory at once, whatever the number of files.
 
     ``buffer_bytes`` (``$SPOT_TRANSFER_BUFFER_MB``, default 256 MiB) is shared by every stream in
-    flight: a pull holds at most two chunks per stream; boto3's uploads read each part from the
-    scratch file as they send it and hold no part buffers at all.
+    flight: a streamed pull holds at most two chunks per stream, ranged pulls one permit per range
+    in flight or waiting for the hash (:meth:`range_permits`, shared by all files); boto3's
+    uploads read each part from the scratch file as they send it and hold no part buffers at all.
 
     Example:
         >>> TransferBudget(256 * MiB).stream_chunk_bytes() // MiB
@@ -47,9 +48,19 @@ class TransferBudget:
     buffer_bytes: int = DEFAULT_BUFFER_BYTES
 
     def stream_chunk_bytes(self, streams: int = PULL_STREAMS) -> int:
-        """The chunk of one streamed GET when ``streams`` run at once (two chunks each in memory)."""
+        """The chunk of one streamed GET (or one ranged GET) when ``streams`` run at once (two chunks
+        each in memory)."""
         chunk = self.buffer_bytes // (2 * max(1, streams))
         return max(MIN_STREAM_CHUNK_BYTES, min(MAX_STREAM_CHUNK_BYTES, chunk))
+
+    def range_permits(self) -> int:
+        """How many ranges of :meth:`stream_chunk_bytes` all ranged pulls together may hold (at least 2).
+
+        Example:
+            >>> TransferBudget(256 * MiB).range_permits()
+            16
+        """
+        return max(2, self.buffer_bytes // self.stream_chunk_bytes())
 
 
 class DataPlane(Protocol):
@@ -70,10 +81,21 @@ class DataPlane(Protocol):
         """Put the local file at ``remote_path`` whole (an object PUT replaces the object at once)."""
         ...
 
-    def download(self, remote_path: str, local_path: str, timeout_s: float | None) -> FileDigest:
-        """Write ``remote_path`` to ``local_path`` whole or not at all; return the digest of what arrived."""
+    def download(
+        self, remote_path: str, local_path: str, timeout_s: float | None, expected_size: int | None = None
+    ) -> FileDigest:
+        """Write ``remote_path`` to ``local_path`` whole or not at all; return the digest of what arrived.
+
+        ``expected_size`` (the manifest's) only chooses how to fetch (one stream or ranges); the
+        digest is of the object as it is."""
         ...
 
-    def digest(self, remote_path: str, timeout_s: float | None) -> FileDigest:
+    def digest(
+        self, remote_path: str, timeout_s: float | None, expected_size: int | None = None
+    ) -> FileDigest:
         """Read every byte of ``remote_path`` and return its digest (nothing is written)."""
+        ...
+
+    def prepare(self) -> None:
+        """Start building the client in the background, before the first transfer needs it."""
         ...

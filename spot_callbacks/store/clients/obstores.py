@@ -60,6 +60,26 @@ def get_chunks(store: Any, key: str, chunk_bytes: int, url: str) -> Iterator[Any
         raise translated(err, url) from err
 
 
+def object_size(store: Any, key: str, url: str) -> int:
+    """The object's size in bytes (a HEAD), errors translated."""
+    import obstore
+
+    try:
+        return int(obstore.head(store, key)["size"])
+    except Exception as err:  # noqa: BLE001 - re-raised as the class fsspec would raise
+        raise translated(err, url) from err
+
+
+def get_range(store: Any, key: str, start: int, end: int, url: str) -> Any:
+    """Bytes ``start`` to ``end`` (exclusive) of the object, errors translated."""
+    import obstore
+
+    try:
+        return obstore.get_range(store, key, start=start, end=end)
+    except Exception as err:  # noqa: BLE001 - re-raised as the class fsspec would raise
+        raise translated(err, url) from err
+
+
 def translated(error: BaseException, url: str) -> BaseException:
     """obstore's ``error`` as the builtin class an fsspec backend raises for the same answer.
 

@@ -17,7 +17,9 @@ clients keep the cloud's own checks.
 
 from __future__ import annotations
 
+import functools
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -31,9 +33,12 @@ from spot_callbacks.store.clients.base import (
 from spot_callbacks.store.clients.obstores import (
     client_options,
     get_chunks,
+    get_range,
+    object_size,
     obstore_installed,
     retry_config,
 )
+from spot_callbacks.store.clients.ranged import MAX_WINDOW, ranged_digest, ranged_to_file
 from spot_callbacks.store.clients.streams import Deadline, digest_stream, stream_to_file
 
 # What boto3.session.Session(...).client("s3", ...) takes besides config: s3fs passes client_kwargs there.
@@ -104,9 +109,16 @@ class S3Plane:
         self._client: Any = None
         self._manager: Any = None
         self._obstores: dict[str, Any] = {}
+        self._ranges: ThreadPoolExecutor | None = None
+        self._permits = threading.Semaphore(budget.range_permits())
 
     def serves(self, fs: Any) -> bool:
         return fs is self._fs
+
+    def prepare(self) -> None:
+        """Build the clients in the background (a resume lists the store first, then pulls at once:
+        loading boto3's S3 model takes a few hundred ms a listing can hide)."""
+        threading.Thread(target=self._boto, name="spot-s3-clients", daemon=True).start()
 
     # ------------------------------------------------------------------ transfers
     def upload(self, local_path: str, remote_path: str) -> None:
@@ -114,31 +126,57 @@ class S3Plane:
         with _boto_errors():
             self._transfers().upload(local_path, bucket, key, extra_args=dict(self._upload_args)).result()
 
-    def download(self, remote_path: str, local_path: str, timeout_s: float | None) -> FileDigest:
+    def download(
+        self, remote_path: str, local_path: str, timeout_s: float | None, expected_size: int | None = None
+    ) -> FileDigest:
         bucket, key = self._split(remote_path)
-        what = f"download s3://{bucket}/{key}"
+        url = f"s3://{bucket}/{key}"
+        what, deadline = f"download {url}", Deadline(timeout_s)
         if self.pull_with == "obstore":
-            chunks = get_chunks(
-                self._obstore(bucket), key, self._budget.stream_chunk_bytes(), f"s3://{bucket}/{key}"
-            )
-            return stream_to_file(chunks, local_path, Deadline(timeout_s), what)
+            store, chunk = self._obstore(bucket), self._budget.stream_chunk_bytes()
+            if self._ranged(expected_size):
+                total = object_size(store, key, url)
+                fetch = functools.partial(get_range, store, key, url=url)
+                return ranged_to_file(
+                    fetch, total, local_path, chunk=chunk,
+                    permits=self._permits, pool=self._range_pool(), deadline=deadline, what=what,
+                )  # fmt: skip
+            return stream_to_file(get_chunks(store, key, chunk, url), local_path, deadline, what)
         with _boto_errors():
             # s3transfer writes ranged GETs out of order into a temporary it renames: hash after.
             self._transfers().download(bucket, key, local_path, extra_args=dict(self._read_args)).result()
         return digest_local_file(local_path)
 
-    def digest(self, remote_path: str, timeout_s: float | None) -> FileDigest:
+    def digest(
+        self, remote_path: str, timeout_s: float | None, expected_size: int | None = None
+    ) -> FileDigest:
         bucket, key = self._split(remote_path)
-        what, url = f"read s3://{bucket}/{key}", f"s3://{bucket}/{key}"
-        chunk_bytes = self._budget.stream_chunk_bytes()
+        url = f"s3://{bucket}/{key}"
+        what, deadline = f"read {url}", Deadline(timeout_s)
+        chunk = self._budget.stream_chunk_bytes()
         if self.pull_with == "obstore":
-            return digest_stream(
-                get_chunks(self._obstore(bucket), key, chunk_bytes, url), Deadline(timeout_s), what
-            )
+            store = self._obstore(bucket)
+            if self._ranged(expected_size):
+                fetch = functools.partial(get_range, store, key, url=url)
+                return ranged_digest(
+                    fetch, object_size(store, key, url), chunk=chunk,
+                    permits=self._permits, pool=self._range_pool(), deadline=deadline, what=what,
+                )  # fmt: skip
+            return digest_stream(get_chunks(store, key, chunk, url), deadline, what)
         with _boto_errors():
             body = self._boto()[1].get_object(Bucket=bucket, Key=key, **self._read_args)["Body"]
             with body:
-                return digest_stream(body.iter_chunks(chunk_bytes), Deadline(timeout_s), what)
+                return digest_stream(body.iter_chunks(chunk), deadline, what)
+
+    def _ranged(self, expected_size: int | None) -> bool:
+        """Ranges for a file of two chunks or more; one streamed GET below (one request, no HEAD)."""
+        return expected_size is not None and expected_size >= 2 * self._budget.stream_chunk_bytes()
+
+    def _range_pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._ranges is None:
+                self._ranges = ThreadPoolExecutor(max_workers=MAX_WINDOW, thread_name_prefix="spot-range")
+            return self._ranges
 
     # ------------------------------------------------------------------ clients
     def _split(self, remote_path: str) -> tuple[str, str]:
@@ -267,14 +305,21 @@ def _boto3_client(
     from botocore.config import Config
 
     session = boto3.session.Session(botocore_session=botocore.session.Session(**getattr(fs, "kwargs", {})))
-    client = session.client("s3", config=Config(**config), **init, **client_kwargs)
-    if client.meta.endpoint_url.startswith("http://"):
+    endpoint = client_kwargs.get("endpoint_url") or init.get("endpoint_url")
+    plain_http = endpoint.startswith("http://") if endpoint else not init.get("use_ssl", True)
+    client = None
+    if not plain_http:  # known https, or an endpoint only botocore resolves (the environment, a profile)
+        client = session.client("s3", config=Config(**config), **init, **client_kwargs)
+        plain_http = client.meta.endpoint_url.startswith("http://")
+    if plain_http:
         # Plain http: botocore would SHA-256 every payload for the signature and CRC32 it too; the
-        # manifest's xxh3 is checked on every pull instead. The user's own settings win.
+        # manifest's xxh3 is checked on every pull instead. The user's own settings win. Responses
+        # keep their validation: objects uploaded so carry no checksum to check, and with it off
+        # s3transfer skips its HEAD for a first ranged GET past the end of small objects, which
+        # some S3-compatible servers refuse (nanio: InvalidArgument).
         plain = dict(config)
         plain["s3"] = {"payload_signing_enabled": False, **(config.get("s3") or {})}
         plain.setdefault("request_checksum_calculation", "when_required")
-        plain.setdefault("response_checksum_validation", "when_required")
         client = session.client("s3", config=Config(**plain), **init, **client_kwargs)
     return session, client
 
