@@ -84,10 +84,10 @@ def assert_one_error_line(err: str) -> str:
 
 
 def test_ls_lists_steps_and_marks_a_truncated_one_invalid(store, store_url, run, tmp_path):
-    if store.is_local:  # an existing empty folder; a missing one is an error (test_store_hardening)
+    if store.is_local:  # an existing empty folder: as empty as a prefix with nothing under it
         Path(store.root).mkdir(parents=True)
-    code, out, _ = run("ls", store_url.url)
-    assert (code, out) == (0, f"no committed checkpoints in {store.url}\n")
+    code, out, err = run("ls", store_url.url)
+    assert (code, out) == (1, "") and f"nothing is stored under {store.url}" in assert_one_error_line(err)
 
     for step in (100, 200, 300):
         contents = commit(store, tmp_path, step)
@@ -128,14 +128,18 @@ def test_verify_checks_checksums_and_names_the_altered_file(store, store_url, ru
     assert code == 1 and "no committed checkpoint at step 7" in assert_one_error_line(err)
 
 
-def test_verify_with_nothing_committed_fails(store_url, run):
+def test_verify_with_nothing_committed_fails(store, store_url, run):
+    code, _, err = run("verify", store_url.url)  # a prefix with nothing under it (a missing local folder)
+    assert code == 1 and f"nothing is stored under {store.url}" in assert_one_error_line(err)
+    store.fs.makedirs(posixpath.join(store.root, "step-000000005"), exist_ok=True)
+    store.fs.pipe_file(posixpath.join(store.root, "step-000000005", "state.pt"), b"never committed")
     code, _, err = run("verify", store_url.url)
     assert code == 1 and "no committed checkpoints in" in assert_one_error_line(err)
 
 
 def test_pull_writes_the_newest_valid_checkpoint(store, store_url, run, tmp_path):
     code, _, err = run("pull", store_url.url, str(tmp_path / "nothing"))
-    assert code == 1 and "no valid committed checkpoint" in assert_one_error_line(err)
+    assert code == 1 and f"nothing is stored under {store.url}" in assert_one_error_line(err)
 
     first = commit(store, tmp_path, 1)
     second = commit(store, tmp_path, 2)
@@ -184,8 +188,8 @@ def test_rm_deletes_the_manifest_first_and_protects_the_newest_valid(
     assert code == 0, err
     assert store.committed() == []
 
-    code, _, err = run("rm", store_url.url, "--step", "2", "--yes")
-    assert code == 1 and "no checkpoint at step 2" in assert_one_error_line(err)
+    code, _, err = run("rm", store_url.url, "--step", "2", "--yes")  # the run folder is empty now
+    assert code == 1 and f"nothing is stored under {store.url}" in assert_one_error_line(err)
 
 
 def test_rm_asks_on_a_terminal_and_requires_yes_otherwise(store, store_url, run, tmp_path, monkeypatch):
@@ -251,6 +255,7 @@ def test_secret_echoed_by_a_backend_is_redacted_from_errors_and_logs(capsys, mon
 
     monkeypatch.setattr(CheckpointStore, "committed", leaky_committed)
     options = json.dumps({"password": FAKE_SECRET})
+    CheckpointStore("memory://cli-leak").fs.pipe_file("/cli-leak/step-000000001/state.pt", b"x")
 
     assert main(["--storage-options", options, "ls", "memory://cli-leak"]) == 1
     out, err = capsys.readouterr()
@@ -258,7 +263,8 @@ def test_secret_echoed_by_a_backend_is_redacted_from_errors_and_logs(capsys, mon
     assert "retrying with secret=***" in err
     error_lines = [line for line in err.splitlines() if line.startswith("spot-callbacks: error:")]
     assert error_lines == [
-        "spot-callbacks: error: PermissionError: denied for credential *** second line (-v shows the traceback)"
+        "spot-callbacks: error: permission denied reading 'cli-leak': PermissionError: denied for credential ***. "
+        "Fix: grant this identity read and list on it, or use other credentials"
     ]
 
     assert main(["-v", "ls", "memory://cli-leak", "--storage-options", options]) == 1  # with the traceback
@@ -289,7 +295,7 @@ def test_storage_options_from_a_file_and_after_the_command(capsys, tmp_path):
     options_file = tmp_path / "options.json"
     options_file.write_text(json.dumps({"auto_mkdir": False}))
     url = (tmp_path / "run").as_uri()
-    (tmp_path / "run").mkdir()  # an existing empty folder; a missing one is an error (test_store_hardening)
+    (tmp_path / "run" / "step-000000001").mkdir(parents=True)  # an upload that never committed
     assert main(["ls", url, "--storage-options", f"@{options_file}"]) == 0
     assert capsys.readouterr().out.startswith("no committed checkpoints in file://")
 
@@ -335,7 +341,8 @@ def test_console_script_help_runs():
         text=True,
         timeout=120,
     )
-    assert (result.returncode, result.stdout) == (0, "no committed checkpoints in memory:///cli-subprocess\n")
+    assert (result.returncode, result.stdout) == (1, "")
+    assert "nothing is stored under memory:///cli-subprocess" in result.stderr
 
 
 # ------------------------------------------------------------------------------------ report
@@ -417,10 +424,8 @@ def test_report_reads_the_runs_history_from_its_manifests(store, store_url, run,
 
 def test_report_without_prices_without_a_ledger_and_without_checkpoints(capsys, tmp_path):
     url = f"memory://cli-report-{tmp_path.name}/run"
-    assert main(["report", url]) == 0
-    assert (
-        capsys.readouterr().out == f"no committed checkpoints in memory:///cli-report-{tmp_path.name}/run\n"
-    )
+    assert main(["report", url]) == 1
+    assert f"nothing is stored under memory:///cli-report-{tmp_path.name}/run" in capsys.readouterr().err
     store = CheckpointStore(url)
     for step in (1, 2):
         commit(store, tmp_path, step)  # manifests written without a ledger (older versions, other tools)

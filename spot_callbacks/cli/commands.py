@@ -19,9 +19,11 @@ Nothing this command prints contains a storage option's value: any of them may b
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import math
 import os
+import posixpath
 import sys
 import traceback
 from collections.abc import Callable
@@ -29,6 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timezone
 from pathlib import Path
 from typing import Any
+
+import fsspec
 
 from spot_callbacks import __version__
 from spot_callbacks.accounting.costs import plan_job
@@ -51,17 +55,24 @@ from spot_callbacks.errors import (
     ConfigError,
     ManifestError,
     SpotError,
+    StoreUnavailableError,
 )
 from spot_callbacks.progress import is_terminal, reporting_on_a_terminal, reporting_pull
 from spot_callbacks.store import CheckpointInfo, CheckpointStore
 from spot_callbacks.store.commit import Verdict
+from spot_callbacks.store.diagnosis import diagnose
+from spot_callbacks.store.layout import list_folder
+from spot_callbacks.store.preflight import probe_readable
 from spot_callbacks.store.pull_dest import check_pull_dest
+from spot_callbacks.store.retry import call_with_timeout
 
 log = logging.getLogger("spot_callbacks")
 
 PROG = "spot-callbacks"
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 _SIZE_CHECK_THREADS = 8
+_HINT_TIMEOUT_S = 10.0  # the listing of the folder above a URL with nothing under it, for "did you mean"
+_HINT_NAMES = 8
 
 
 class CliError(SpotError):
@@ -72,13 +83,13 @@ class CliError(SpotError):
 def main(argv: list[str] | None = None) -> int:
     """Run ``spot-callbacks`` with ``argv`` (default: the process arguments); return the exit status.
 
-    0 on success, 1 on an error (one line on stderr: ``spot-callbacks: error: ...``; ``-v`` adds
-    the traceback), 2 on a usage error.
+    0 on success, 1 on an error (one line on stderr: ``spot-callbacks: error: ...``, with the cause and
+    the fix; ``-v`` adds the traceback), 2 on a usage error. A store that cannot be read fails within
+    the bounds of training's preflight (``$SPOT_PREFLIGHT_TIMEOUT_S``, 60 s; a refused connection half).
 
     Example:
         >>> main(["ls", "memory://doc-cli/empty-run"])
-        no committed checkpoints in memory:///doc-cli/empty-run
-        0
+        1
     """
     parser = build_parser()
     try:
@@ -106,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:
         if verbosity:
             sys.stderr.write(redact("".join(traceback.format_exception(err))))
-        _print_error(describe_error(err, verbose=bool(verbosity)), redact)
+        _print_error(describe_error(err, verbose=bool(verbosity), url=getattr(args, "url", "")), redact)
         return EXIT_ERROR
     finally:
         restore_logging()
@@ -296,8 +307,7 @@ def _cmd_ls(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
     verdicts = [Verdict(info.step, info.url, info, None) for info in infos]
     if infos or store.step_folders():  # a manifest that cannot be trusted is listed as damaged
         verdicts = store.manifest_verdicts()
-    if not verdicts:
-        _refuse_missing_root(store)
+    if not verdicts:  # the folder holds something (an upload that never committed, a lock), not a checkpoint
         print(f"no committed checkpoints in {store.url}")
         return EXIT_OK
     problems = size_problems(store, [verdict.info for verdict in verdicts if verdict.info is not None])
@@ -361,14 +371,6 @@ def newest_valid_lineage(
     return lineage, notes
 
 
-def _refuse_missing_root(store: CheckpointStore) -> None:
-    """Raise :class:`CliError` when the run folder (or its bucket) does not exist: a typo in the URL
-    is not an empty run."""
-    why = store.missing_reason()
-    if why is not None:
-        raise CliError(f"cannot read {store.url}: {why}")
-
-
 def _cmd_verify(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
     store = _open_store(args.url, storage_options)
     if args.step is None:
@@ -402,7 +404,9 @@ def _cmd_pull(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
         )
     step = info.step
     dest = Path(os.path.abspath(Path(args.dest).expanduser()))
-    check_pull_dest(store.url, store.committed_at, None, dest, force=args.force)  # stricter than the library: DEST is the user's
+    check_pull_dest(
+        store.url, store.committed_at, None, dest, force=args.force
+    )  # stricter than the library: DEST is the user's
     with reporting_pull(store, info):
         pulled = store.pull(step, dest, force=True)  # links, files and the working directory stay refused
     log.info("%s: pulled step %d from %s", PROG, step, store.url)
@@ -445,7 +449,6 @@ def _cmd_report(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
     store = _open_store(args.url, storage_options)
     committed_checkpoints = store.committed()
     if not committed_checkpoints:
-        _refuse_missing_root(store)
         print(f"no committed checkpoints in {store.url}")
         return EXIT_OK
     lineage, notes = newest_valid_lineage(store, committed_checkpoints)
@@ -543,20 +546,37 @@ def parse_storage_options(text: str | None) -> dict[str, Any]:
         raise CliError(str(err)) from None
 
 
-def describe_error(err: BaseException, verbose: bool = False) -> str:
-    """One line saying what went wrong: checkpoint errors as they are, others with their type.
+def describe_error(err: BaseException, verbose: bool = False, url: str = "") -> str:
+    """One line saying what went wrong: our own errors as they are; a store's with the cause and the fix
+    that training's diagnosis gives (:mod:`spot_callbacks.store.diagnosis`), others with their type.
 
     Example:
-        >>> describe_error(PermissionError("Access Denied"))
-        'PermissionError: Access Denied (-v shows the traceback)'
+        >>> describe_error(ValueError("bad"))
+        'ValueError: bad (-v shows the traceback)'
+        >>> describe_error(ConnectionRefusedError(111, "Connection refused"), url="s3://b/run")  # doctest: +ELLIPSIS
+        "nothing accepts connections at the store's endpoint (...). Fix: check endpoint_url ..."
     """
-    if isinstance(err, (CliError, CheckpointError)):
+    if isinstance(err, StoreUnavailableError):
+        message = _store_unavailable(url or err.dirpath, err)
+    elif isinstance(err, (CliError, CheckpointError, ConfigError)):
         message = str(err)
     else:
-        message = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
-        if not verbose:
-            message += " (-v shows the traceback)"
+        protocol = fsspec.core.split_protocol(url)[0] or "file"
+        bucket = url.split("://", 1)[-1].lstrip("/").split("/")[0]
+        found = diagnose(err, protocol, bucket, reading=True)
+        if found.specific:
+            message = f"{found.cause}. Fix: {found.fix}"
+        else:
+            message = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+            if not verbose:
+                message += " (-v shows the traceback)"
     return " ".join(message.split())
+
+
+def _store_unavailable(url: str, err: StoreUnavailableError) -> str:
+    # Training's wording ("could not list dirpath: ...") said for a read of a URL.
+    cause = err.cause.partition(": ")[2] if err.cause.startswith("could not ") else err.cause
+    return f"cannot read {url}: {cause}. Fix: {err.fix}".replace("in dirpath", "in the URL")
 
 
 def size_problems(store: CheckpointStore, infos: list[CheckpointInfo]) -> dict[int, str | None]:
@@ -582,10 +602,45 @@ def size_problems(store: CheckpointStore, infos: list[CheckpointInfo]) -> dict[i
 
 
 def _open_store(url: str, storage_options: dict[str, Any]) -> CheckpointStore:
+    """The store of ``url``, proven readable within training's preflight bounds, with something in it.
+
+    A store that cannot be read raises one line with the cause and the fix (no backend retries or
+    tracebacks); a missing bucket, a missing folder and an empty prefix (a typo: an object store
+    has no folders to miss) are errors that name it, and the closest name beside it.
+    """
     try:
-        return CheckpointStore(url, storage_options=storage_options)
-    except Exception as err:  # unknown protocol, missing backend package, bad option name
-        raise CliError(f"cannot open {url}: {describe_error(err, verbose=True)}") from err
+        store = CheckpointStore(url, storage_options=storage_options)
+    except (SpotError, ImportError):
+        raise
+    except Exception as err:  # a backend that refuses its options as it is built
+        raise CliError(f"cannot open {url}: {describe_error(err, verbose=True, url=url)}") from err
+    if not probe_readable(store):
+        raise CliError(f"nothing is stored under {store.url}{_nearby_names(store)}")
+    return store
+
+
+def _nearby_names(store: CheckpointStore) -> str:
+    """``(...); did you mean ...?`` from the folder above (a prefix typo such as ``runs/dem0``), else what
+    is there."""
+    root = store.root.rstrip("/")
+    parent, name = posixpath.dirname(root), posixpath.basename(root)
+    if not parent or parent == root or "/" not in root.lstrip("/"):
+        return " (no such folder or prefix; check the URL)"
+    try:
+        entries = call_with_timeout(
+            lambda: list_folder(store.fs, parent), _HINT_TIMEOUT_S, "list the folder above"
+        )
+    except Exception:  # noqa: BLE001 - only a hint: the error already names the URL
+        entries = []
+    siblings = sorted({posixpath.basename(entry.rstrip("/")) for entry in entries} - {name, ""})
+    close = difflib.get_close_matches(name, siblings, n=3, cutoff=0.6)
+    if close:
+        names = " or ".join(repr(store.url_of(posixpath.join(parent, sibling))) for sibling in close)
+        return f" (no such folder or prefix); did you mean {names}?"
+    if siblings:
+        shown = ", ".join(siblings[:_HINT_NAMES]) + (", ..." if len(siblings) > _HINT_NAMES else "")
+        return f" (no such folder or prefix; {store.url_of(parent)} holds: {shown})"
+    return f" (no such folder or prefix, and nothing under {store.url_of(parent)} either; check the URL)"
 
 
 def _confirm(question: str) -> bool:

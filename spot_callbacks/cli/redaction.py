@@ -93,7 +93,16 @@ def install_log_handler(verbosity: int, redact: Redactor) -> Callable[[], None]:
         logger.addHandler(handler)
         logger.setLevel(level)
 
+    # Backends log each retry, some with a traceback (gcsfs: six per dead endpoint), through loggers
+    # with no handler, which Python then prints to stderr: the one diagnosed line says it instead.
+    # -v shows them.
+    quiet = logging.NullHandler()
+    root = logging.getLogger()
+    if not verbosity:
+        root.addHandler(quiet)
+
     def restore() -> None:
+        root.removeHandler(quiet)
         for name, level in previous_levels.items():
             logger = logging.getLogger(name)
             logger.removeHandler(handler)

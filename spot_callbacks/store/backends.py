@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import inspect
 import re
 from typing import Any
 
 import fsspec
 
-from spot_callbacks.errors import UnknownStoreError
+from spot_callbacks.errors import ConfigError, StoreUnavailableError, UnknownStoreError
 
 # protocol -> (the package that implements it, the spot-callbacks extra that installs it)
 CLOUD_BACKENDS: dict[str, tuple[str, str]] = {
@@ -54,7 +55,12 @@ def resolve_filesystem(dirpath: str, storage_options: dict[str, Any] | None) -> 
     protocol, _ = fsspec.core.split_protocol(dirpath)
     if protocol is not None:
         check_protocol(dirpath, protocol)
-    return fsspec.core.url_to_fs(dirpath, **with_backend_defaults(protocol, storage_options))
+        check_option_names(protocol, storage_options)
+    try:
+        return fsspec.core.url_to_fs(dirpath, **with_backend_defaults(protocol, storage_options))
+    except (ImportError, TypeError, ValueError) as err:  # a backend refusing its options as it is built
+        raise_diagnosed(dirpath, protocol or "file", err)
+        raise
 
 
 def misread_url(dirpath: str) -> tuple[str, str] | None:
@@ -129,6 +135,89 @@ def check_protocol(dirpath: str, protocol: str) -> None:
             fix,
             err,
         ) from None
+
+
+# Keys every fsspec filesystem takes beyond its class's own signature (fsspec.spec._Cached, AbstractFileSystem).
+_FSSPEC_OPTION_NAMES = frozenset(
+    {"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths", "asynchronous", "loop"}
+)
+# Keys a backend hands on through its **kwargs to what it builds (s3fs: the aiobotocore session;
+# gcsfs: its retry budget), by the package's protocol.
+_PASSED_ON_OPTION_NAMES = {
+    "s3fs": frozenset({"session_vars", "event_hooks", "include_builtin_handlers", "profile"}),
+    "gcsfs": frozenset({"retry_timeout"}),
+}
+# s3fs hands every other key to AioSession, which raises TypeError at the first request: any
+# unknown key is an error there; elsewhere an unknown key may be read from **kwargs, so only a
+# near miss of a known one is.
+_STRICT_PACKAGES = frozenset({"s3fs"})
+
+
+def option_names(protocol: str) -> frozenset[str]:
+    """The ``storage_options`` keys the backend of ``protocol`` accepts: its class's signature (and its
+    bases'), fsspec's own, and what it hands on to the client it builds.
+
+    Example:
+        >>> "endpoint_url" in option_names("s3"), "endpoint" in option_names("s3")
+        (True, False)
+    """
+    cls = fsspec.get_filesystem_class(protocol)
+    names: set[str] = set(_FSSPEC_OPTION_NAMES)
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        try:
+            parameters = inspect.signature(init).parameters.values()
+        except (TypeError, ValueError):
+            continue
+        names.update(p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    names.discard("self")
+    return frozenset(names | _PASSED_ON_OPTION_NAMES.get(cls.__module__.split(".")[0], frozenset()))
+
+
+def check_option_names(protocol: str, storage_options: dict[str, Any] | None) -> None:
+    """Raise :class:`ConfigError` for a ``storage_options`` key the backend of ``protocol`` does not take,
+    with the closest one it does ("did you mean ..."): the backend's own error comes late and names
+    its internals (``AioSession.__init__() got an unexpected keyword argument 'endpoint'``), and
+    gcsfs or adlfs ignore a mistyped key silently.
+
+    Example:
+        >>> check_option_names("s3", {"endpoint": "http://localhost:9000"})
+        Traceback (most recent call last):
+        ...
+        spot_callbacks.errors.ConfigError: storage_options key 'endpoint' is not an option of s3fs.S3FileSystem; did you mean 'endpoint_url'?
+    """
+    if not storage_options:
+        return
+    try:
+        cls = fsspec.get_filesystem_class(protocol)
+        accepted = option_names(protocol)
+    except (ImportError, ValueError):
+        return  # check_protocol says what is missing
+    package = cls.__module__.split(".")[0]
+    for key in storage_options:
+        if not isinstance(key, str) or key in accepted:
+            continue
+        close = difflib.get_close_matches(key, sorted(accepted), n=1, cutoff=0.75)
+        if not close and package not in _STRICT_PACKAGES:
+            continue
+        where = f"storage_options key {key!r} is not an option of {package}.{cls.__name__}"
+        if close:
+            raise ConfigError(f"{where}; did you mean {close[0]!r}?")
+        shown = sorted(name for name in accepted if name not in _FSSPEC_OPTION_NAMES)
+        raise ConfigError(f"{where}; its options are {', '.join(shown)}")
+
+
+def raise_diagnosed(dirpath: str, protocol: str, err: BaseException) -> None:
+    """Raise :class:`StoreUnavailableError` with the cause and fix of a backend's failure to build its
+    filesystem (no credentials, say) when :func:`~spot_callbacks.store.diagnosis.diagnose` knows it;
+    return otherwise (the caller re-raises the original)."""
+    from spot_callbacks.store.diagnosis import diagnose
+
+    found = diagnose(err, protocol, dirpath)
+    if found.specific:
+        raise StoreUnavailableError(dirpath, found.cause, found.fix, err) from None
 
 
 def installed_protocols() -> list[str]:

@@ -36,6 +36,18 @@ _UNKNOWN_HOST = re.compile(
     r"getaddrinfo failed|No address associated with hostname|Could not resolve host"
 )
 _REFUSED = re.compile(r"Connection refused|Connect call failed|Could not connect to the endpoint URL")
+# No credentials at all (not wrong ones): botocore's "Unable to locate credentials", adlfs' ValueError.
+_NO_CREDENTIALS = re.compile(
+    r"Unable to locate credentials|Must provide either a connection_string or account_name with credentials"
+)
+_NO_CREDENTIALS_FIX = {
+    "s3": "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or storage_options key/secret "
+    "(anon=True for a public bucket)",
+    "gs": "set GOOGLE_APPLICATION_CREDENTIALS, or storage_options token (token='anon' for a public bucket)",
+    "az": "set AZURE_STORAGE_CONNECTION_STRING, or storage_options connection_string, or account_name with "
+    "account_key, sas_token or credential (anon=True for a public container)",
+}
+_UNEXPECTED_OPTION = re.compile(r"unexpected keyword argument '([^']+)'")
 _CREDENTIALS_FIX = {
     "s3": "check the access key and secret (storage_options key/secret, or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)",
     "gs": "check the token (storage_options token, or GOOGLE_APPLICATION_CREDENTIALS) and the project",
@@ -58,10 +70,13 @@ class Diagnosis:
     cause: str
     fix: str
     unreachable: bool = False
+    specific: bool = True  # False: no known cause, the error's own first line stands in for one
 
 
-def diagnose(error: BaseException, protocol: str, bucket: str) -> Diagnosis:
+def diagnose(error: BaseException, protocol: str, bucket: str, *, reading: bool = False) -> Diagnosis:
     """The :class:`Diagnosis` of ``error`` from a store of ``protocol`` whose bucket (or root folder) is ``bucket``.
+
+    ``reading``: the failure was of a read-only use (the ``spot-callbacks`` command), not training's.
 
     Example:
         >>> diagnose(ConnectionRefusedError(111, "Connection refused"), "s3", "b").unreachable
@@ -71,7 +86,7 @@ def diagnose(error: BaseException, protocol: str, bucket: str) -> Diagnosis:
     """
     chain = list(_chain(error))
     text = " ".join(f"{type(err).__name__}: {err}" for err in chain)
-    found = _diagnose_reachability(chain, text) or _diagnose_refusal(chain, text, protocol, bucket)
+    found = _diagnose_reachability(chain, text) or _diagnose_refusal(chain, text, protocol, bucket, reading)
     if found is not None:
         return found
     if is_transient(error):
@@ -81,8 +96,9 @@ def diagnose(error: BaseException, protocol: str, bucket: str) -> Diagnosis:
             False,
             f"the store keeps failing{answer}: {one_line(error)}",
             "check that the store is up and reachable; retry later",
+            specific=bool(status),
         )
-    return Diagnosis(True, one_line(error), "check dirpath and storage_options")
+    return Diagnosis(True, one_line(error), "check dirpath and storage_options", specific=False)
 
 
 def _diagnose_reachability(chain: list[BaseException], text: str) -> Diagnosis | None:
@@ -108,9 +124,24 @@ def _diagnose_reachability(chain: list[BaseException], text: str) -> Diagnosis |
     return None
 
 
-def _diagnose_refusal(chain: list[BaseException], text: str, protocol: str, bucket: str) -> Diagnosis | None:
+def _diagnose_refusal(
+    chain: list[BaseException], text: str, protocol: str, bucket: str, reading: bool
+) -> Diagnosis | None:
     statuses = {http_status(err) for err in chain}
     cloud = _cloud(protocol)
+    if _NO_CREDENTIALS.search(text):
+        return Diagnosis(
+            True,
+            "no credentials were found for the store",
+            _NO_CREDENTIALS_FIX.get(cloud, "pass the credentials in storage_options"),
+        )
+    unexpected = _UNEXPECTED_OPTION.search(text)
+    if unexpected and any(isinstance(err, TypeError) for err in chain):
+        return Diagnosis(
+            True,
+            f"the store's client does not take the option {unexpected.group(1)!r}",
+            "correct or remove that key in storage_options",
+        )
     if 401 in statuses or _AUTH_CODES.search(text) or any(_named(err, _AUTH_NAMES) for err in chain):
         return Diagnosis(
             True,
@@ -127,6 +158,12 @@ def _diagnose_refusal(chain: list[BaseException], text: str, protocol: str, buck
             True, "part of dirpath is a file, not a folder", "remove that file, or use another dirpath"
         )
     if 403 in statuses or any(isinstance(err, PermissionError) for err in chain):
+        if reading:
+            return Diagnosis(
+                True,
+                f"permission denied reading {bucket!r}: {one_line(chain[0])}",
+                "grant this identity read and list on it, or use other credentials",
+            )
         where = f"the folder {bucket!r} (read-only or immutable?)" if cloud == "file" else f"{bucket!r}"
         return Diagnosis(
             True,

@@ -12,18 +12,21 @@ The probe, ``<dirpath>/.spot-preflight-<token>``, is the only object it writes, 
 
 from __future__ import annotations
 
+import errno
 import logging
 import posixpath
+import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar
+from urllib.parse import urlsplit
 
 import spot_callbacks.settings as settings
-from spot_callbacks.errors import SpotError, StoreUnavailableError
+from spot_callbacks.errors import AttemptTimeoutError, SpotError, StoreUnavailableError
 from spot_callbacks.store.diagnosis import Diagnosis, diagnose
-from spot_callbacks.store.layout import fs_protocols, list_folder, remove_file
+from spot_callbacks.store.layout import fs_protocols, list_folder, missing_root_reason, remove_file
 from spot_callbacks.store.retry import call_with_timeout
 from spot_callbacks.store.transfer import put_bytes
 
@@ -31,12 +34,14 @@ if TYPE_CHECKING:
     from spot_callbacks.store.checkpoint_store import CheckpointStore
 
 log = logging.getLogger("spot_callbacks")
+T = TypeVar("T")
 
 PREFLIGHT_ENV = settings.PREFLIGHT.name
 PREFLIGHT_TIMEOUT_ENV = settings.PREFLIGHT_TIMEOUT_S.name
 DEFAULT_BUDGET_S = 60.0
 PROBE_PREFIX = ".spot-preflight-"
 _BACKOFF_S = (0.5, 1.0, 2.0, 4.0)
+_CONNECT_CHECK_S = 2.0
 _TIMEOUT_FIX = f"raise {PREFLIGHT_TIMEOUT_ENV} for a slow store"
 
 
@@ -78,6 +83,31 @@ def preflight(store: CheckpointStore, budget_s: float | None = None, enabled: bo
         raise
 
 
+def probe_readable(store: CheckpointStore, budget_s: float | None = None) -> list[str]:
+    """The entries of ``store``'s run folder (``[]``: nothing there, or no such folder), read within the
+    preflight's bounds, or :class:`StoreUnavailableError` with the cause and the fix.
+
+    The read-only half of :func:`preflight` (nothing is written), for what only reads a store
+    (the ``spot-callbacks`` command): the same diagnosis, the same budget (``$SPOT_PREFLIGHT_TIMEOUT_S``,
+    half of it for a refused connection), one line instead of the backend's retries and tracebacks.
+    A missing bucket raises (a listing of it would be empty just the same).
+
+    Example:
+        >>> from spot_callbacks.store import CheckpointStore
+        >>> probe_readable(CheckpointStore("memory://doc-probe/nothing-here"), budget_s=10)
+        []
+    """
+    probe = _Probe(store, preflight_budget_s() if budget_s is None else budget_s, reading=True)
+    entries = probe.attempt(probe.listing, "list dirpath")
+    if not entries:
+        missing = probe.attempt(lambda: missing_root_reason(store.fs, store.root), "find dirpath's bucket")
+        # A missing local folder is as empty as a prefix with nothing under it: not an error here.
+        if missing is not None and not missing.startswith("no such folder"):
+            found = Diagnosis(True, missing, "create it first, or correct its name in dirpath")
+            raise probe.error("list dirpath", found, FileNotFoundError(missing))
+    return entries
+
+
 def preflight_enabled(enabled: bool | None = None) -> bool:
     """``enabled`` if given, else ``$SPOT_PREFLIGHT`` (on unless ``0``, ``false``, ``off`` or ``no``).
 
@@ -103,8 +133,9 @@ def preflight_budget_s() -> float:
 class _Probe:
     """One preflight of one store: the probe's path, the deadline, and the steps against it."""
 
-    def __init__(self, store: CheckpointStore, budget_s: float) -> None:
+    def __init__(self, store: CheckpointStore, budget_s: float, reading: bool = False) -> None:
         self.store = store
+        self.reading = reading
         self.budget_s = budget_s
         self.started = time.monotonic()
         self.deadline = self.started + budget_s
@@ -128,6 +159,12 @@ class _Probe:
         elapsed_s = time.monotonic() - self.started
         log.debug("spot_callbacks: preflight of %s passed in %.2fs", self.store.url, elapsed_s)
 
+    def listing(self) -> list[str]:
+        try:
+            return list_folder(self.store.fs, self.store.root)
+        except FileNotFoundError:  # an object store's prefix with nothing under it, a missing folder
+            return []
+
     def read_back(self) -> None:
         if hasattr(self.store.fs, "invalidate_cache"):
             self.store.fs.invalidate_cache(self.path)
@@ -142,15 +179,14 @@ class _Probe:
         if posixpath.basename(self.path) not in names:
             raise _ProbeNotListed(f"{self.path} is not listed under {self.store.root} yet")
 
-    def attempt(self, step: Callable[[], Any], what: str) -> None:
-        """``step`` until it succeeds, fails permanently, or the budget is spent (then raise)."""
+    def attempt(self, step: Callable[[], T], what: str) -> T:
+        """``step`` until it succeeds (its value), fails permanently, or the budget is spent (then raise)."""
         unreachable_until = self.started + self.budget_s / 2
         waiter = threading.Event()
         for tries in range(1, 10_000):
             remaining_s = self.deadline - time.monotonic()
             try:
-                call_with_timeout(step, max(remaining_s, 0.05), f"preflight: {what}", _TIMEOUT_FIX)
-                return
+                return call_with_timeout(step, max(remaining_s, 0.05), f"preflight: {what}", _TIMEOUT_FIX)
             except Exception as err:  # noqa: BLE001 - every failure is diagnosed, the raw one kept at debug
                 log.debug("spot_callbacks: preflight of %s: %s failed", self.store.url, what, exc_info=True)
                 found = self.diagnose(err)
@@ -162,13 +198,21 @@ class _Probe:
                     spent_s = time.monotonic() - self.started
                     raise self.error(what, found, err, f" (still failing after {spent_s:.0f}s)") from None
                 waiter.wait(pause_s)
+        raise AssertionError("unreachable: the budget ends the loop")
 
     def diagnose(self, error: BaseException) -> Diagnosis:
         if isinstance(error, _ProbeMismatch):
             return Diagnosis(
                 True, f"the store returned other bytes than were written ({error})", "check the store"
             )
-        return diagnose(error, self.protocol, self.bucket)
+        found = diagnose(error, self.protocol, self.bucket, reading=self.reading)
+        if isinstance(error, AttemptTimeoutError) and _endpoint_refuses(self.store.fs):
+            # A backend that retries a refused connection longer than our attempt lasts (gcsfs)
+            # looks hung from here; one direct connect tells the two apart.
+            return diagnose(
+                ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused"), self.protocol, ""
+            )
+        return found
 
     def error(
         self, what: str, found: Diagnosis, err: BaseException, spent: str = ""
@@ -186,3 +230,25 @@ class _Probe:
             call_with_timeout(lambda: remove_file(self.store.fs, self.path), 5.0, "delete the probe object")
         except Exception:  # noqa: BLE001 - a stray probe is harmless; the failure that led here is the news
             log.debug("spot_callbacks: could not delete the probe %s", self.path, exc_info=True)
+
+
+def _endpoint_refuses(fs: object) -> bool:
+    """True when the ``endpoint_url`` of ``fs``'s options refuses a TCP connection right now."""
+    options = getattr(fs, "storage_options", None) or {}
+    endpoint = options.get("endpoint_url") or (options.get("client_kwargs") or {}).get("endpoint_url")
+    if not isinstance(endpoint, str):
+        return False
+    try:
+        parts = urlsplit(endpoint)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        return False
+    if not parts.hostname:
+        return False
+    try:
+        socket.create_connection((parts.hostname, port), timeout=_CONNECT_CHECK_S).close()
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    return False
