@@ -97,6 +97,7 @@ class SpotEngine:
             self.trigger,
         )
         self.lease = RunLease(self.store)
+        self.running = False  # between start() and finish()/stop(): the run holds its lock and workers
         self.resumed: ResumeInfo | None = None
         self._resume_recorded = False
         self.watch = PersistWatch(self.store)  # the staleness alarm and region check, fed at each step
@@ -125,6 +126,8 @@ class SpotEngine:
     # ------------------------------------------------------- lifecycle
     def start(self) -> None:
         """Install notice sources and start the interval clock; call once training is about to run."""
+        # Set first: a start that fails half-way (after the lock) is undone by stop() like any exit.
+        self.running = True
         # The interval counts training time, not the set-up before it (model build, a long pull).
         self.trigger.mark_checkpoint()
         self.accounts.start_clock()
@@ -136,9 +139,27 @@ class SpotEngine:
 
     def stop(self) -> None:
         """An exception ends training: stop the notice sources and the workers, release the run lock."""
+        self.running = False
         self.watcher.stop()
         self.writer.stop_persister()
         self._release(self.emergency.active_notice())
+
+    def abandon(self, error: BaseException | None) -> None:
+        """Training unwound without :meth:`finish` (``error``: what ended it; ``None``: it returned):
+        let the uploads in flight commit, then :meth:`stop`. A no-op for a run that is not running.
+
+        The adapters call it from around the framework's entry point (``Trainer.train``,
+        ``Trainer.fit``), so an exception in any hook, a Ctrl-C or a failed start never leaves the
+        run lock held (the next run on another host would wait for it to go stale).
+        """
+        if not self.running:
+            return
+        try:
+            # A second Ctrl-C means now; a lost lock means the store is another run's.
+            if not isinstance(error, KeyboardInterrupt) and not self.lease.lost:
+                self.wait_for_commit()
+        finally:
+            self.stop()
 
     def _release(self, notice: Notice | None) -> None:
         """Release the run lock within what is left before the deadline; a preempted exit is armed to end
@@ -283,6 +304,7 @@ class SpotEngine:
         (``SystemExit(143)``). Raises when the newest state is not durable (:func:`rules.end_verdict`).
         """
         failures = self.writer.close(timeout)
+        self.running = False
         self.watcher.stop()
         self._release(self.emergency.active_notice())
         self.barrier()

@@ -6,17 +6,26 @@ holds stops every rank with :class:`~spot_callbacks.errors.RunLockedError`. Befo
 store is proven usable (``store/preflight.py``): a misconfigured ``dirpath`` stops every rank with
 :class:`~spot_callbacks.errors.StoreUnavailableError` before the first step. A lock that another
 run takes over later is noticed by its heartbeat (:attr:`RunLease.lost`).
+
+Every exit releases the lock: :func:`release_on_unwind` wraps a framework's training entry point
+(``Trainer.train``, ``Trainer.fit``) so that however it unwinds (an exception in any hook, a
+Ctrl-C, a failed start) each of our callbacks' engines is stopped and its lock released. The
+Hugging Face Trainer has no exception event, and Lightning's ``on_exception`` of ours is skipped
+when another callback's raises first.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable, Iterable
+from typing import Any
 
+from spot_callbacks._dist import broadcast_object, is_writer
 from spot_callbacks.errors import CheckpointError, RunLockedError, StoreUnavailableError
 from spot_callbacks.store import CheckpointStore
 from spot_callbacks.store.preflight import preflight
 from spot_callbacks.store.runlock import RELEASE_TIMEOUT_S, RunLock
-from spot_callbacks._dist import broadcast_object, is_writer
 
 log = logging.getLogger("spot_callbacks")
 
@@ -68,3 +77,61 @@ class RunLease:
         if self.lock is not None:
             self.lock.release(timeout_s)
             self.lock = None
+
+
+_UNWIND_MARK = "_spot_releases_on_unwind"
+
+
+def release_on_unwind(owner: type, method: str, spot_callbacks_of: Callable[[Any], Iterable[Any]]) -> None:
+    """Wrap ``owner.method`` so that when it returns or raises, ``callback.engine.abandon(error)``
+    runs for each callback ``spot_callbacks_of(self)`` yields (a no-op for an engine that finished).
+
+    Idempotent and process-wide, like the framework method it wraps; the original error is always
+    the one raised (a failure while releasing is logged).
+
+    Example:
+        >>> class Engine:
+        ...     def abandon(self, error):
+        ...         print("released after", type(error).__name__)
+        >>> class Trainer:
+        ...     callbacks = [type("Spot", (), {"engine": Engine()})()]
+        ...     def train(self):
+        ...         raise KeyError("step 5")
+        >>> release_on_unwind(Trainer, "train", lambda trainer: trainer.callbacks)
+        >>> try:
+        ...     Trainer().train()
+        ... except KeyError as err:
+        ...     print("raised", err)
+        released after KeyError
+        raised 'step 5'
+    """
+    original = getattr(owner, method)
+    if getattr(original, _UNWIND_MARK, False):
+        return
+
+    @functools.wraps(original)
+    def entry_point(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            result = original(self, *args, **kwargs)
+        except BaseException as error:
+            _abandon_all(spot_callbacks_of(self), error)
+            raise
+        _abandon_all(spot_callbacks_of(self), None)
+        return result
+
+    setattr(entry_point, _UNWIND_MARK, True)
+    setattr(owner, method, entry_point)
+
+
+def _abandon_all(callbacks: Iterable[Any], error: BaseException | None) -> None:
+    for callback in callbacks:
+        engine = getattr(callback, "engine", None)
+        try:
+            if engine is not None:
+                engine.abandon(error)
+        except BaseException as failure:  # noqa: BLE001 - the training's own error is the one to raise
+            log.warning(
+                "spot_callbacks: releasing the run after %s failed: %s: %s",
+                type(error).__name__ if error is not None else "the end of training",
+                type(failure).__name__, failure,
+            )  # fmt: skip

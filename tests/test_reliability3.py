@@ -4,13 +4,24 @@ interruption, and URLs that cannot be what the user meant are refused before tra
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import os
+import socket
+import uuid
 from pathlib import Path
+from typing import Any
 
+import lightning.pytorch as pl
 import pytest
+import transformers
+from lightning.pytorch.demos.boring_classes import BoringModel
 
-from spot_callbacks import ConfigError, SpotConfig
+from spot_callbacks import CheckpointStore, ConfigError, SpotConfig
 from spot_callbacks.cli import main as cli_main
+from spot_callbacks.hf import SpotCheckpointCallback
+from spot_callbacks.lightning import SpotCheckpoint
+from spot_callbacks.store.runlock import RunLock
 
 # ------------------------------------------------------------------ item 4: misread URLs
 
@@ -29,9 +40,6 @@ from spot_callbacks.cli import main as cli_main
 def test_a_url_with_one_slash_after_its_scheme_is_refused_before_anything_is_written(
     dirpath: str, fix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from spot_callbacks.hf import SpotCheckpointCallback
-    from spot_callbacks.lightning import SpotCheckpoint
-
     monkeypatch.chdir(tmp_path)  # where fsspec would have made the folder "s3:"
     for build in (SpotConfig, SpotCheckpoint, SpotCheckpointCallback):
         with pytest.raises(ConfigError) as refused:
@@ -65,3 +73,146 @@ def test_storage_options_for_a_local_path_are_refused_naming_the_fix(dirpath: st
     assert "endpoint_url" in message and "hunter2" not in message  # names the keys, never a value
     assert SpotConfig(dirpath=dirpath, storage_options={}).storage_options == {}
     assert not os.path.exists(tmp_path / "run")
+
+
+# ------------------------------------------------------------------ item 5: every exit releases the lock
+REPO_ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("hf_run", REPO_ROOT / "tests" / "scripts" / "hf_run.py")
+hf_run = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(hf_run)
+
+
+def hf_trainer(output_dir: Path, callbacks: list, max_steps: int) -> transformers.Trainer:
+    args = transformers.TrainingArguments(
+        output_dir=str(output_dir), max_steps=max_steps, per_device_train_batch_size=8, learning_rate=5e-3,
+        seed=1, save_strategy="no", report_to=[], use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
+    )  # fmt: skip
+    return transformers.Trainer(
+        model=hf_run.build_model(), args=args, train_dataset=hf_run.TokenData(), callbacks=callbacks
+    )
+
+
+class Boom(RuntimeError):
+    pass
+
+
+class HfFailing(transformers.TrainerCallback):
+    """A user's callback that fails in one event (at one step)."""
+
+    def __init__(self, event: str, step: int = 0, error: type[BaseException] = Boom) -> None:
+        self.event, self.step, self.error = event, step, error
+
+    def __getattribute__(self, name: str):  # noqa: ANN204
+        if name.startswith("on_") and name == object.__getattribute__(self, "event"):
+
+            def fail(args, state, control, **kwargs):  # noqa: ANN001, ANN202
+                if state.global_step >= self.step:
+                    raise self.error(f"{name} at step {state.global_step}")
+
+            return fail
+        return object.__getattribute__(self, name)
+
+
+def lock_of(url: str, options: dict | None = None) -> dict | None:
+    return RunLock(CheckpointStore(url, storage_options=options)).holder()
+
+
+def released(engine: Any) -> bool:
+    return engine.lease.lock is None and not engine.running
+
+
+@pytest.mark.parametrize(
+    ("event", "step", "error"),
+    [
+        ("on_train_begin", 0, Boom),  # a user callback failing after ours started the run
+        ("on_step_end", 5, Boom),  # an exception at step 5
+        ("on_step_end", 3, KeyboardInterrupt),
+    ],
+)
+def test_an_hf_train_that_raises_releases_the_run_lock(event: str, step: int, error, tmp_path: Path) -> None:
+    url = str(tmp_path / "store")
+    spot = SpotCheckpointCallback(dirpath=url, interval=None, every_n_steps=2, preemption=[])
+    trainer = hf_trainer(tmp_path / "out", [spot, HfFailing(event, step, error)], max_steps=10)
+    with pytest.raises(error):
+        trainer.train()
+    assert lock_of(url) is None and released(spot.engine)
+    if step == 5:  # what committed before the failure stays committed
+        assert [info.step for info in spot.store.committed()] == [2, 4]
+
+
+def test_an_hf_run_whose_start_fails_after_the_lock_releases_it(tmp_path: Path, monkeypatch) -> None:
+    url = str(tmp_path / "store")
+    spot = SpotCheckpointCallback(dirpath=url, interval=None, preemption=[])
+
+    def failing_watch(is_writer: bool) -> None:
+        assert lock_of(url) is not None  # the lock was taken: the start fails half-way
+        raise OSError("no such device")
+
+    monkeypatch.setattr(spot.engine.watch, "start", failing_watch)
+    with pytest.raises(OSError, match="no such device"):
+        hf_trainer(tmp_path / "out", [spot], max_steps=4).train()
+    assert lock_of(url) is None and released(spot.engine)
+
+
+def test_an_hf_run_on_s3_that_raises_at_step_5_lets_the_next_run_start_at_once(
+    s3_server: Any, tmp_path: Path, monkeypatch, caplog
+) -> None:
+    url, options = f"s3://{s3_server.bucket}/unwind-{uuid.uuid4().hex[:8]}", dict(s3_server.storage_options)
+    spot = SpotCheckpointCallback(dirpath=url, storage_options=options, interval=None, preemption=[])
+    with pytest.raises(Boom):
+        hf_trainer(tmp_path / "a", [spot, HfFailing("on_step_end", 5)], max_steps=10).train()
+    assert lock_of(url, options) is None
+    monkeypatch.setattr(socket, "gethostname", lambda: "another-host")  # the next run, on another machine
+    caplog.set_level(logging.WARNING, logger="spot_callbacks")
+    nxt = SpotCheckpointCallback(dirpath=url, storage_options=options, interval=None, preemption=[])
+    hf_trainer(tmp_path / "b", [nxt], max_steps=2).train()
+    assert "waiting up to" not in caplog.text  # no wait for a dead owner's lock
+    assert [info.step for info in nxt.store.committed()] == [2]
+
+
+class LightningFailing(pl.Callback):
+    def __init__(self, step: int, error: type[BaseException] = Boom, fail_on_exception: bool = False) -> None:
+        self.step, self.error, self.fail_on_exception = step, error, fail_on_exception
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        if trainer.global_step >= self.step:
+            raise self.error(f"at step {trainer.global_step}")
+
+    def on_exception(self, trainer, pl_module, exception) -> None:  # noqa: ANN001
+        if self.fail_on_exception:  # runs before ours (a Checkpoint goes last): ours never does
+            raise Boom("on_exception failed too")
+
+
+def lightning_fit(spot: Any, *callbacks: Any, max_steps: int = 10) -> None:
+    trainer = pl.Trainer(
+        callbacks=[spot, *callbacks], max_steps=max_steps, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=True,
+    )  # fmt: skip
+    trainer.fit(BoringModel(), ckpt_path="latest")
+
+
+@pytest.mark.parametrize(
+    ("error", "fail_on_exception", "raised"),
+    [(Boom, True, Boom), (KeyboardInterrupt, False, SystemExit), (Boom, False, Boom)],
+)
+def test_a_lightning_fit_that_raises_releases_the_run_lock(
+    error, fail_on_exception: bool, raised, tmp_path: Path
+) -> None:
+    url = str(tmp_path / "store")
+    spot = SpotCheckpoint(dirpath=url, interval=None, every_n_steps=2, preemption=[])
+    with pytest.raises(raised):
+        lightning_fit(spot, LightningFailing(5, error, fail_on_exception))
+    assert lock_of(url) is None and released(spot.engine)
+    assert 4 in [info.step for info in spot.store.committed()]
+
+
+def test_a_lightning_run_whose_start_fails_after_the_lock_releases_it(tmp_path: Path, monkeypatch) -> None:
+    url = str(tmp_path / "store")
+    spot = SpotCheckpoint(dirpath=url, interval=None, preemption=[])
+    monkeypatch.setattr(
+        spot.engine.watch, "start", lambda is_writer: (_ for _ in ()).throw(OSError("no device"))
+    )
+    with pytest.raises(OSError, match="no device"):
+        lightning_fit(spot)
+    assert lock_of(url) is None and released(spot.engine)
+

@@ -14,6 +14,8 @@
 - ``Trainer._load_callback_state``: with ``restore_callback_states_from_checkpoint=True`` it
   re-instantiates every callback named in ``trainer_state.json``'s ``stateful_callbacks`` as
   ``type(callback)(**stored_args)``; wrapped so that a checkpoint never rebuilds ours.
+- ``Trainer.train``: wrapped so that however it unwinds, our callbacks' runs are released (the
+  Trainer has no exception event; ``on_train_end`` runs only after the last step).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import transformers
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from spot_callbacks.errors import ConfigError
+from spot_callbacks.run_lease import release_on_unwind
 
 log = logging.getLogger("spot_callbacks")
 
@@ -302,3 +305,17 @@ def never_rebuild_from_checkpoints() -> None:
 
     setattr(_load_callback_state, NEVER_RESTORED_MARK, True)
     transformers.Trainer._load_callback_state = _load_callback_state
+
+
+def release_runs_when_train_unwinds() -> None:
+    """Wrap ``Trainer.train`` (process-wide, idempotent): when it raises or returns, each of our
+    callbacks (a class with :data:`NEVER_RESTORED_MARK`) releases its run lock and workers."""
+    release_on_unwind(
+        transformers.Trainer,
+        "train",
+        lambda trainer: [
+            callback
+            for callback in getattr(getattr(trainer, "callback_handler", None), "callbacks", [])
+            if getattr(type(callback), NEVER_RESTORED_MARK, False)
+        ],
+    )

@@ -78,6 +78,7 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
         )  # fmt: skip
         self.engine = SpotEngine(self.config, framework="hf")
         compat.never_rebuild_from_checkpoints()  # trainer_state.json is untrusted
+        compat.release_runs_when_train_unwinds()  # an exception in any hook releases the run lock
         self.preempted = False
         self._args: Any = None
         self._materialised: Path | None = None  # pulled by on_init_end, valid until training starts

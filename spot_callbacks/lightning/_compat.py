@@ -16,6 +16,8 @@
   train loader back at its mid-epoch position.
 - ``fit_loop.epoch_loop.batch_progress``: whether an exception came between batches.
 - ``fit_loop.epoch_loop._batches_that_stepped``: the step Lightning's logger rows carry.
+- ``Trainer.fit``: wrapped so that however it unwinds, our callbacks' runs are released (our
+  ``on_exception`` is skipped when another callback's raises first).
 """
 
 from __future__ import annotations
@@ -36,11 +38,13 @@ from typing import Any
 import torch
 
 import spot_callbacks.settings as settings
+from spot_callbacks._dist import gather_from_ranks, rank, world_size
 from spot_callbacks.data_position import DataPosition, warn_if_changed
 from spot_callbacks.errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
-from spot_callbacks.preemption import Notice, signal_grace_s
 from spot_callbacks.persist.tracking import PersistRecord
+from spot_callbacks.preemption import Notice, signal_grace_s
 from spot_callbacks.resume import ResumeInfo
+from spot_callbacks.run_lease import release_on_unwind
 from spot_callbacks.staging import (
     STATE_FILE,
     capture_rng_state,
@@ -50,7 +54,6 @@ from spot_callbacks.staging import (
 )
 from spot_callbacks.store import CheckpointInfo
 from spot_callbacks.store.layout import DCP_METADATA_FILE
-from spot_callbacks._dist import gather_from_ranks, rank, world_size
 
 log = logging.getLogger("spot_callbacks")
 
@@ -137,6 +140,16 @@ def install_last_alias(connector_cls: type, is_spot_callback: Callable[[Any], bo
 
     connector_cls._parse_ckpt_path = _parse_ckpt_path
     connector_cls._spot_last_alias = True
+
+
+def release_runs_when_fit_unwinds(trainer_cls: type, is_spot_callback: Callable[[Any], bool]) -> None:
+    """Wrap ``trainer_cls.fit`` (idempotent): when it raises or returns, each SpotCheckpoint
+    attached releases its run lock and workers (a no-op after a normal ``on_train_end``)."""
+    release_on_unwind(
+        trainer_cls,
+        "fit",
+        lambda trainer: [c for c in getattr(trainer, "callbacks", []) if is_spot_callback(c)],
+    )
 
 
 def install_latest_resolution(trainer: Any, resolve: Callable[[], str | None]) -> None:

@@ -240,4 +240,7 @@ def spot_checkpoint_class(pl: types.ModuleType, module: str = __name__) -> type:
         lambda callback: getattr(callback, "_spot_checkpoint", False),
         internals.fitting,
     )
+    compat.release_runs_when_fit_unwinds(
+        pl.Trainer, lambda callback: getattr(callback, "_spot_checkpoint", False)
+    )
     return spot_checkpoint
