@@ -27,7 +27,7 @@ from spot_callbacks.store.transfer import open_new_temporary
 
 FetchRange = Callable[[int, int], Any]  # (start, end exclusive) -> bytes-like
 _POLL_S = 1.0  # how often a wait for ranges looks at the attempt's deadline
-MAX_WINDOW = 16  # ranges of one file in flight or waiting for the hash, at most
+MAX_WINDOW = 8  # ranges of one file in flight or waiting for the hash, at most
 
 
 def ranged_to_file(

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from spot_callbacks.store.checksums import FileDigest, digest_local_file
+from spot_callbacks.store.checksums import FileDigest
 from spot_callbacks.store.clients.base import (
     UPLOAD_PART_BYTES,
     UPLOAD_THREADS,
@@ -38,8 +38,9 @@ from spot_callbacks.store.clients.obstores import (
     obstore_installed,
     retry_config,
 )
-from spot_callbacks.store.clients.ranged import MAX_WINDOW, ranged_digest, ranged_to_file
+from spot_callbacks.store.clients.ranged import ranged_digest, ranged_to_file
 from spot_callbacks.store.clients.streams import Deadline, digest_stream, stream_to_file
+from spot_callbacks.store.transfer import digest_mapped
 
 # What boto3.session.Session(...).client("s3", ...) takes besides config: s3fs passes client_kwargs there.
 _CLIENT_KWARGS = {
@@ -60,6 +61,7 @@ _CREDENTIAL_KEYS = ("aws_access_key_id", "aws_secret_access_key", "aws_session_t
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 60.0
 CREDENTIALS_TTL = timedelta(minutes=5)
+RANGE_THREADS = 16  # ranged GETs in flight at once, all files together
 
 
 def s3_plane(fs: Any, budget: TransferBudget, pull_with: str = "auto") -> S3Plane:
@@ -138,14 +140,14 @@ class S3Plane:
                 total = object_size(store, key, url)
                 fetch = functools.partial(get_range, store, key, url=url)
                 return ranged_to_file(
-                    fetch, total, local_path, chunk=chunk,
+                    fetch, total, local_path, chunk=self._budget.range_bytes(),
                     permits=self._permits, pool=self._range_pool(), deadline=deadline, what=what,
                 )  # fmt: skip
             return stream_to_file(get_chunks(store, key, chunk, url), local_path, deadline, what)
         with _boto_errors():
             # s3transfer writes ranged GETs out of order into a temporary it renames: hash after.
             self._transfers().download(bucket, key, local_path, extra_args=dict(self._read_args)).result()
-        return digest_local_file(local_path)
+        return digest_mapped(local_path)
 
     def digest(
         self, remote_path: str, timeout_s: float | None, expected_size: int | None = None
@@ -159,7 +161,7 @@ class S3Plane:
             if self._ranged(expected_size):
                 fetch = functools.partial(get_range, store, key, url=url)
                 return ranged_digest(
-                    fetch, object_size(store, key, url), chunk=chunk,
+                    fetch, object_size(store, key, url), chunk=self._budget.range_bytes(),
                     permits=self._permits, pool=self._range_pool(), deadline=deadline, what=what,
                 )  # fmt: skip
             return digest_stream(get_chunks(store, key, chunk, url), deadline, what)
@@ -169,13 +171,13 @@ class S3Plane:
                 return digest_stream(body.iter_chunks(chunk), deadline, what)
 
     def _ranged(self, expected_size: int | None) -> bool:
-        """Ranges for a file of two chunks or more; one streamed GET below (one request, no HEAD)."""
-        return expected_size is not None and expected_size >= 2 * self._budget.stream_chunk_bytes()
+        """Ranges for a file of two ranges or more; one streamed GET below (one request, no HEAD)."""
+        return expected_size is not None and expected_size >= 2 * self._budget.range_bytes()
 
     def _range_pool(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._ranges is None:
-                self._ranges = ThreadPoolExecutor(max_workers=MAX_WINDOW, thread_name_prefix="spot-range")
+                self._ranges = ThreadPoolExecutor(max_workers=RANGE_THREADS, thread_name_prefix="spot-range")
             return self._ranges
 
     # ------------------------------------------------------------------ clients
