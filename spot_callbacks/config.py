@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 import yaml
 
@@ -174,16 +175,65 @@ class SpotConfig:
         return dataclasses.asdict(self)
 
     def redacted(self) -> dict[str, Any]:
-        """The config as a dict with storage option values hidden, safe for logs and files."""
+        """The config as a dict with storage option values hidden, safe for logs and files; an endpoint
+        URL stays readable ("which endpoint am I hitting" is the first question), less its credentials."""
         values = self.to_dict()
         if values["storage_options"]:
-            values["storage_options"] = {key: "***" for key in values["storage_options"]}
+            values["storage_options"] = {
+                key: shown_option_value(key, value) for key, value in values["storage_options"].items()
+            }
         return values
 
     def __repr__(self) -> str:
         # storage_options carry credentials; a repr ends up in logs and tracebacks.
         fields = ", ".join(f"{key}={value!r}" for key, value in self.redacted().items())
         return f"SpotConfig({fields})"
+
+
+# Option values that locate a store and authorise nothing: shown (a URL less its credentials).
+PUBLIC_OPTION_NAMES = frozenset(
+    {"endpoint_url", "region", "region_name", "project", "account_name", "account_host"}
+)
+_CREDENTIAL_QUERY = re.compile(r"sig|token|key|secret|pass|cred|auth|sas|session|x-amz-", re.IGNORECASE)
+
+
+def shown_option_value(name: str, value: Any) -> str:
+    """What a log may show of the storage option ``name``: a public one's value (a URL without its
+    user, password and credential query parameters), ``***`` for any other.
+
+    Example:
+        >>> shown_option_value("endpoint_url", "https://user:pw@minio:9000/?X-Amz-Signature=abc&x=1")
+        'https://minio:9000/?x=1'
+        >>> shown_option_value("secret", "hunter2")
+        '***'
+    """
+    if name not in PUBLIC_OPTION_NAMES or not isinstance(value, str):
+        return "***"
+    return without_credentials(value)
+
+
+def without_credentials(url: str) -> str:
+    """``url`` less its userinfo and the query parameters that may be credentials (``sig``, ``token``...).
+
+    Example:
+        >>> without_credentials("http://127.0.0.1:9000")
+        'http://127.0.0.1:9000'
+    """
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        port = f":{parts.port}" if parts.port else ""
+    except ValueError:
+        return "***"
+    if ":" in host:  # IPv6
+        host = f"[{host}]"
+    query = "&".join(
+        f"{name}={value}" if value else name
+        for name, value in parse_qsl(parts.query, keep_blank_values=True)
+        if not _CREDENTIAL_QUERY.search(name)
+    )
+    netloc = f"{host}{port}" if parts.netloc else ""
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
 def closest_hint(name: object, accepted: list[str]) -> str:

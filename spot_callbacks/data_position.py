@@ -14,6 +14,8 @@ import logging
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from spot_callbacks._dist import rank
+
 log = logging.getLogger("spot_callbacks")
 
 _LABELS = {
@@ -80,13 +82,72 @@ def changed_settings(saved: Any, now: DataPosition) -> list[str]:
     return changes
 
 
+def global_batch(position: Any) -> tuple[int, ...] | None:
+    """Samples per optimizer step for each train loader (per-device batch x processes x accumulation),
+    or ``None`` where any factor is unknown; ``position`` is a :class:`DataPosition` or its dict.
+
+    Example:
+        >>> global_batch({"batch_size": [16], "world_size": 2, "accumulate_grad_batches": 1})
+        (32,)
+    """
+    values = position.to_dict() if isinstance(position, DataPosition) else position
+    if not isinstance(values, dict):
+        return None
+    sizes, world, accumulate = (
+        values.get("batch_size"),
+        values.get("world_size"),
+        values.get("accumulate_grad_batches"),
+    )
+    if (
+        not isinstance(sizes, (list, tuple))
+        or not sizes
+        or not isinstance(world, int)
+        or not isinstance(accumulate, int)
+    ):
+        return None
+    if not all(isinstance(size, int) for size in sizes):
+        return None
+    return tuple(size * world * accumulate for size in sizes)
+
+
+def same_samples_per_step(saved: Any, now: DataPosition) -> bool:
+    """True when a resume changed only how each step's samples are split (per-device batch, processes,
+    accumulation) and not how many there are, nor the dataset: the position and the schedule still hold.
+
+    Example:
+        >>> old = {"batch_size": [16], "world_size": 2, "accumulate_grad_batches": 1, "dataset_length": [512]}
+        >>> same_samples_per_step(old, DataPosition((32,), 1, 1, (512,)))
+        True
+    """
+    old_batch = global_batch(saved)
+    if old_batch is None or old_batch != global_batch(now) or not isinstance(saved, dict):
+        return False
+    old_length = saved.get("dataset_length")
+    return (
+        old_length is None
+        or now.dataset_length is None
+        or _same_where_known(old_length, list(now.dataset_length))
+    )
+
+
 def warn_if_changed(saved: Any, now: DataPosition, where: str) -> bool:
     """Log one warning naming every changed setting and what it means for this resume; True if any.
 
     ``where`` describes the position resumed at (e.g. ``"step 120, 40 batches into epoch 1"``).
     """
     changes = changed_settings(saved, now)
-    if changes:
+    if rank() != 0:  # every rank resumes with the same settings: one says it for all
+        return bool(changes)
+    if changes and same_samples_per_step(saved, now):
+        # FSDP on 2 processes resumed on 1 with twice the batch: every step still sees as many
+        # samples, so no sample is skipped or repeated; only which rank sees which one changes.
+        log.warning(
+            "spot_callbacks: resuming at %s with the same %s samples per optimizer step, split differently: "
+            "%s. The position and a step-based learning-rate schedule hold; only which process sees which "
+            "sample changes, so the run is not bit-identical to an uninterrupted one",
+            where, "/".join(map(str, global_batch(now) or ())), "; ".join(changes),
+        )  # fmt: skip
+    elif changes:
         log.warning(
             "spot_callbacks: resuming at %s with other data settings than the checkpoint was written with: "
             "%s. The position counts batches of the old settings, so this resume is not exact: the rest "

@@ -15,6 +15,37 @@ import logging
 log = logging.getLogger("spot_callbacks")
 log.addHandler(logging.NullHandler())
 
+
+class OneRankSpeaks(logging.Filter):
+    """Info lines narrate the run, and every rank would say the same: only rank 0 says them (eight ranks,
+    one line). Warnings and errors are each rank's own and always pass, as does a record logged with
+    ``extra={"every_rank": True}`` (a line that differs by rank: what one node pulled).
+
+    Example:
+        >>> OneRankSpeaks().filter(logging.makeLogRecord({"levelno": logging.INFO}))
+        True
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno > logging.INFO or getattr(record, "every_rank", False):
+            return True
+        return _this_rank() == 0
+
+
+def _this_rank() -> int:
+    from spot_callbacks._dist import distributed_ready, rank
+
+    if distributed_ready():
+        return rank()
+    # Under torchrun before the process group exists: the launcher's RANK.
+    import spot_callbacks.settings as settings
+
+    text = settings.environment_variable("RANK") or "0"
+    return int(text) if text.isdigit() else 0
+
+
+log.addFilter(OneRankSpeaks())
+
 _added: logging.Handler | None = None
 
 

@@ -46,7 +46,7 @@ from spot_callbacks.accounting.report import (
     resume_rows,
     write_plan_plot,
 )
-from spot_callbacks.cli.redaction import Redactor, install_log_handler
+from spot_callbacks.cli.redaction import Redactor, install_log_handler, shown_options
 from spot_callbacks.cli.tables import busy, plain_table, print_rich_table, rich_console
 from spot_callbacks.config import load_storage_options, parse_duration
 from spot_callbacks.errors import (
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         redact.add_options(storage_options)
         if storage_options:
             log.info(
-                "%s: storage options given: %s (values not shown)", PROG, ", ".join(sorted(storage_options))
+                "%s: storage options given: %s (other values not shown)", PROG, shown_options(storage_options)
             )
         return args.run(args, storage_options)
     except KeyboardInterrupt:

@@ -10,9 +10,11 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
+from spot_callbacks.config import PUBLIC_OPTION_NAMES, shown_option_value
+
 # Option names whose values are credentials; other long values are hidden too unless known public.
 _SECRET_NAME = re.compile(r"key|secret|token|pass|cred|sas|sig|auth|conn|session|private|cert", re.IGNORECASE)
-_PUBLIC_NAMES = frozenset({"endpoint_url", "endpoint", "region", "region_name", "project", "account_name"})
+_PUBLIC_NAMES = PUBLIC_OPTION_NAMES | {"endpoint"}
 _NOT_SECRET_VALUES = frozenset({"anon", "google_default", "cache", "browser", "cloud", "true", "false"})
 _MIN_SECRET_LEN = 6
 _MIN_UNKNOWN_LEN = 8
@@ -51,6 +53,8 @@ class Redactor:
                         self._secrets.add(part_value)
             elif name not in _PUBLIC_NAMES and len(options) >= _MIN_UNKNOWN_LEN:
                 self._secrets.add(options)
+            else:  # a public URL may still carry a password (http://user:pw@minio:9000)
+                self.add_url(options)
 
     def add_url(self, url: str) -> None:
         """Remember the password of a URL such as ``ftp://user:password@host/path``."""
@@ -65,6 +69,21 @@ class Redactor:
         for secret in sorted(self._secrets, key=len, reverse=True):  # a connection string before its parts
             text = text.replace(secret, _HIDDEN)
         return text
+
+
+def shown_options(options: dict[str, Any]) -> str:
+    """``name=value`` for the options that locate a store (an endpoint URL less its credentials), the
+    other names alone: for a log line.
+
+    Example:
+        >>> shown_options({"endpoint_url": "http://minio:9000", "secret": "x"})
+        'endpoint_url=http://minio:9000, secret'
+    """
+    shown = []
+    for name in sorted(options):
+        value = shown_option_value(name, options[name])
+        shown.append(name if value == "***" else f"{name}={value}")
+    return ", ".join(shown)
 
 
 class _RedactingFormatter(logging.Formatter):

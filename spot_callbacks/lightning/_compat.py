@@ -384,13 +384,17 @@ def between_batches(trainer: Any) -> bool:
 
 def rng_of_this_rank(per_rank: list[Any]) -> Any:
     """This rank's entry of a per-rank list of RNG states (round-robin when the world size changed)."""
-    if len(per_rank) != world_size():
+    return per_rank[rank() % len(per_rank)]
+
+
+def warn_if_rng_reused(per_rank: Any) -> None:
+    """One line for the run (rank 0, once per resume) when the world size changed since the checkpoint."""
+    if isinstance(per_rank, list) and per_rank and len(per_rank) != world_size() and rank() == 0:
         log.warning(
             "spot_callbacks: the checkpoint was written by %d processes and this run has %d; "
             "RNG streams are reused round-robin, so the resume is not bit-identical",
             len(per_rank), world_size(),
         )  # fmt: skip
-    return per_rank[rank() % len(per_rank)]
 
 
 def restore_position(trainer: Any, state: dict[str, Any]) -> tuple[Any, int | None] | None:
@@ -399,6 +403,7 @@ def restore_position(trainer: Any, state: dict[str, Any]) -> tuple[Any, int | No
     Returns the epoch-start RNG now in force and the batches done in the epoch (None: unchanged),
     or None when Lightning restored stateful loaders itself.
     """
+    warn_if_rng_reused(state["rng"])
     current = rng_of_this_rank(state["rng"])
     if loaders_are_stateful(trainer):  # Lightning restored their position itself
         restore_rng_state(current)

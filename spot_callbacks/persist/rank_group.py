@@ -309,8 +309,9 @@ class RankGroupPersister(StepTracker, ABC, Generic[JobT]):
         except Exception as err:  # noqa: BLE001
             return ("failed", f"rank 0: {type(err).__name__}: {err}")
         log.info(
-            "spot_callbacks: committed %s (%s, %d ranks, %.1f MB in %.2fs)",
-            info.url, job.reason, self.world_size, info.size_bytes / 1e6, upload_s,
+            "spot_callbacks: committed %s (%s, %d rank%s, %.1f MB in %.2fs)",
+            info.url, job.reason, self.world_size, "" if self.world_size == 1 else "s", info.size_bytes / 1e6,
+            upload_s,
         )  # fmt: skip
         self.store.settle_commit(info, self.keep_last, job.deadline)
         return ("committed", info)

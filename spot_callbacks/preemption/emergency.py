@@ -35,6 +35,8 @@ class Waitable(Protocol):
 
 # How often the wait at the end of training looks for a notice that arrived meanwhile.
 NOTICE_CHECK_S = 0.2
+SAY_WAIT_AFTER_S = 2.0  # the end-of-fit wait is said only once it lasts this long
+STILL_WAITING_EVERY_S = 10.0  # then a line this often, so a log shows it is alive
 
 
 def time_left_s(notice: Notice | None, timeout: float | None = None) -> float | None:
@@ -128,7 +130,10 @@ class Emergency:
         committed = persister.wait_for_step(step, timeout=timeout)
         if say and step not in self._said_steps:
             self._said_steps.add(step)
-            _log_outcome(step, notice, committed, time.perf_counter() - started)
+            earlier = getattr(persister, "last_committed", None)
+            _log_outcome(
+                step, notice, committed, time.perf_counter() - started, getattr(earlier, "step", None)
+            )
         if committed:
             self.committed_step = step
         return committed
@@ -142,18 +147,9 @@ class Emergency:
         """
         if persister.idle:
             return True
-        if say and self.watcher.notice is None:
-            limit = (
-                f"at most {timeout:.0f}s"
-                if timeout is not None
-                else "no limit but the store's upload timeouts"
-            )
-            log.info(
-                "spot_callbacks: waiting for the upload of the checkpoint of step %s to commit (%s); a "
-                "preemption notice or Ctrl-C meanwhile makes it an emergency with that notice's deadline",
-                step, limit,
-            )  # fmt: skip
-        ends = None if timeout is None else time.monotonic() + timeout
+        started = time.monotonic()
+        ends = None if timeout is None else started + timeout
+        said_at: float | None = None  # a wait shorter than SAY_WAIT_AFTER_S is not news
         finished = False
         while self.watcher.notice is None and not finished:
             left = None if ends is None else ends - time.monotonic()
@@ -162,6 +158,28 @@ class Emergency:
             )
             if not finished and left is not None and left <= NOTICE_CHECK_S:
                 return False
+            now = time.monotonic()
+            if finished or not say or self.watcher.notice is not None:
+                continue
+            if said_at is None and now - started >= SAY_WAIT_AFTER_S:
+                said_at = now
+                limit = (
+                    f"at most {timeout:.0f}s"
+                    if timeout is not None
+                    else "no limit but the store's upload timeouts"
+                )
+                log.info(
+                    "spot_callbacks: waiting for the upload of the checkpoint of step %s to commit (%s); a "
+                    "preemption notice or Ctrl-C meanwhile makes it an emergency with that notice's deadline",
+                    step, limit,
+                )  # fmt: skip
+            elif said_at is not None and now - said_at >= STILL_WAITING_EVERY_S:
+                said_at = now
+                log.info(
+                    "spot_callbacks: still waiting for the upload of step %s (%.0fs so far)",
+                    step,
+                    now - started,
+                )
         notice = self.watcher.notice
         if notice is None:
             return True
@@ -219,7 +237,9 @@ def warn_if_grace_too_short(sources: list[str]) -> None:
         )  # fmt: skip
 
 
-def _log_outcome(step: int, notice: Notice, committed: bool, waited_s: float) -> None:
+def _log_outcome(
+    step: int, notice: Notice, committed: bool, waited_s: float, newest_committed: int | None = None
+) -> None:
     since_notice_s = time.time() - notice.received_at
     left = notice.seconds_left()
     if committed:
@@ -234,11 +254,19 @@ def _log_outcome(step: int, notice: Notice, committed: bool, waited_s: float) ->
                 "to resume from it", step,
             )  # fmt: skip
     else:
-        log.error(
-            "spot_callbacks: the emergency checkpoint of step %d did not commit before the deadline "
-            "(%.1fs after the %s notice%s); the newest committed checkpoint stays the resume point",
-            step, since_notice_s, notice.source, f", {left:.1f}s left" if left is not None else "",
-        )  # fmt: skip
+        # Say what happened: Ctrl-C has no deadline, and a run that committed nothing has no resume point.
+        why = (
+            "was not committed: Ctrl-C again stopped the wait"
+            if notice.deadline is None
+            else f"did not commit before the deadline ({since_notice_s:.1f}s after the {notice.source} notice"
+            + (f", {left:.1f}s left)" if left is not None else ")")
+        )
+        resume = (
+            f"step {newest_committed}, committed earlier, is the resume point"
+            if newest_committed is not None
+            else "this run committed no checkpoint: a restart resumes from the one it started from, if any"
+        )
+        log.error("spot_callbacks: the emergency checkpoint of step %d %s; %s", step, why, resume)
 
 
 def _utc(epoch_s: float) -> str:

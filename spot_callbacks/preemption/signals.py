@@ -108,8 +108,8 @@ class ChainedSignalHandlers:
                 self._received.put(Notice("SIGINT", None, "Ctrl-C"))
                 return
             self._received.put(
-                "spot_callbacks: second Ctrl-C: stopping at once, not waiting for uploads; the newest "
-                "committed checkpoint stays the resume point"
+                "spot_callbacks: second Ctrl-C: stopping at once, not waiting for uploads; a restart resumes "
+                "from the newest committed checkpoint, if any (spot-callbacks ls DIRPATH lists them)"
             )
             if callable(previous):
                 previous(received, frame)
