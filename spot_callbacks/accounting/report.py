@@ -301,12 +301,24 @@ def plan_rows(plan: SpotPlan) -> list[tuple[str, str]]:
     """A :class:`SpotPlan` as (label, value) rows, as ``spot-callbacks plan`` prints them."""
     rate = plan.interruptions_per_hour
     mtbf = "no interruptions" if rate == 0 else f"one every {format_seconds(SECONDS_PER_HOUR / rate)}"
+    if never_finishes(plan):
+        spot = (
+            f"this job effectively never finishes on spot: an interruption comes every "
+            f"{format_seconds(SECONDS_PER_HOUR / rate)} on average, and a checkpoint "
+            f"({format_seconds(plan.checkpoint_s)}) plus a resume ({format_seconds(plan.resume_s)}) leave almost no "
+            f"interval that completes ({_expected_hours(plan.spot_hours)} expected); make checkpoints and resumes "
+            "faster, or run on demand"
+        )
+    else:
+        spot = (
+            f"{format_money(plan.spot_cost)}, {plan.spot_hours:.2f} h expected "
+            f"({plan.expected_interruptions:.1f} interruptions) at {format_money(plan.spot_price)}/h"
+        )
     rows = [
         ("job", f"{plan.work_hours:g} h of training; checkpoint {format_seconds(plan.checkpoint_s)}, "
                 f"resume {format_seconds(plan.resume_s)}; {rate:g} interruptions/h ({mtbf})"),
         ("optimal interval", f"{format_seconds(plan.interval_s)} (Daly; Young: {format_seconds(plan.young_interval_s)})"),
-        ("spot", f"{format_money(plan.spot_cost)}, {plan.spot_hours:.2f} h expected "
-                 f"({plan.expected_interruptions:.1f} interruptions) at {format_money(plan.spot_price)}/h"),
+        ("spot", spot),
         ("on demand", f"{format_money(plan.on_demand_cost)}, {plan.on_demand_hours:.2f} h "
                       f"at {format_money(plan.on_demand_price)}/h"),
     ]  # fmt: skip
@@ -327,6 +339,27 @@ def plan_rows(plan: SpotPlan) -> list[tuple[str, str]]:
         )
     rows.append(("break-even rate", text))
     return rows
+
+
+NEVER_FINISHES_FACTOR = 100.0  # expected spot time over the work itself past which "cost" means nothing
+
+
+def never_finishes(plan: SpotPlan) -> bool:
+    """The expected time on spot is unbounded, or so many times the work that no one would wait for it.
+
+    Example:
+        >>> from spot_callbacks.accounting.costs import plan_job
+        >>> never_finishes(plan_job(work_hours=100, spot_price=1, on_demand_price=3,
+        ...     interruptions_per_hour=20, checkpoint_s=300, resume_s=600))
+        True
+    """
+    return not math.isfinite(plan.spot_hours) or plan.spot_hours > NEVER_FINISHES_FACTOR * plan.work_hours
+
+
+def _expected_hours(hours: float) -> str:
+    if not math.isfinite(hours):
+        return "an unbounded time"
+    return f"{hours:,.0f} h" if hours < 1e9 else f"{hours:.1e} h"
 
 
 def write_plan_plot(plan: SpotPlan, path: str | Any, points: int = 400) -> None:

@@ -190,7 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
         "and the break-even interruption rate (Daly's model; see spot_callbacks.accounting.costs)"
     )
     plan = commands.add_parser("plan", help=plan_help, description=plan_help)
-    plan.add_argument("--work-hours", type=_positive, required=True, metavar="W", help="hours of training")
+    plan.add_argument(
+        "--work-hours", type=_hours, required=True, metavar="W",
+        help="training time: hours as a number, or a duration ('100h', '90min', '3d')",
+    )  # fmt: skip
     plan.add_argument("--spot-price", type=_price, required=True, metavar="P", help="spot price per hour")
     plan.add_argument(
         "--on-demand-price", type=_price, required=True, metavar="Q", help="on-demand price per hour"
@@ -277,6 +280,22 @@ def _positive(text: str) -> float:
     if value == 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
     return value
+
+
+def _hours(text: str) -> float:
+    """Hours: a bare number is hours, a duration ('100h', '90min') is converted."""
+    try:
+        return _positive(text)
+    except argparse.ArgumentTypeError:
+        try:
+            seconds = float(parse_duration(text, key="work-hours"))
+        except ConfigError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a duration; use hours (e.g. 100) or e.g. '100h', '90min', '3d'"
+            ) from None
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
+    return seconds / 3600.0
 
 
 def _duration(text: str) -> float:
