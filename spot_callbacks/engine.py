@@ -18,6 +18,7 @@ The pieces: ``trigger/`` (when), ``staging.py`` (the snapshot), ``persist/`` (to
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -202,6 +203,7 @@ class SpotEngine:
         )
         if lease_lost:
             self.writer.refuse(f"this run lost the run lock of {self.store.url} to another run")
+            raise self.lease.lost_error(step, self.last_saved_step)
         if notice is not None:
             self.watcher.report(notice)  # a rank that saw nothing adopts it
             self.emergency.agree(notice)
@@ -229,6 +231,8 @@ class SpotEngine:
             error_name, late_signal=late_signal, preempted=preempted, between_batches=between_batches,
             step=step, last_saved_step=self.last_saved_step,
         )  # fmt: skip
+        if self.writer.refused_reason is not None:  # a lost lock: the store is another run's now
+            action = dataclasses.replace(action, save=False, warning=None)
         if action.warning is not None:
             log.warning("spot_callbacks: %s", action.warning)
         return action
@@ -306,8 +310,11 @@ class SpotEngine:
         failures = self.writer.close(timeout)
         self.running = False
         self.watcher.stop()
+        lost = agree_at_step(False, False, None, None, self.lease.lost)[4]  # lost after the last step
         self._release(self.emergency.active_notice())
         self.barrier()
+        if lost:
+            raise self.lease.lost_error(None, self.last_saved_step)
         error = self.writer.end_verdict(failures)
         if self.config.on_preemption == "stop":
             self.emergency.exit_if_noticed_at_exit()
@@ -327,9 +334,17 @@ class SpotEngine:
         return self.accounts.summary(self.store.url, self.writer.all_records(), self.trigger.describe())
 
     def log_cost_summary(self) -> None:
-        """Log :meth:`cost_summary` on rank 0."""
-        if self.is_writer:
-            log.info("%s", self.cost_summary())
+        """Log :meth:`cost_summary` on rank 0, after a run that committed a checkpoint (not after a failed
+        start, a second Ctrl-C or a run with nothing committed: ``spot-callbacks report`` gives it on request)."""
+        if not self.is_writer:
+            return
+        if self.watcher.interrupted_twice or not self.writer.all_records():
+            log.debug(
+                "spot_callbacks: no cost summary: %s",
+                "stopped at once" if self.watcher.interrupted_twice else "nothing committed",
+            )
+            return
+        log.info("%s", self.cost_summary())
 
     # --------------------------------------------------------- resuming
     def pull_latest(self, dest: Callable[[int], Path] | None = None, check: Any = None) -> Path | None:

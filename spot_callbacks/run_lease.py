@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from spot_callbacks._dist import broadcast_object, is_writer
-from spot_callbacks.errors import CheckpointError, RunLockedError, StoreUnavailableError
+from spot_callbacks.errors import CheckpointError, LockLostError, RunLockedError, StoreUnavailableError
 from spot_callbacks.store import CheckpointStore
 from spot_callbacks.store.preflight import preflight
 from spot_callbacks.store.runlock import RELEASE_TIMEOUT_S, RunLock
@@ -71,6 +71,19 @@ class RunLease:
     def lost(self) -> bool:
         """True once the heartbeat found another run's lock in place of ours (see RunLock.lost)."""
         return self.lock is not None and self.lock.lost
+
+    def lost_error(self, step: int | None, newest_step: int | None) -> LockLostError:
+        """The error a run that lost its lock fails with, at the end of ``step`` (every rank: the
+        loss is agreed; the owner's details are known on the writer)."""
+        why = self.lock.lost_reason if self.lock is not None else None
+        at = f" at step {step}" if step is not None else ""
+        newest = f"step {newest_step}" if newest_step is not None else "none"
+        return LockLostError(
+            f"this run lost the run lock of {self.store.url}{at}: another run took it over "
+            f"({why or 'seen by the writer rank'}). It stopped checkpointing there, so the two runs do not "
+            f"interleave or prune each other's checkpoints; its newest checkpoint is {newest}. Stop the "
+            "other run (or give one of them another dirpath), then resume from the store's newest checkpoint"
+        )
 
     def release(self, timeout_s: float | None = RELEASE_TIMEOUT_S) -> None:
         """Release the lock, waiting at most ``timeout_s`` for the store (see :meth:`RunLock.release`)."""

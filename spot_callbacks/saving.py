@@ -96,7 +96,10 @@ class CheckpointWriter:
         """Take no more checkpoints into this store (every rank calls it at the same step)."""
         if self.refused_reason is None:
             self.refused_reason = reason
-            log.error("spot_callbacks: %s: no more checkpoints are written there; training goes on", reason)
+            log.error(
+                "spot_callbacks: %s: no more checkpoints are written there; training stops at the end of this step",
+                reason,
+            )
 
     def _refused(self, step: int) -> bool:
         if self.refused_reason is not None:

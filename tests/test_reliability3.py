@@ -8,6 +8,7 @@ import importlib.util
 import logging
 import os
 import socket
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -17,8 +18,10 @@ import pytest
 import transformers
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from spot_callbacks import CheckpointStore, ConfigError, SpotConfig
+from spot_callbacks import CheckpointStore, ConfigError, RunLockedError, SpotConfig
 from spot_callbacks.cli import main as cli_main
+from spot_callbacks.engine import SpotEngine
+from spot_callbacks.errors import LockLostError
 from spot_callbacks.hf import SpotCheckpointCallback
 from spot_callbacks.lightning import SpotCheckpoint
 from spot_callbacks.store.runlock import RunLock
@@ -216,3 +219,80 @@ def test_a_lightning_run_whose_start_fails_after_the_lock_releases_it(tmp_path: 
         lightning_fit(spot)
     assert lock_of(url) is None and released(spot.engine)
 
+
+# ------------------------------------------------------------------ item 10: a run that lost its lock fails
+def take_the_lock_over(url: str, monkeypatch: pytest.MonkeyPatch, ours: Any) -> SpotEngine:
+    """Another run starts on the same dirpath with SPOT_FORCE_LOCK=1; wait until our heartbeat saw it."""
+    monkeypatch.setenv("SPOT_FORCE_LOCK", "1")
+    for _ in range(20):
+        other = SpotEngine(SpotConfig(dirpath=url, interval=None, preemption=[]), "other")
+        try:
+            other.start()
+            break
+        except RunLockedError:  # our heartbeat rewrote the lock between its read and its write: the
+            other.stop()  # take-over is refused (read back), never shared; a second attempt takes it
+    monkeypatch.delenv("SPOT_FORCE_LOCK")
+    deadline = time.monotonic() + 30
+    while not ours.lease.lost:  # polling a condition, with a deadline
+        assert time.monotonic() < deadline, "the heartbeat never noticed the take-over"
+        time.sleep(0.02)
+    return other
+
+
+class TakeOver:
+    """At ``step``, another run takes the lock over (the hooks of both frameworks call ``at``)."""
+
+    def __init__(self, url: str, monkeypatch: pytest.MonkeyPatch, spot: Any, step: int) -> None:
+        self.url, self.monkeypatch, self.spot, self.step = url, monkeypatch, spot, step
+        self.other: SpotEngine | None = None
+
+    def at(self, step: int) -> None:
+        if step == self.step and self.other is None:
+            self.other = take_the_lock_over(self.url, self.monkeypatch, self.spot.engine)
+
+
+def check_lost_lock_failure(
+    error: LockLostError, url: str, other: SpotEngine, store: CheckpointStore
+) -> None:
+    message = str(error)
+    assert isinstance(error, RuntimeError) and "lost the run lock" in message and url in message
+    assert (
+        "at step 5" in message
+        and "stopped checkpointing" in message
+        and other.lease.lock.run_id[:8] in message
+    )
+    assert [info.step for info in store.committed()] == [2, 4]  # nothing after the loss
+    assert lock_of(url)["run_id"] == other.lease.lock.run_id  # the other run's lock is left alone
+    other.finish()
+
+
+def test_a_lightning_run_that_lost_its_lock_fails_at_the_end_of_the_step(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("SPOT_LOCK_STALE_S", "0.4")  # heartbeats every 0.1 s
+    url = str(tmp_path / "store")
+    spot = SpotCheckpoint(dirpath=url, interval=None, every_n_steps=2, preemption=[])
+    take = TakeOver(url, monkeypatch, spot, step=5)
+
+    class AtStep(pl.Callback):
+        def on_train_batch_end(self, trainer, *args) -> None:  # noqa: ANN001, ANN002
+            take.at(trainer.global_step)
+
+    with pytest.raises(LockLostError) as failed:
+        lightning_fit(spot, AtStep(), max_steps=20)
+    check_lost_lock_failure(failed.value, url, take.other, spot.store)
+    assert released(spot.engine)
+
+
+def test_an_hf_run_that_lost_its_lock_fails_at_the_end_of_the_step(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("SPOT_LOCK_STALE_S", "0.4")
+    url = str(tmp_path / "store")
+    spot = SpotCheckpointCallback(dirpath=url, interval=None, every_n_steps=2, preemption=[])
+    take = TakeOver(url, monkeypatch, spot, step=5)
+
+    class AtStep(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs) -> None:  # noqa: ANN001, ANN003
+            take.at(state.global_step)
+
+    with pytest.raises(LockLostError) as failed:
+        hf_trainer(tmp_path / "out", [AtStep(), spot], max_steps=20).train()
+    check_lost_lock_failure(failed.value, url, take.other, spot.store)
+    assert released(spot.engine)
