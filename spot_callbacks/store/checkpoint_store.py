@@ -219,7 +219,6 @@ class CheckpointStore:
         A checkpoint that fails the check is skipped with a warning naming it and the reason; it
         is never deleted here.
         """
-        self.data_plane.prepare()  # a pull usually follows: the fast client is built meanwhile
         return self.newest_valid(self.committed())
 
     def newest_valid(

@@ -115,9 +115,6 @@ class FsspecPlane:
         with self._fs.open(remote_path, "rb") as handle:
             return digest_chunks(read_blocks(handle))
 
-    def prepare(self) -> None:
-        """Nothing to build: the filesystem is the client."""
-
 
 def select_data_plane(fs: Any, environ: Mapping[str, str] | None = None) -> DataPlane:
     """The data plane for the store filesystem ``fs``: the fastest client that can honour it, else fsspec.

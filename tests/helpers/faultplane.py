@@ -97,6 +97,3 @@ class FaultyPlane:
     def digest(self, remote_path: str, timeout_s: float | None, expected_size: Any = None) -> Any:
         self._before("digest", remote_path, write=False)
         return self.inner.digest(remote_path, timeout_s, expected_size)
-
-    def prepare(self) -> None:
-        self.inner.prepare()

@@ -106,7 +106,3 @@ class DataPlane(Protocol):
     ) -> FileDigest:
         """Read every byte of ``remote_path`` and return its digest (nothing is written)."""
         ...
-
-    def prepare(self) -> None:
-        """Start building the client in the background, before the first transfer needs it."""
-        ...

@@ -117,11 +117,6 @@ class S3Plane:
     def serves(self, fs: Any) -> bool:
         return fs is self._fs
 
-    def prepare(self) -> None:
-        """Build the clients in the background (a resume lists the store first, then pulls at once:
-        loading boto3's S3 model takes a few hundred ms a listing can hide)."""
-        threading.Thread(target=self._boto, name="spot-s3-clients", daemon=True).start()
-
     # ------------------------------------------------------------------ transfers
     def upload(self, local_path: str, remote_path: str) -> None:
         bucket, key = self._split(remote_path)
@@ -306,7 +301,12 @@ def _boto3_client(
     import botocore.session
     from botocore.config import Config
 
-    session = boto3.session.Session(botocore_session=botocore.session.Session(**getattr(fs, "kwargs", {})))
+    core = botocore.session.Session(**getattr(fs, "kwargs", {}))
+    loader = getattr(getattr(fs, "session", None), "get_component", None)
+    if loader is not None:
+        # s3fs' session has parsed S3's service model already (~100 ms of JSON): share its loader.
+        core.register_component("data_loader", loader("data_loader"))
+    session = boto3.session.Session(botocore_session=core)
     endpoint = client_kwargs.get("endpoint_url") or init.get("endpoint_url")
     plain_http = endpoint.startswith("http://") if endpoint else not init.get("use_ssl", True)
     client = None
