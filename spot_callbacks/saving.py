@@ -13,6 +13,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from spot_callbacks._dist import (
+    barrier,
+    broadcast_object,
+    gather_from_ranks,
+    is_writer,
+    local_rank,
+)
 from spot_callbacks.accounting.clock import RunAccounts
 from spot_callbacks.errors import PersistError
 from spot_callbacks.jobs import (
@@ -23,20 +30,13 @@ from spot_callbacks.jobs import (
     folder_job,
     state_file_job,
 )
-from spot_callbacks.preemption import Notice
 from spot_callbacks.persist import PersistRecord
+from spot_callbacks.preemption import Notice
+from spot_callbacks.preemption.emergency import Emergency
 from spot_callbacks.staging import StagingArea
 from spot_callbacks.store import CheckpointStore
 from spot_callbacks.store.checksums import FileDigest
 from spot_callbacks.trigger import CheckpointTrigger, rules
-from spot_callbacks._dist import (
-    barrier,
-    broadcast_object,
-    gather_from_ranks,
-    is_writer,
-    local_rank,
-)
-from spot_callbacks.preemption.emergency import Emergency
 
 log = logging.getLogger("spot_callbacks")
 
@@ -76,6 +76,8 @@ class CheckpointWriter:
         self.persister: Any = None  # made by the first save; its kind is remembered with it
         self.persister_kind: PersisterKind | None = None
         self._spans_nodes: bool | None = None  # several nodes (local main processes); see spans_nodes()
+        # The run's folders hold files of every rank even on one node (FSDP shards): set by the adapter.
+        self.folders_span_ranks = False
         self.last_saved_step: int | None = None
         self.last_stall_s: float | None = None
         self._reported_records = 0
@@ -191,6 +193,8 @@ class CheckpointWriter:
 
         ``write`` (one node only): the folder is not written yet; the writer thread produces it
         with ``write(folder)``, then calls ``on_written`` (also called when nothing is persisted).
+        With :attr:`folders_span_ranks` (FSDP shards: every rank's files, even on one node) the
+        folder goes through the persister every rank takes part in, as on several nodes.
         """
         if write is not None and self.spans_nodes():
             raise ValueError("a folder written in the background is persisted on one node only")
@@ -202,7 +206,7 @@ class CheckpointWriter:
                 on_written()
             return False
         barrier()
-        if self.spans_nodes():
+        if self.spans_nodes() or self.folders_span_ranks:
             persister = self.persister_for(FOLDERS_ACROSS_NODES)
             terms = self._job_terms(reason, stall_s, extra)
             persister.submit(
@@ -218,6 +222,41 @@ class CheckpointWriter:
             )
             job.write, job.on_written = write, on_written
             self.persister_for(SINGLE_WRITER).submit(job)
+        self._after_save(step, stall_s)
+        return True
+
+    def save_rank_files(
+        self,
+        step: int,
+        epoch: int | None,
+        folder: Path,
+        reason: str,
+        write: Callable[[Path, Any], list[str]],
+        *,
+        stall_s: float = 0.0,
+        owns_folder: bool = False,
+        extra: dict[str, Any] | None = None,
+        on_written: Callable[[], None] | None = None,
+    ) -> bool:
+        """Every rank writes its own files of ``folder`` in the background and uploads them; rank 0 commits.
+
+        Call it on every rank with the same steps (``write`` is this rank's: ``write(folder, group)``
+        runs on every rank's writer thread at once, may run collectives on the gloo ``group``, and
+        returns the names it wrote under ``folder``; ``on_written`` follows it, also when nothing is
+        persisted). ``folder`` may be node-local or shared. False: the step is checkpointed already.
+        """
+        if not rules.needs_checkpoint(step, self.last_saved_step) or self._refused(step):
+            if on_written is not None:
+                on_written()
+            return False
+        persister = self.persister_for(FOLDERS_ACROSS_NODES)
+        terms = self._job_terms(reason, stall_s, extra)
+        persister.submit(
+            persister.job(
+                step, reason, self.framework, Path(folder), lists_folder=local_rank() == 0,
+                owns_folder=owns_folder, epoch=epoch, write=write, on_written=on_written, **terms,
+            )
+        )  # fmt: skip
         self._after_save(step, stall_s)
         return True
 

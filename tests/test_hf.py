@@ -266,7 +266,9 @@ def test_two_nodes_on_a_shared_output_dir_upload_each_file_once(tmp_path: Path, 
     assert info.step == 10 and {"rng_state_0.pth", "rng_state_1.pth"} <= set(info.files)
     uploads = [name for rank in (0, 1) for name in result_of(tmp_path / f"w{rank}.pt")["uploaded"]]
     assert sorted(uploads) == sorted(f"10/{name}" for name in info.files)  # each file once
-    assert result_of(tmp_path / "w1.pt")["uploaded"] == []  # rank 0 lists every file first
+    # Staged: every rank uploads just the files it wrote, even into a folder the nodes share.
+    assert result_of(tmp_path / "w1.pt")["uploaded"] == ["10/rng_state_1.pth"]
+    assert info.extra["hf_save"] == "staged"
     assert store.verify(10, deep=True)
 
 
@@ -305,9 +307,11 @@ def test_two_nodes_sigterm_then_resume_on_fresh_disks_is_bit_identical(tmp_path:
         "--sigterm-at-step", SIGTERM_AT, "--sigterm-rank", 1,
     )  # fmt: skip
     assert all(result_of(tmp_path / f"a{rank}.pt")["preempted"] for rank in (0, 1)), explain(procs)
+    staged = "spot_callbacks: checkpoints are staged in RAM and written in the background (every node writes"
+    assert all(staged in proc.stderr for proc in procs), explain(procs)  # the two-phase path on both nodes
     store = CheckpointStore(url, storage_options=s3_server.storage_options)
     info = store.latest()
-    assert (info.step, info.reason) == (SIGTERM_AT + 1, "preemption")
+    assert (info.step, info.reason, info.extra["hf_save"]) == (SIGTERM_AT + 1, "preemption", "staged")
     assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(info.files) and store.verify(info.step, deep=True)
     procs = run_two_nodes(
         tmp_path / "logs-b", *remote, "--out", tmp_path / "b{rank}.pt", "--output-dir", tmp_path / "b-{node}"

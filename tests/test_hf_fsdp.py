@@ -1,15 +1,20 @@
 """SpotCheckpointCallback with the HF Trainer under accelerate's FSDP2 plugin (SHARDED_STATE_DICT), 2 processes.
 
-The Trainer writes each rank's DCP shards and the hidden ``.metadata`` index into ``checkpoint-N``;
-the callback must commit all of them, and a resume from the committed checkpoint on a fresh
-output_dir must continue exactly. The runs are torchrun subprocesses (tests/scripts/hf_fsdp_run.py,
-which explains the one line that lets accelerate use its FSDP path on CPU).
+The checkpoint is staged: at the step every rank copies its own DTensor shards into the staging
+buffers, and in the background every rank writes its ``__{rank}_0.distcp`` of both DCP folders
+and its RNG file, rank 0 the ``.metadata`` indexes and the rest, and uploads them; rank 0 commits.
+The folder must be the Trainer's own: the same files and DCP metadata as ``SPOT_HF_SAVE=trainer``
+writes, loaded unchanged by ``trainer.train(resume_from_checkpoint=...)`` on 2 processes
+(bit-identical), 1 and 4 (accelerate reshards). The runs are torchrun subprocesses
+(tests/scripts/hf_fsdp_run.py, which explains the one line that lets accelerate use its FSDP path
+on CPU).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 import uuid
@@ -20,24 +25,27 @@ import pytest
 import torch
 
 from spot_callbacks import CheckpointStore
+from spot_callbacks.persist.dcp_safety import check_sharded_folder
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = REPO_ROOT / "tests" / "scripts" / "hf_fsdp_run.py"
 MAX_STEPS = 20
 SIGTERM_AT = 8  # the emergency checkpoint is of the step the signal lands in
 STOP_STEP = SIGTERM_AT + 1
+DCP_FOLDERS = ("pytorch_model_fsdp_0", "optimizer_0")
 SHARD_FILES = {
-    f"{folder}/{name}"
-    for folder in ("pytorch_model_fsdp_0", "optimizer_0")
-    for name in (".metadata", "__0_0.distcp", "__1_0.distcp")
+    f"{folder}/{name}" for folder in DCP_FOLDERS for name in (".metadata", "__0_0.distcp", "__1_0.distcp")
 }
+# What Trainer._save_checkpoint writes under FSDP SHARDED_STATE_DICT (save_model writes nothing).
+TRAINER_FILES = SHARD_FILES | {"rng_state_0.pth", "rng_state_1.pth", "scheduler.pt", "trainer_state.json"}
+STAGED_LINE = "checkpoints are staged in RAM and written in the background (every rank writes its own shards)"
 
 
-def torchrun(nproc: int, *args: Any) -> subprocess.CompletedProcess:
+def torchrun(nproc: int, *args: Any, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
     command += [str(SCRIPT), *(str(a) for a in args)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=REPO_ROOT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    return subprocess.run(command, capture_output=True, text=True, timeout=400, env=env, cwd=REPO_ROOT)
 
 
 def ranks_results(proc: subprocess.CompletedProcess, out: Path, nproc: int) -> list[dict[str, Any]]:
@@ -52,93 +60,123 @@ def ranks_results(proc: subprocess.CompletedProcess, out: Path, nproc: int) -> l
     return results
 
 
-def train(tmp_path: Path, name: str, nproc: int, *args: Any, expect_rc: int | None) -> list[dict[str, Any]]:
+def train(
+    tmp_path: Path,
+    name: str,
+    nproc: int,
+    *args: Any,
+    expect_rc: int | None,
+    env: dict[str, str] | None = None,
+) -> tuple[list[dict[str, Any]], str]:
     out = tmp_path / f"{name}{{rank}}.pt"
-    proc = torchrun(nproc, "--out", out, "--output-dir", tmp_path / name, *args)
+    proc = torchrun(nproc, "--out", out, "--output-dir", tmp_path / name, *args, env=env)
     results = ranks_results(proc, out, nproc)
     if expect_rc is not None:
         assert proc.returncode == expect_rc, f"exit code {proc.returncode}\n{proc.stderr[-6000:]}"
-    return results
+    return results, proc.stderr
 
 
 def weights(tmp_path: Path, name: str, rank: int = 0) -> dict[str, torch.Tensor]:
     return torch.load(tmp_path / f"{name}{rank}.pt")
 
 
-def preempt(tmp_path: Path, remote: tuple[str, ...], dropout: float) -> CheckpointStore:
-    """A 2-process FSDP run that checkpoints every 5 steps and gets SIGTERM inside step SIGTERM_AT."""
-    results = train(
-        tmp_path, "machine-a", 2, *remote, "--every-n-steps", 5, "--sigterm-at-step", SIGTERM_AT,
-        "--sigterm-rank", 1, "--dropout", dropout, expect_rc=None,
-    )  # fmt: skip
-    for result in results:
-        assert (
-            result["preempted"] and result["global_step"] == STOP_STEP and result["saves"] == [5, STOP_STEP]
-        )
-    return CheckpointStore(remote[1], storage_options=json.loads(remote[3]))
+def assert_same_weights(
+    actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str
+) -> None:
+    assert actual.keys() == expected.keys()
+    different = [key for key in expected if not torch.equal(actual[key], expected[key])]
+    assert not different, f"{what}: {len(different)} of {len(expected)} tensors differ: {different[:3]}"
+
+
+def dcp_index(folder: Path) -> tuple[Any, Any]:
+    """What a DCP folder's .metadata says of its tensors (not where it was written: checkpoint_id)."""
+    with (folder / ".metadata").open("rb") as stream:
+        metadata = pickle.load(stream)  # our own file, written by this test's runs
+    return metadata.state_dict_metadata, metadata.storage_data
 
 
 @pytest.mark.slow
-def test_fsdp_shards_and_metadata_are_committed_and_a_two_process_resume_is_bit_identical(
+@pytest.mark.remote_store
+def test_staged_fsdp_checkpoint_is_the_trainers_folder_commits_on_sigterm_and_resumes_anywhere(
     s3_server: Any, tmp_path: Path
 ) -> None:
-    url = f"s3://{s3_server.bucket}/{uuid.uuid4().hex}"
-    remote = ("--dirpath", url, "--storage-options", json.dumps(s3_server.storage_options))
-    train(tmp_path, "baseline", 2, "--max-steps", MAX_STEPS, expect_rc=0)
+    # The uninterrupted run, checkpointed through the Trainer's own save (the reference folders).
+    reference = CheckpointStore(os.fspath(tmp_path / "reference-store"))
+    _, log = train(
+        tmp_path, "baseline", 2, "--max-steps", MAX_STEPS, "--dirpath", reference.url, "--every-n-steps", 5,
+        expect_rc=0, env={"SPOT_HF_SAVE": "trainer"},
+    )  # fmt: skip
+    assert "the Trainer writes each checkpoint" in log and STAGED_LINE not in log
     baseline = weights(tmp_path, "baseline")
 
-    store = preempt(tmp_path, remote, dropout=0.1)
+    # Staged on S3, SIGTERM to rank 1 inside step 8: the emergency checkpoint of step 9 commits.
+    url = f"s3://{s3_server.bucket}/{uuid.uuid4().hex}"
+    remote = ("--dirpath", url, "--storage-options", json.dumps(s3_server.storage_options))
+    results, log = train(
+        tmp_path, "machine-a", 2, *remote, "--every-n-steps", 5, "--sigterm-at-step", SIGTERM_AT,
+        "--sigterm-rank", 1, expect_rc=None,
+    )  # fmt: skip
+    assert log.count(STAGED_LINE) == 1, log[-4000:]  # said once (by rank 0) for the node
+    for result in results:
+        assert result["preempted"] and result["global_step"] == STOP_STEP, result
+        assert result["saves"] == [5, STOP_STEP], result  # both staged: the Trainer saved nothing
+    store = CheckpointStore(url, storage_options=s3_server.storage_options)
     info = store.latest()
     assert (info.step, info.reason, info.framework) == (STOP_STEP, "preemption", "hf")
-    assert SHARD_FILES | {"rng_state_0.pth", "rng_state_1.pth", "scheduler.pt", "trainer_state.json"} <= set(
-        info.files
-    )
-    assert not {"model.safetensors", "optimizer.pt"} & set(info.files)  # no single-file state with FSDP
-    local = tmp_path / "machine-a" / f"checkpoint-{STOP_STEP}"
-    written = {p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file()} - {"manifest.json"}
-    assert set(info.files) == written  # every file the Trainer wrote, hidden or not, is committed
+    assert info.extra["hf_save"] == "staged" and store.read_manifest(5).extra["hf_save"] == "staged"
+    assert set(info.files) == TRAINER_FILES  # exactly the Trainer's files: no safetensors, no optimizer.pt
+    assert set(store.read_manifest(5).files) == set(reference.read_manifest(5).files)
     assert store.verify(STOP_STEP, deep=True) is True
 
-    fresh = tmp_path / "machine-b"  # an empty output_dir, another seed
-    resumed = train(tmp_path, "machine-b", 2, *remote, "--every-n-steps", 5, "--seed", 99, expect_rc=0)
-    for result in resumed:
-        assert result["resumed_from"] == str(fresh / f"checkpoint-{STOP_STEP}")
+    # Step 5 was staged by one run and saved by the Trainer in the other, from the same state.
+    staged_5, trainer_5 = store.pull(5, tmp_path / "staged-5"), reference.pull(5, tmp_path / "trainer-5")
+    assert [p.name for p in check_sharded_folder(staged_5)] == sorted(DCP_FOLDERS)  # dcp_safety passes it
+    for folder in DCP_FOLDERS:
+        assert dcp_index(staged_5 / folder) == dcp_index(trainer_5 / folder), folder  # global tensors alike
+        for shard in ("__0_0.distcp", "__1_0.distcp"):
+            assert (staged_5 / folder / shard).read_bytes() == (trainer_5 / folder / shard).read_bytes()
+    for name in ("scheduler.pt", "rng_state_0.pth", "rng_state_1.pth"):
+        assert (staged_5 / name).read_bytes() == (trainer_5 / name).read_bytes(), name
+
+    # 2 processes on a fresh output_dir, another seed: bit-identical to the uninterrupted run.
+    results, _ = train(tmp_path, "machine-b", 2, *remote, "--every-n-steps", 5, "--seed", 99, expect_rc=0)
+    for result in results:
+        assert result["resumed_from"] == str(tmp_path / "machine-b" / f"checkpoint-{STOP_STEP}")
         assert result["global_step"] == MAX_STEPS and not result["preempted"]
     for rank in (0, 1):
-        actual = weights(tmp_path, "machine-b", rank)
-        assert actual.keys() == baseline.keys()
-        different = [key for key in baseline if not torch.equal(actual[key], baseline[key])]
-        assert not different, (
-            f"rank {rank}: {len(different)} of {len(baseline)} tensors differ: {different[:3]}"
-        )
+        assert_same_weights(weights(tmp_path, "machine-b", rank), baseline, f"rank {rank}")
     assert [c.step for c in store.committed()] == [5, STOP_STEP, 10, 15, MAX_STEPS]
+
+    # The emergency checkpoint on 1 and on 4 processes: accelerate reshards it, training ends.
+    emergency = store.pull(STOP_STEP, tmp_path / f"checkpoint-{STOP_STEP}")
+    at_step_9 = weights(tmp_path, "machine-a")  # where the preempted run stopped
+    steps_10_to_20 = max((at_step_9[key] - baseline[key]).abs().max().item() for key in baseline)
+    for nproc, batch_size in ((1, 16), (4, 4)):
+        results, _ = train(
+            tmp_path, f"world-{nproc}", nproc, "--resume-from", emergency, "--batch-size", batch_size,
+            expect_rc=0,
+        )  # fmt: skip
+        assert [(r["world_size"], r["global_step"]) for r in results] == [(nproc, MAX_STEPS)] * nproc
+        resumed = weights(tmp_path, f"world-{nproc}")
+        assert resumed.keys() == baseline.keys()
+        worst = max((resumed[key] - baseline[key]).abs().max().item() for key in baseline)
+        # Trained on from step 9's weights and optimizer: close to the uninterrupted run (other dropout
+        # streams and summation orders make it differ), far closer than where step 9 stood.
+        print(f"{nproc} processes: {worst} from the uninterrupted run; steps 10-20 moved {steps_10_to_20}")
+        assert worst < steps_10_to_20 / 4, (
+            f"{nproc} processes: weights differ by up to {worst} from the uninterrupted run "
+            f"(steps 10-20 moved them by {steps_10_to_20})"
+        )
 
 
 @pytest.mark.slow
-def test_a_two_process_fsdp_checkpoint_resumes_on_one_process(s3_server: Any, tmp_path: Path) -> None:
-    # Dropout off: one process draws one RNG stream where two ranks drew two, so dropout masks
-    # cannot match. What remains differs only in float summation order (one batch of 16 against two
-    # of 8 whose gradients are averaged): measured 2e-5 at most on weights of magnitude ~1.
-    url = f"s3://{s3_server.bucket}/{uuid.uuid4().hex}"
-    remote = ("--dirpath", url, "--storage-options", json.dumps(s3_server.storage_options))
-    train(tmp_path, "baseline", 2, "--max-steps", MAX_STEPS, "--dropout", 0, expect_rc=0)
-    baseline = weights(tmp_path, "baseline")
-    store = preempt(tmp_path, remote, dropout=0.0)
-    assert set(store.latest().files) >= SHARD_FILES
-
-    (resumed,) = train(
-        tmp_path, "one", 1, *remote, "--batch-size", 16, "--dropout", 0, "--every-n-steps", 5, expect_rc=0
-    )
-    assert resumed["world_size"] == 1 and resumed["resumed_from"] == str(
-        tmp_path / "one" / f"checkpoint-{STOP_STEP}"
-    )
-    assert resumed["global_step"] == MAX_STEPS
-    actual = weights(tmp_path, "one")
-    assert actual.keys() == baseline.keys()
-    worst = max((actual[key] - baseline[key]).abs().max().item() for key in baseline)
-    assert worst < 1e-4, f"weights differ by up to {worst} from the uninterrupted 2-process run"
+def test_full_state_dict_keeps_the_trainers_save_and_says_why(tmp_path: Path) -> None:
+    store = CheckpointStore(os.fspath(tmp_path / "store"))
+    _, log = train(
+        tmp_path, "full", 2, "--max-steps", 5, "--every-n-steps", 5, "--dirpath", store.url,
+        "--state-dict-type", "FULL_STATE_DICT", expect_rc=0,
+    )  # fmt: skip
+    assert "the Trainer writes each checkpoint, then it is uploaded (FSDP with FULL_STATE_DICT gathers" in log
     info = store.latest()
-    assert info.step == MAX_STEPS and {
-        "pytorch_model_fsdp_0/.metadata",
-        "pytorch_model_fsdp_0/__0_0.distcp",
-    } <= set(info.files)
+    assert info.step == 5 and info.extra["hf_save"] == "trainer"
+    assert "model.safetensors" in info.files and not SHARD_FILES & set(info.files)

@@ -115,6 +115,20 @@ def test_the_staged_folder_is_the_trainers_own(tied: bool, tmp_path: Path) -> No
     assert_same_weights(weights(loaded), weights(staged_run.model))
 
 
+def test_save_only_model_is_staged_as_the_trainers_model_only_folder(tmp_path: Path) -> None:
+    ckpt = spot(tmp_path / "store", every_n_steps=5)
+    staged_run = make_trainer(tmp_path / "staged", [ckpt], max_steps=5, save_only_model=True)
+    staged_run.train()
+    own_run = make_trainer(tmp_path / "own", [], 5, save_strategy="steps", save_steps=5, save_only_model=True)
+    own_run.train()
+    staged, own = tmp_path / "staged" / "checkpoint-5", tmp_path / "own" / "checkpoint-5"
+    model_only = TRAINER_FILES - {"optimizer.pt", "scheduler.pt", "rng_state.pth"}
+    assert {p.name for p in own.iterdir()} == model_only
+    assert {p.name for p in staged.iterdir()} == model_only | {"manifest.json"}
+    assert ckpt.store.latest().extra["hf_save"] == "staged"
+    assert_same_weights(load_file(staged / "model.safetensors"), load_file(own / "model.safetensors"))
+
+
 @pytest.mark.parametrize(
     "save_path, stop_step",
     [("staged", 13), ("staged", 15), ("trainer", 13)],
@@ -146,11 +160,8 @@ def test_an_interrupted_run_resumes_bit_identically_mid_epoch(
 
 @pytest.mark.parametrize(
     "overrides, reason",
-    [
-        ({"save_only_model": True}, "save_only_model=True writes the model only"),
-        ({"eval_strategy": "steps", "eval_steps": 4}, "an evaluation runs at the checkpoint step"),
-    ],
-    ids=["save_only_model", "evaluation-at-the-step"],
+    [({"eval_strategy": "steps", "eval_steps": 4}, "an evaluation runs at the checkpoint step")],
+    ids=["evaluation-at-the-step"],
 )
 def test_where_staging_is_not_exact_the_trainer_saves_and_says_why(
     overrides: dict[str, Any], reason: str, tmp_path: Path, caplog: pytest.LogCaptureFixture

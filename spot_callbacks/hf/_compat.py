@@ -119,17 +119,17 @@ def _unstaged_rng_device() -> str | None:
 
 
 def staging_blocker(trainer: transformers.Trainer | None) -> str | None:
-    """Why the Trainer's checkpoint cannot be staged faithfully, or ``None`` when it can."""
+    """Why the Trainer's checkpoint cannot be staged faithfully, or ``None`` when it can.
+
+    FSDP is decided apart (:func:`spot_callbacks.hf.fsdp.fsdp_blocker`: ``SHARDED_STATE_DICT`` is staged).
+    """
     if trainer is None:
         return "the Trainer is not on the call stack of its callbacks (an unknown Trainer loop)"
     args = trainer.args
     unwrapped = trainer.accelerator.unwrap_model(trainer.model, keep_torch_compile=False)
     reasons = [
         (trainer.is_deepspeed_enabled, "DeepSpeed saves its own engine checkpoint"),
-        (trainer.is_fsdp_enabled, "FSDP (the accelerate plugin) saves sharded or gathered state"),
         (transformers.utils.is_sagemaker_mp_enabled(), "SageMaker model parallelism saves partial state"),
-        (args.save_only_model, "save_only_model=True writes the model only"),
-        (args.save_on_each_node, "save_on_each_node=True writes a copy on every node"),
         (args.push_to_hub, "push_to_hub=True pushes from the Trainer's own save"),
         (trainer.hp_search_backend is not None, "a hyperparameter search names its own run folders"),
         (_is_peft_model(unwrapped), "a PEFT model saves its adapters only"),

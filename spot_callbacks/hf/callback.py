@@ -134,6 +134,7 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
         self.engine.start()
         compat.place_ahead_of_integrations(trainer := compat.running_trainer(), self)
         self._staged.start(trainer, args, self.engine.writer.spans_nodes())
+        self.engine.writer.folders_span_ranks = self._staged.every_rank  # FSDP: every rank's shards
         self._metrics.attach(trainer)
         resumed = self.engine.resumed
         self._position = hf_saves.data_position(args, kwargs, resumed, state.global_step)

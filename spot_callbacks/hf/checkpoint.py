@@ -11,14 +11,22 @@ persister's writer thread writes the files ``Trainer._save_checkpoint`` would
 (``model.safetensors`` through ``save_pretrained(state_dict=...)``, ``optimizer.pt``,
 ``scheduler.pt``, ``scaler.pt``, ``rng_state[_{rank}].pth``, ``trainer_state.json``,
 ``training_args.bin``, the processing class) into a hidden folder renamed to ``checkpoint-N`` when
-complete; the existing pipeline uploads and commits it. Where the state cannot be staged faithfully
-(see :func:`~spot_callbacks.hf._compat.staging_blocker`) the Trainer saves as before.
+complete; the existing pipeline uploads and commits it.
+
+Where the folder's files are spread over ranks (FSDP with ``SHARDED_STATE_DICT``: every rank's DCP
+shards; several nodes: node-local ``output_dir`` folders) *every* rank stages what it writes (its shards,
+see :mod:`spot_callbacks.hf.fsdp`; its RNG streams; on the ranks where ``args.should_save``, the
+rest) and its writer thread writes and uploads its own files of the folder, in parallel with the
+other ranks (:class:`~spot_callbacks.persist.folders.NodeFolderPersister`); rank 0 commits. Where
+the state cannot be staged faithfully (see :func:`~spot_callbacks.hf._compat.staging_blocker`)
+the Trainer saves as before.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import time
 import weakref
@@ -31,11 +39,12 @@ import torch
 import transformers
 
 import spot_callbacks.hf._compat as compat
+import spot_callbacks.hf.fsdp as fsdp
 import spot_callbacks.settings as settings
+from spot_callbacks._dist import is_writer
 from spot_callbacks.saving import CheckpointWriter
 from spot_callbacks.staging import StagedState, StagingArea
 from spot_callbacks.store.checksums import FileDigest
-from spot_callbacks._dist import is_writer
 
 log = logging.getLogger("spot_callbacks")
 
@@ -65,6 +74,7 @@ class StagedCheckpoint:
     epoch: int
     staged: StagedState | None  # None on ranks that write only their RNG file
     blocked_s: float
+    layouts: dict[tuple[Any, ...], fsdp.ShardLayout] | None = None  # sharded: the DTensors' layouts
 
 
 class StagedSaves:
@@ -81,6 +91,10 @@ class StagedSaves:
         self._trainer: Callable[[], transformers.Trainer | None] = lambda: None
         self.fallback_reason: str | None = None
         self.owns_folders = False
+        self.every_rank = False  # every rank stages and writes its own files (FSDP shards, several nodes)
+        self.sharded = (
+            False  # FSDP SHARDED_STATE_DICT: the model and optimizer are every rank's DTensor shards
+        )
         self.submitted_steps: list[int] = []  # of this train(), in order
         self.pending: StagedCheckpoint | None = None
         self._said: set[str] = set()
@@ -95,21 +109,32 @@ class StagedSaves:
                 "spot_callbacks: save_only_model=True: checkpoints hold no optimizer, scheduler or RNG state, "
                 "so a resume from them is not exact"
             )
+        fsdp_on = trainer is not None and bool(trainer.is_fsdp_enabled)
         reason = compat.staging_blocker(trainer)
-        if reason is None and spans_nodes:
-            reason = "several nodes write node-local folders"
+        if reason is None and fsdp_on:
+            reason = fsdp.fsdp_blocker(trainer)
+        self.sharded = fsdp_on and reason is None
+        # An FSDP run's folders hold every rank's files even when the Trainer writes them.
+        self.every_rank = fsdp_on or spans_nodes
         if reason is None and save_path_setting() == TRAINER:
             reason = f"{SAVE_PATH_ENV}={TRAINER}"
         self.fallback_reason = reason
         if reason is None:
-            self._say("spot_callbacks: checkpoints are staged in RAM and written in the background")
+            who = (
+                " (every rank writes its own shards)" if self.sharded
+                else " (every node writes its own files)" if self.every_rank
+                else ""
+            )  # fmt: skip
+            line = f"spot_callbacks: checkpoints are staged in RAM and written in the background{who}"
         else:
-            self._say(f"spot_callbacks: the Trainer writes each checkpoint, then it is uploaded ({reason})")
+            line = f"spot_callbacks: the Trainer writes each checkpoint, then it is uploaded ({reason})"
+        # Each node says which path it takes (they write their own files): one line per node.
+        self._say(line, every_node=spans_nodes and args.local_process_index == 0)
 
-    def _say(self, line: str) -> None:
+    def _say(self, line: str, every_node: bool = False) -> None:
         if line not in self._said:
             self._said.add(line)
-            log.info("%s", line)
+            log.info("%s", line, extra={"every_rank": every_node})
 
     def applies(self, should_save: bool, should_evaluate: bool) -> bool:
         """Whether this step's checkpoint is staged (else the adapter sets ``control.should_save``)."""
@@ -126,27 +151,22 @@ class StagedSaves:
         return True
 
     def stage(self, request: Any, epoch: int, staging: StagingArea) -> None:
-        """At ``on_step_end``: snapshot the tensors and RNG streams (the writer rank stages them all)."""
+        """At ``on_step_end``: snapshot the tensors and RNG streams (the writer rank stages them all,
+        or, for :attr:`every_rank`, every rank what it writes)."""
         started = time.perf_counter()
         trainer = self._trainer()
-        staged = None
-        if is_writer():
-            staged = staging.stage(
-                {
-                    "model": trainer.model.state_dict(),
-                    "optimizer": trainer.optimizer.state_dict(),
-                    "scheduler": trainer.lr_scheduler.state_dict(),
-                    "scaler": None
-                    if (scaler := compat.grad_scaler(trainer)) is None
-                    else scaler.state_dict(),
-                    "rng": compat.rng_states(trainer.args),
-                }
-            )
-        else:  # a few KB: this rank's file goes into the folder now, before the writer rank submits
+        staged, layouts = None, None
+        if self.every_rank:
+            layouts = {}
+            staged = staging.stage(rank_state(trainer, self.sharded, layouts))
+        elif is_writer():
+            staged = staging.stage(rank_state(trainer, sharded=False, layouts={}))
+        elif not trainer.args.save_only_model:
+            # A few KB: this rank's file goes into the folder now, before the writer rank submits.
             folder = partial_folder(compat.checkpoint_dir(trainer.args.output_dir, request.step))
             folder.mkdir(parents=True, exist_ok=True)
             torch.save(compat.rng_states(trainer.args), folder / compat.rng_state_name(trainer.args))
-        self.pending = StagedCheckpoint(request, epoch, staged, time.perf_counter() - started)
+        self.pending = StagedCheckpoint(request, epoch, staged, time.perf_counter() - started, layouts)
 
     def drop(self, step: int | None = None) -> StagedCheckpoint | None:
         """The Trainer saves the pending snapshot's step itself: free the snapshot (every rank).
@@ -187,10 +207,20 @@ class StagedSaves:
             return {}  # the pipeline checksums the folder as it uploads it
 
         on_written = pending.staged.release if pending.staged is not None else None
-        persisted = writer.save_folder(
-            step, pending.epoch, folder, reason, stall_s=stall_s, owns_folder=self.owns_folders, extra=extra,
-            write=write, on_written=on_written,
-        )  # fmt: skip
+        if self.every_rank:
+
+            def write_own(target: Path, group: Any) -> list[str]:
+                return write_rank_files(trainer, pending, trainer_state, target, group, self.sharded)
+
+            persisted = writer.save_rank_files(
+                step, pending.epoch, folder, reason, write_own, stall_s=stall_s, owns_folder=self.owns_folders,
+                extra=extra, on_written=on_written,
+            )  # fmt: skip
+        else:
+            persisted = writer.save_folder(
+                step, pending.epoch, folder, reason, stall_s=stall_s, owns_folder=self.owns_folders,
+                extra=extra, write=write, on_written=on_written,
+            )  # fmt: skip
         if persisted:
             self.submitted_steps.append(step)
         return pending.request, stall_s if persisted else None
@@ -218,17 +248,138 @@ def write_checkpoint_folder(
     os.replace(partial, folder)
 
 
+def rank_state(
+    trainer: transformers.Trainer, sharded: bool, layouts: dict[tuple[Any, ...], Any]
+) -> dict[str, Any]:
+    """What this rank writes of ``checkpoint-N``, to stage: as ``Trainer._save_checkpoint`` chooses it.
+
+    ``sharded``: this rank's DTensor shards of model and optimizer, their layouts into ``layouts``.
+    Otherwise the model and optimizer state where ``args.should_save`` (rank 0, or every node's main
+    process with ``save_on_each_node``). Scheduler and scaler where ``should_save``, the RNG streams
+    everywhere; with ``save_only_model`` the model only.
+    """
+    args = trainer.args
+    only_model = bool(args.save_only_model)
+    state: dict[str, Any] = {}
+    if sharded:
+        model, optimizer = fsdp.model_and_optimizer_shards(trainer)
+        state["model"] = fsdp.local_shards(model, layouts, ("model",))
+        state["optimizer"] = fsdp.local_shards(optimizer, layouts, ("optimizer",))
+    elif args.should_save:
+        state["model"] = trainer.model.state_dict()
+        if not only_model:
+            state["optimizer"] = trainer.optimizer.state_dict()
+    if args.should_save and not only_model:
+        state["scheduler"] = trainer.lr_scheduler.state_dict()
+        scaler = compat.grad_scaler(trainer)
+        state["scaler"] = None if scaler is None else scaler.state_dict()
+    if not only_model:
+        state["rng"] = compat.rng_states(args)
+    return state
+
+
+def write_rank_files(
+    trainer: transformers.Trainer,
+    pending: StagedCheckpoint,
+    trainer_state: Any,
+    folder: Path,
+    group: Any,
+    sharded: bool,
+) -> list[str]:
+    """This rank's files of ``checkpoint-N``, written from its staged state (every rank at once); their names.
+
+    Collective on ``group`` (a :class:`~spot_callbacks.persist.rank_group.RankGroup`): each step is
+    agreed on, so a rank that fails fails the checkpoint on all. Each node's main process clears a
+    leftover and renames its node's hidden folder to ``folder`` once every rank's files are in; on a
+    folder several nodes share, the first rename wins.
+    """
+    pending.staged.wait_copied()
+    state, step = pending.staged.state, pending.request.step
+    partial = partial_folder(folder)
+    node_main = trainer.args.local_process_index == 0
+    group.agree(lambda: _clear_leftovers(folder) if node_main else None, "clear a leftover", folder, step)
+    names: list[str] = []
+    try:
+        group.agree(lambda: partial.mkdir(parents=True, exist_ok=True), "create", partial, step)
+        if sharded:  # DCP shares a rank's write error with every rank
+            layouts = pending.layouts or {}
+            for name, key in ((fsdp.FSDP_MODEL_DIR, "model"), (fsdp.FSDP_OPTIMIZER_DIR, "optimizer")):
+                names += fsdp.write_dcp_folder(name, key, state[key], layouts, partial, group.group)
+        group.agree(
+            lambda: names.extend(_write_own_files(trainer, state, trainer_state, partial, set(names), sharded)),
+            "write its files", partial, step,
+        )  # fmt: skip
+        group.agree(lambda: _publish(partial, folder) if node_main else None, "rename", partial, step)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)  # a failed write must not keep the disk full
+        raise
+    return names
+
+
+def _clear_leftovers(folder: Path) -> None:
+    # Of an earlier run at this step, never committed (a committed step is never saved again).
+    shutil.rmtree(partial_folder(folder), ignore_errors=True)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _publish(partial: Path, folder: Path) -> None:
+    try:
+        os.replace(partial, folder)
+    except FileNotFoundError:  # another node's main process renamed the folder they share
+        if not folder.is_dir():
+            raise
+
+
+_PER_RANK = re.compile(r"(?:rng_state_|__)(\d+)[_.]")  # rng_state_{rank}.pth, DCP's __{rank}_0.distcp
+
+
+def _write_own_files(
+    trainer: transformers.Trainer,
+    state: dict[str, Any],
+    trainer_state: Any,
+    partial: Path,
+    written: set[str],
+    sharded: bool,
+) -> list[str]:
+    """Write this rank's non-DCP files into ``partial``; the names of the files this rank wrote there."""
+    args = trainer.args
+    if "rng" in state:
+        torch.save(state["rng"], partial / compat.rng_state_name(args))
+    if not args.should_save:
+        return [compat.rng_state_name(args)] if "rng" in state else []
+    _write_files(trainer, {**state, "rng": None}, trainer_state, partial, sharded)
+    rank = str(args.process_index)
+    own = []
+    for path in sorted(partial.rglob("*")):
+        name = path.relative_to(partial).as_posix()
+        other_rank = (match := _PER_RANK.match(path.name)) is not None and match.group(1) != rank
+        if path.is_file() and name not in written and not other_rank:
+            own.append(name)
+    return own
+
+
 def _write_files(
-    trainer: transformers.Trainer, state: dict[str, Any], trainer_state: Any, partial: Path
+    trainer: transformers.Trainer,
+    state: dict[str, Any],
+    trainer_state: Any,
+    partial: Path,
+    sharded: bool = False,
 ) -> None:
-    compat.save_model_weights(trainer, state["model"], partial)
-    processing_class = compat.processing_class_of(trainer)
-    if processing_class is not None:
-        processing_class.save_pretrained(partial)
-    torch.save(trainer.args, partial / transformers.trainer.TRAINING_ARGS_NAME)
-    torch.save(state["optimizer"], partial / transformers.trainer.OPTIMIZER_NAME)
-    torch.save(state["scheduler"], partial / transformers.trainer.SCHEDULER_NAME)
-    if state["scaler"] is not None:
+    """The files ``Trainer._save_checkpoint`` writes from the staged ``state`` (its absent or ``None``
+    entries are not written: ``save_only_model``). ``sharded``: FSDP's ``save_model`` writes nothing,
+    the model and optimizer are the DCP folders."""
+    if not sharded:
+        compat.save_model_weights(trainer, state["model"], partial)
+        processing_class = compat.processing_class_of(trainer)
+        if processing_class is not None:
+            processing_class.save_pretrained(partial)
+        torch.save(trainer.args, partial / transformers.trainer.TRAINING_ARGS_NAME)
+        if state.get("optimizer") is not None:
+            torch.save(state["optimizer"], partial / transformers.trainer.OPTIMIZER_NAME)
+    if state.get("scheduler") is not None:
+        torch.save(state["scheduler"], partial / transformers.trainer.SCHEDULER_NAME)
+    if state.get("scaler") is not None:
         torch.save(state["scaler"], partial / transformers.trainer.SCALER_NAME)
-    torch.save(state["rng"], partial / compat.rng_state_name(trainer.args))
+    if state.get("rng") is not None:
+        torch.save(state["rng"], partial / compat.rng_state_name(trainer.args))
     trainer_state.save_to_json(os.fspath(partial / transformers.trainer.TRAINER_STATE_NAME))

@@ -1,5 +1,8 @@
 """hf_run.py's Trainer run under accelerate's FSDP2 plugin with SHARDED_STATE_DICT (run under torchrun).
 
+``--resume-from`` resumes from a local ``checkpoint-N`` folder (without ``--dirpath``: the Trainer
+alone loads it, as a user would); ``--output-dir`` may contain ``{node}`` (torchrun's GROUP_RANK).
+
 Same model, data and schedule as hf_run.py. accelerate 1.15 turns its FSDP plugin on only for
 accelerator device types (``AcceleratorState.__init__`` sets ``DistributedType.FSDP`` in the
 ``MULTI_GPU``/``MULTI_XPU``/... branch and leaves ``MULTI_CPU`` alone), so on a CPU box the Trainer
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -37,6 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--every-n-steps", type=int, default=None)
     parser.add_argument("--batch-size", type=int, default=8, help="per process")
     parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument("--resume-from", default=None, help="a local checkpoint-N folder to resume from")
+    parser.add_argument("--state-dict-type", default="SHARDED_STATE_DICT")
     return parser.parse_args(argv)
 
 
@@ -73,11 +79,11 @@ def main() -> int:
             if isinstance(module, torch.nn.Dropout):
                 module.p = args.dropout
     training_args = transformers.TrainingArguments(
-        output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
+        output_dir=args.output_dir.format(node=os.environ.get("GROUP_RANK", "0")), max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
         learning_rate=5e-3, lr_scheduler_type="linear", warmup_steps=3, seed=args.seed, data_seed=7,
         save_strategy="no", logging_steps=5, report_to=[], use_cpu=True, dataloader_num_workers=0,
         disable_tqdm=True, fsdp=True,
-        fsdp_config={"version": 2, "state_dict_type": "SHARDED_STATE_DICT",
+        fsdp_config={"version": 2, "state_dict_type": args.state_dict_type,
                      "transformer_layer_cls_to_wrap": ["GPT2Block"]},
     )  # fmt: skip
     callbacks: list = [hf_run.RecordSaves()]
@@ -96,7 +102,7 @@ def main() -> int:
     trainer = transformers.Trainer(
         model=model, args=training_args, train_dataset=hf_run.TokenData(), callbacks=callbacks
     )
-    resume = spot.latest() if spot is not None else None
+    resume = spot.latest() if spot is not None else args.resume_from
     trainer.train(resume_from_checkpoint=resume)
 
     weights = full_weights(model)
@@ -111,7 +117,8 @@ def main() -> int:
         "global_step": trainer.state.global_step,
         "preempted": bool(spot and spot.preempted),
         "resumed_from": resume,
-        "saves": callbacks[0].steps,
+        # The Trainer's saves (on_save) and the callback's staged ones, which the Trainer never sees.
+        "saves": sorted(callbacks[0].steps + (spot._staged.submitted_steps if spot else [])),
     }
     print(json.dumps(result), flush=True)
     Path(f"{out}.json").write_text(json.dumps(result))

@@ -1,0 +1,172 @@
+"""Hugging Face under accelerate's FSDP2 plugin: each rank stages its own shards, writes the Trainer's DCP folders.
+
+What ``Trainer._save_checkpoint`` writes under FSDP with ``SHARDED_STATE_DICT`` (transformers 5.24,
+accelerate 1.15): ``save_model`` writes nothing (no ``model.safetensors``, no ``training_args.bin``);
+``save_fsdp_model`` runs ``dcp.save({"model": get_model_state_dict(model)})`` into
+``pytorch_model_fsdp_0/`` and ``save_fsdp_optimizer`` ``dcp.save({"optimizer":
+get_optimizer_state_dict(model, optimizer)})`` into ``optimizer_0/``, both with DCP's
+``FileSystemWriter`` and ``DefaultSavePlanner`` (one ``__{rank}_0.distcp`` per rank, ``.metadata``
+from rank 0); then ``scheduler.pt`` (and ``scaler.pt``) where ``args.should_save``, every rank's
+``rng_state_{rank}.pth``, ``trainer_state.json``.
+
+At the step :func:`local_shards` replaces every DTensor of those state dicts by its local shard
+(a view: no gather, no copy) and keeps its :class:`ShardLayout`; the run's
+:class:`~spot_callbacks.staging.StagingArea` copies the shards. In the background
+:func:`write_dcp_folder` wraps the staged buffers back into DTensors of the same global shape,
+placements and ranks (``DTensor.from_local`` on a CPU mesh of the same layout, made without
+process groups: ``DeviceMesh(..., _init_backend=False)``, private in torch 2.13) and saves them with ``dcp.save``
+on the persister's own gloo group with the planner accelerate uses: DCP plans from global
+tensors, so ``.metadata`` describes them as in the Trainer's own save and accelerate's
+``load_fsdp_model`` / ``load_fsdp_optimizer`` load (and reshard) the folder unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FSDP_MODEL_DIR = "pytorch_model_fsdp_0"  # accelerate's f"{FSDP_MODEL_NAME}_{model_index}"
+FSDP_OPTIMIZER_DIR = "optimizer_0"  # accelerate's f"{OPTIMIZER_NAME}_{optimizer_index}"
+DCP_METADATA = ".metadata"
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Where one DTensor's local shard sits in its global tensor: enough to rebuild it over a staged copy.
+
+    Example:
+        >>> layout = ShardLayout(mesh=None, placements=(), shape=torch.Size([8, 4]), stride=(4, 1))
+        >>> layout.shape
+        torch.Size([8, 4])
+    """
+
+    mesh: Any  # a CPU DeviceMesh of the same ranks and layout as the DTensor's (no process groups)
+    placements: tuple[Any, ...]
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+
+def fsdp_blocker(trainer: Any) -> str | None:
+    """Why this FSDP Trainer's checkpoint is written by the Trainer, or ``None`` when it is staged."""
+    from torch.distributed.fsdp import StateDictType
+
+    plugin = trainer.accelerator.state.fsdp_plugin
+    kind = plugin.state_dict_type
+    if kind == StateDictType.FULL_STATE_DICT:
+        return (
+            "FSDP with FULL_STATE_DICT gathers every parameter on rank 0 at the step, the cost a snapshot "
+            "would pay too (fsdp_config state_dict_type: SHARDED_STATE_DICT is staged)"
+        )
+    if kind != StateDictType.SHARDED_STATE_DICT:
+        return f"FSDP with {getattr(kind, 'name', kind)} is not staged (SHARDED_STATE_DICT is)"
+    if getattr(plugin, "fsdp_version", 1) != 2:
+        return "FSDP1 keeps ShardedTensor state that is not staged (fsdp_config version: 2 is)"
+    return None
+
+
+def model_and_optimizer_shards(trainer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """This rank's sharded model and optimizer state dicts, as accelerate's savers take them (DTensor values).
+
+    ``cpu_offload`` stays off whatever the plugin says: the staging copies the shards to host memory
+    once, and the bytes DCP writes are the same.
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=False, cpu_offload=False)
+    model = get_model_state_dict(trainer.model, options=options)
+    optimizer = get_optimizer_state_dict(trainer.model, trainer.optimizer, options=options)
+    return model, optimizer
+
+
+class _CpuMeshes:
+    """One CPU mesh per training mesh (a run has one or two): built once, reused by every checkpoint."""
+
+    def __init__(self) -> None:
+        self._made: dict[int, tuple[Any, Any]] = {}
+
+    def of(self, mesh: Any) -> Any:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if mesh.device_type == "cpu":
+            return mesh
+        made = self._made.get(id(mesh))
+        if made is None or made[0] is not mesh:
+            cpu = DeviceMesh("cpu", mesh.mesh, mesh_dim_names=mesh.mesh_dim_names, _init_backend=False)
+            made = self._made[id(mesh)] = (mesh, cpu)
+        return made[1]
+
+
+_MESHES = _CpuMeshes()
+
+
+def local_shards(state: Any, layouts: dict[tuple[Any, ...], ShardLayout], path: tuple[Any, ...] = ()) -> Any:
+    """``state`` with every DTensor replaced by its local shard; each one's layout goes into ``layouts``.
+
+    Example:
+        >>> layouts = {}
+        >>> local_shards({"w": torch.ones(2), "step": 3}, layouts), layouts
+        ({'w': tensor([1., 1.]), 'step': 3}, {})
+    """
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, DTensor):
+        layouts[path] = ShardLayout(
+            _MESHES.of(state.device_mesh), tuple(state.placements), state.shape, tuple(state.stride())
+        )
+        return state.to_local()
+    if type(state) is dict:
+        return {key: local_shards(value, layouts, (*path, key)) for key, value in state.items()}
+    if type(state) is list:
+        return [local_shards(value, layouts, (*path, index)) for index, value in enumerate(state)]
+    return state
+
+
+def as_global(state: Any, layouts: dict[tuple[Any, ...], ShardLayout], path: tuple[Any, ...] = ()) -> Any:
+    """Inverse of :func:`local_shards` over staged buffers: DTensors on CPU meshes, no data copied."""
+    from torch.distributed.tensor import DTensor
+
+    layout = layouts.get(path)
+    if layout is not None:
+        return DTensor.from_local(
+            state, layout.mesh, layout.placements, run_check=False, shape=layout.shape, stride=layout.stride
+        )
+    if type(state) is dict:
+        return {key: as_global(value, layouts, (*path, key)) for key, value in state.items()}
+    if type(state) is list:
+        return [as_global(value, layouts, (*path, index)) for index, value in enumerate(state)]
+    return state
+
+
+def write_dcp_folder(
+    name: str, key: str, state: Any, layouts: dict[tuple[Any, ...], ShardLayout], folder: Path, group: Any
+) -> list[str]:
+    """``dcp.save({key: state})`` into ``folder/name`` as accelerate's saver does; return this rank's files.
+
+    Collective on ``group`` (every rank at once). ``layouts`` are those :func:`local_shards` recorded
+    for ``state`` under the top-level ``key``. The names are relative to ``folder``.
+    """
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    target = folder / name
+    target.mkdir(parents=True, exist_ok=True)
+    dcp.save(
+        {key: as_global(state, layouts, (key,))},
+        storage_writer=dcp.FileSystemWriter(target),
+        planner=DefaultSavePlanner(),
+        process_group=group,
+    )
+    rank = dist.get_rank(group)
+    own = [entry for entry in os.listdir(target) if entry.startswith(f"__{rank}_")]
+    if rank == 0:
+        own.append(DCP_METADATA)
+    return [f"{name}/{entry}" for entry in sorted(own)]
