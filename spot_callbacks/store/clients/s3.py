@@ -321,7 +321,8 @@ def _boto3_client(
         # some S3-compatible servers refuse (nanio: InvalidArgument).
         plain = dict(config)
         plain["s3"] = {"payload_signing_enabled": False, **(config.get("s3") or {})}
-        plain.setdefault("request_checksum_calculation", "when_required")
+        if "request_checksum_calculation" in Config.OPTION_DEFAULTS:  # botocore >= 1.36 computes CRC32s
+            plain.setdefault("request_checksum_calculation", "when_required")
         client = session.client("s3", config=Config(**plain), **init, **client_kwargs)
     return session, client
 
