@@ -41,7 +41,7 @@ from spot_callbacks.log import show_info_lines
 from spot_callbacks.persist import PersistRecord, private_scratch_root
 from spot_callbacks.preemption import Notice, PreemptionWatcher, exit_guard
 from spot_callbacks.preemption.emergency import EXIT_MARGIN_S, Emergency, time_left_s, warn_if_grace_too_short
-from spot_callbacks.resume import ResumeInfo, move_aside_uncommitted, pull_latest
+from spot_callbacks.resume import ResumeInfo, move_aside_uncommitted, pull_latest, say_new_lineage
 from spot_callbacks.run_lease import RunLease
 from spot_callbacks.saving import CheckpointWriter
 from spot_callbacks.staging import STATE_FILE, StagingArea
@@ -99,6 +99,7 @@ class SpotEngine:
         )
         self.lease = RunLease(self.store)
         self.running = False  # between start() and finish()/stop(): the run holds its lock and workers
+        self._first_boundary = True
         self.resumed: ResumeInfo | None = None
         self._resume_recorded = False
         self.watch = PersistWatch(self.store)  # the staleness alarm and region check, fed at each step
@@ -147,12 +148,8 @@ class SpotEngine:
 
     def abandon(self, error: BaseException | None) -> None:
         """Training unwound without :meth:`finish` (``error``: what ended it; ``None``: it returned):
-        let the uploads in flight commit, then :meth:`stop`. A no-op for a run that is not running.
-
-        The adapters call it from around the framework's entry point (``Trainer.train``,
-        ``Trainer.fit``), so an exception in any hook, a Ctrl-C or a failed start never leaves the
-        run lock held (the next run on another host would wait for it to go stale).
-        """
+        let the uploads in flight commit, then :meth:`stop` (a no-op unless running). Called around the
+        framework's entry point (``run_lease.release_on_unwind``): no exit path leaves the lock held."""
         if not self.running:
             return
         try:
@@ -193,6 +190,9 @@ class SpotEngine:
             self.watch.observe(
                 self.writer.all_records(), self.writer.persister, self.trigger.interval_s, self.resumed
             )
+        if self._first_boundary and self.is_writer and self.resumed is None:
+            say_new_lineage(self.store, step)  # a fresh run in an old dirpath: which lineage `latest` follows
+        self._first_boundary = False
         local = self.trigger.due(step)
         interval, steps, notice, hint, lease_lost = agree_at_step(
             local == "interval",
@@ -360,6 +360,7 @@ class SpotEngine:
         if resumed is None:
             return None
         self.resumed = resumed
+        self.accounts.continue_lineage(resumed.info)
         # That step is committed already: a run resumed at its very end must not rewrite it.
         self.writer.last_saved_step = resumed.info.step
         self._resume_recorded = False

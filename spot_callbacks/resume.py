@@ -20,7 +20,7 @@ from spot_callbacks.accounting.throughput import log_slow_pull
 from spot_callbacks.persist.dcp_safety import check_sharded_folder
 from spot_callbacks.progress import reporting_on_a_terminal
 from spot_callbacks.store import CheckpointInfo, CheckpointStore
-from spot_callbacks.store.commit import DAMAGE_ERRORS, damaged_message
+from spot_callbacks.store.commit import DAMAGE_ERRORS, damaged_message, lineage_of, resume_order
 
 log = logging.getLogger("spot_callbacks")
 
@@ -53,21 +53,71 @@ def pull_newest_valid(
         >>> pull_newest_valid(CheckpointStore(tempfile.mkdtemp()), lambda step: Path(tempfile.mkdtemp())) is None
         True
     """
-    candidate = store.latest()
-    while candidate is not None:
-        try:
-            pull_showing_progress(store, candidate, folder_for(candidate.step))
-            check_sharded_folder(folder_for(candidate.step))
-            if check is not None:
-                check(folder_for(candidate.step), candidate)
+    # One listing, and each candidate judged once: linear in the damaged checkpoints skipped.
+    ordered = resume_order(store.committed())
+    for candidate in reversed(ordered):
+        problem = store.damage(candidate)
+        if problem is None:
+            try:
+                pull_showing_progress(store, candidate, folder_for(candidate.step))
+                check_sharded_folder(folder_for(candidate.step))
+                if check is not None:
+                    check(folder_for(candidate.step), candidate)
+            except DAMAGE_ERRORS as err:  # deleted since listed, or unloadable: damage, not the user's error
+                problem = str(err) or type(err).__name__
+        if problem is None:
+            say_lineage(store, candidate, ordered)
             return candidate
-        except DAMAGE_ERRORS as err:  # deleted since the listing included: damaged, never the user's error
-            log.warning("%s", damaged_message(candidate.url, str(err) or type(err).__name__))
-            older = [info for info in store.committed() if info.step < candidate.step]
-            candidate = store.newest_valid(
-                older, on_damaged=lambda info, why: log.warning("%s", damaged_message(info.url, why))
-            )
+        store.warn_once(candidate.step, damaged_message(candidate.url, problem))
     return None
+
+
+def say_lineage(store: CheckpointStore, resumed: CheckpointInfo, ordered: list[CheckpointInfo]) -> None:
+    """A resume below the store's highest committed step says why, and what ``latest`` follows."""
+    above = [info for info in ordered if info.step > resumed.step]
+    if not above:
+        return
+    lineage = lineage_of(resumed)
+    foreign = sorted(info.step for info in above if lineage_of(info) != lineage)
+    own = sorted(info.step for info in above if lineage_of(info) == lineage)
+    parts = []
+    if own:
+        parts.append(
+            f"its lineage's steps {_steps(own)} were skipped as damaged; this run's checkpoints replace "
+            "them as it reaches them"
+        )
+    if foreign:
+        parts.append(
+            f"steps {_steps(foreign)} belong to another lineage (another run's): kept, never resumed"
+        )
+    log.warning(
+        "spot_callbacks: resuming %s from step %d, below step %d, the highest committed: %s; `latest` "
+        "follows the lineage of the newest commit, this run's (%s) from its first checkpoint on",
+        store.url, resumed.step, max(info.step for info in above), "; ".join(parts), _lineage_name(lineage),
+    )  # fmt: skip
+
+
+def say_new_lineage(store: CheckpointStore, step: int) -> None:
+    """A run that starts afresh in a ``dirpath`` holding higher steps says so (one listing), once."""
+    top = max(store.step_folders(), default=None)
+    if top is None or top <= step:
+        return
+    log.warning(
+        "spot_callbacks: %s holds checkpoints up to step %d and this run started afresh (step %d): it "
+        "starts a new lineage. From its first commit on, `latest` follows this run's checkpoints and "
+        "retention prunes only them; the other lineage's are kept (spot-callbacks rm deletes them). "
+        "To continue the stored run instead, resume it (fit(ckpt_path=\"latest\") or "
+        "train(resume_from_checkpoint=ckpt.latest()))",
+        store.url, top, step,
+    )  # fmt: skip
+
+
+def _steps(steps: list[int]) -> str:
+    return ", ".join(map(str, steps[:5])) + (f" and {len(steps) - 5} more" if len(steps) > 5 else "")
+
+
+def _lineage_name(lineage: str | None) -> str:
+    return f"lineage {lineage[:8]}" if lineage is not None else "the unnamed lineage of earlier versions"
 
 
 def pull_latest(

@@ -275,6 +275,7 @@ class CheckpointWriter:
             "extra": {
                 **(extra or {}),
                 "ledger": self.accounts.ledger.to_json(),
+                "lineage": dict(self.accounts.lineage),
                 **self.emergency.manifest_extra(reason),
             },
             "deadline": self.emergency.deadline(reason),

@@ -15,6 +15,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import pytest
+import torch
 import transformers
 from lightning.pytorch.demos.boring_classes import BoringModel
 
@@ -296,3 +297,101 @@ def test_an_hf_run_that_lost_its_lock_fails_at_the_end_of_the_step(tmp_path: Pat
         hf_trainer(tmp_path / "out", [AtStep(), spot], max_steps=20).train()
     check_lost_lock_failure(failed.value, url, take.other, spot.store)
     assert released(spot.engine)
+
+
+# ------------------------------------------------------------------ item 8: retention by lineage
+def committed_steps(store: CheckpointStore) -> list[int]:
+    return [info.step for info in store.committed()]
+
+
+def test_retention_keeps_the_resume_point_and_the_lineage_newest_past_an_unloadable_top(
+    tmp_path: Path, caplog
+) -> None:
+    url = str(tmp_path / "store")
+    first = SpotCheckpoint(
+        dirpath=url,
+        interval=None,
+        every_n_steps=5,
+        keep_last=0,
+        preemption=[],
+        scratch_dir=str(tmp_path / "first"),
+    )  # each on a fresh machine
+
+    class Settle(pl.Callback):  # each checkpoint commits before the next (newest wins would drop it)
+        def on_train_batch_end(self, *args) -> None:  # noqa: ANN002
+            assert first.engine.wait_for_commit(timeout=60)
+
+    lightning_fit(first, Settle(), max_steps=20)
+    assert committed_steps(first.store) == [5, 10, 15, 20]
+    state = Path(first.store.step_path(20)) / "state.ckpt"
+    state.write_bytes(b"\0" * state.stat().st_size)  # committed, right size, unloadable
+
+    caplog.set_level(logging.WARNING, logger="spot_callbacks")
+    second = SpotCheckpoint(
+        dirpath=url,
+        interval=None,
+        every_n_steps=1,
+        keep_last=1,
+        preemption=[],
+        scratch_dir=str(tmp_path / "second"),
+    )  # each on a fresh machine
+    lightning_fit(second, max_steps=18)
+    assert second.engine.resumed.info.step == 15
+    # 15: what this run resumed from; 18: the lineage's newest; 20: damaged, neither counted nor deleted.
+    assert committed_steps(second.store) == [15, 18, 20]
+    said = [r.getMessage() for r in caplog.records if "below step 20" in r.getMessage()]
+    assert said and "resuming" in said[0] and "follows the lineage of the newest commit" in said[0], said
+
+    third = SpotCheckpoint(
+        dirpath=url,
+        interval=None,
+        every_n_steps=1,
+        keep_last=1,
+        preemption=[],
+        scratch_dir=str(tmp_path / "third"),
+    )  # each on a fresh machine
+    lightning_fit(third, max_steps=19)
+    assert third.engine.resumed.info.step == 18  # never a fresh start
+    assert committed_steps(third.store) == [18, 19, 20]
+
+
+def engine_for(url: str, keep_last: int) -> SpotEngine:
+    config = SpotConfig(dirpath=url, interval=None, keep_last=keep_last, preemption=[])
+    return SpotEngine(config, "test")
+
+
+def save(engine: SpotEngine, step: int, reason: str = "steps") -> None:
+    engine.save_state(step=step, epoch=0, state={"w": torch.full((4,), float(step))}, reason=reason)
+    assert engine.wait_for_commit(timeout=60)
+
+
+def test_a_fresh_run_on_an_old_dirpath_keeps_its_own_checkpoints_and_resumes_them(
+    tmp_path: Path, caplog
+) -> None:
+    url = str(tmp_path / "store")
+    old = engine_for(url, keep_last=0)
+    old.start()
+    for step in (30, 50):
+        save(old, step)
+    old.finish()
+
+    caplog.set_level(logging.WARNING, logger="spot_callbacks")
+    fresh = engine_for(url, keep_last=1)  # fit() without a resume, same dirpath
+    fresh.start()
+    fresh.step_boundary(1)
+    for step in (5, 10):
+        save(fresh, step)
+    save(fresh, 12, reason="preemption")  # SIGTERM: the emergency checkpoint
+    fresh.finish()
+    assert committed_steps(fresh.store) == [12, 30, 50]  # its own never pruned for 30 and 50
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "holds checkpoints up to step 50 and this run started afresh" in said
+
+    relaunch = engine_for(url, keep_last=1)
+    assert relaunch.pull_latest() is not None
+    assert relaunch.resumed.info.step == 12  # the new run's checkpoint, not the old run's step 50
+    assert relaunch.store.latest().step == 12
+    relaunch.start()
+    save(relaunch, 13)
+    relaunch.finish()
+    assert committed_steps(relaunch.store) == [12, 13, 30, 50]  # 12 resumed from; 10 pruned

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +32,9 @@ class RunAccounts:
 
     def __init__(self) -> None:
         self.ledger = RunLedger()
+        # Every manifest says which lineage it continues (store/commit.py: retention and latest()
+        # follow it): a fresh run starts one, a resume continues the one of its checkpoint.
+        self.lineage: dict[str, Any] = {"id": uuid.uuid4().hex, "resumed_from": None}
         self.slowdown = SlowdownMeter()
         self.created_at = time.time()  # a resume's downtime ends when this run's callback exists
         self.train_base_s = 0.0
@@ -79,6 +83,13 @@ class RunAccounts:
     def interruption_history(self) -> tuple[int, float]:
         """Interruptions and billed hours of the lineage, for ``interval="auto"``."""
         return self.ledger.interruptions, self.ledger.billed_s / 3600.0
+
+    def continue_lineage(self, info: Any) -> None:
+        """This run resumed from checkpoint ``info``: its checkpoints continue that one's lineage
+        (``None`` for a checkpoint written before lineages were recorded), and ``info`` is protected."""
+        lineage = info.extra.get("lineage") if isinstance(info.extra.get("lineage"), dict) else {}
+        lineage_id = lineage.get("id")
+        self.lineage = {"id": lineage_id if isinstance(lineage_id, str) else None, "resumed_from": info.step}
 
     def record_resume(self, info: Any, pull_s: float, pulled_at: float, say_info: bool) -> None:
         """Continue the ledger of the checkpoint resumed from (``info``), with this resume in it."""

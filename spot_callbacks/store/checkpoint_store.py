@@ -12,7 +12,7 @@ import logging
 import os
 import posixpath
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,9 @@ from spot_callbacks.store.pull_dest import check_pull_dest
 from spot_callbacks.store.retry import RetryPolicy, UploadTimeout
 
 log = logging.getLogger("spot_callbacks")
+
+# prune()'s default: the lineage latest() follows (lineage ids are uuid hex, never this word).
+FOLLOWED_LINEAGE = "latest"
 
 
 class CheckpointStore:
@@ -217,9 +220,10 @@ class CheckpointStore:
         """The newest committed checkpoint whose files exist with the manifest's sizes, or ``None``.
 
         A checkpoint that fails the check is skipped with a warning naming it and the reason; it
-        is never deleted here.
+        is never deleted here. With checkpoints of several lineages (a fresh run on an old
+        dirpath), the lineage of the newest commit is followed (``commit.resume_order``).
         """
-        return self.newest_valid(self.committed())
+        return self.newest_valid(protocol.resume_order(self.committed()))
 
     def newest_valid(
         self,
@@ -449,12 +453,16 @@ class CheckpointStore:
     def _exists(self, path: str) -> bool:
         return self.retry.call(lambda: layout.exists_fresh(self.fs, path), f"check {self.url_of(path)}")
 
-    def prune(self, keep_last: int) -> list[int]:
-        """Keep the newest ``keep_last`` committed checkpoints (0 keeps all); return the steps deleted.
+    def prune(
+        self, keep_last: int, lineage: str | None = FOLLOWED_LINEAGE, protected: Iterable[int] = ()
+    ) -> list[int]:
+        """Keep the newest ``keep_last`` valid checkpoints of ``lineage`` (0 keeps all); return the steps deleted.
 
-        The newest *valid* checkpoint is never deleted, even when newer damaged ones exist.
-        Only checkpoints this call saw committed are touched, so a commit racing the prune is safe.
-        A checkpoint the store would not (wholly) delete is logged with what stayed and not returned.
+        ``lineage`` defaults to :data:`FOLLOWED_LINEAGE`: the one ``latest()`` follows (the newest
+        commit's). Damaged checkpoints are neither counted nor deleted, another lineage's are never
+        touched, nor are the ``protected`` steps (see ``commit.retention_victims``). Only checkpoints this call saw
+        committed are touched, so a commit racing the prune is safe. A checkpoint the store would
+        not (wholly) delete is logged with what stayed and not returned.
         """
         if keep_last < 0:
             raise ValueError(f"keep_last={keep_last!r} must be >= 0")
@@ -463,8 +471,10 @@ class CheckpointStore:
         seen = self.committed()  # a checkpoint committed after this listing is never touched
         if len(seen) <= keep_last:
             return []
+        chosen = protocol.current_lineage(seen) if lineage == FOLLOWED_LINEAGE else lineage
+        damaged = lambda info: self.damage(info) is not None  # noqa: E731
         deleted = []
-        for info in protocol.retention_victims(seen, keep_last, self.newest_valid(seen)):
+        for info in protocol.retention_victims(seen, keep_last, damaged, chosen, protected):
             try:
                 self.delete(info.step)
             except DeleteIncompleteError as err:
@@ -492,7 +502,10 @@ class CheckpointStore:
                 )  # fmt: skip
             return
         try:
-            self.prune(keep_last)
+            # The committing run's lineage; what it resumed from stays while it runs (its fallback).
+            resumed = protocol.resumed_from(info)
+            protected = {info.step} if resumed is None else {info.step, resumed}
+            self.prune(keep_last, protocol.lineage_of(info), protected)
         except Exception as err:  # noqa: BLE001 - retention failing must not fail the commit
             log.warning(
                 "spot_callbacks: retention in %s failed, will retry after the next commit: %s", self.url, err

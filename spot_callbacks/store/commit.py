@@ -6,9 +6,11 @@ The rules:
    ``manifest.json`` exists and parses. A single-object PUT is atomic on S3, GCS and Azure, and
    rename is not, so the manifest is the commit; nothing relies on rename.
 2. It is **valid** when, besides, every file it lists exists with the listed size
-   (:func:`size_problem`, checked by ``CheckpointStore.check_sizes``); ``latest()``, what a
-   resume uses, is the newest valid one, and ``verify()`` also compares every checksum. A checkpoint that fails is skipped with a
-   warning, never deleted.
+   (:func:`size_problem`, checked by ``CheckpointStore.check_sizes``) and every file its
+   framework needs. ``latest()``, what a resume uses, is the newest valid one **of the current
+   lineage** (:func:`resume_order`: the lineage of the newest commit; another lineage's only when
+   none of it is valid), and ``verify()`` also compares every checksum. A checkpoint that fails is
+   skipped with a warning, never deleted.
 3. **Writing** step N (``write_checkpoint``): clear a stale folder of step N
    (``clear_stale_step``: its manifest first, so a mix of old and new payload is never
    committed), upload the payload, and write the manifest **last** (``commit``), once every
@@ -16,9 +18,10 @@ The rules:
 4. **Deleting** a checkpoint (``delete``) retires its manifest first (it stops counting at once),
    then its payload.
 5. **Retention** (``prune``, deciding with :func:`retention_victims`) keeps the newest
-   ``keep_last`` committed checkpoints, runs only after a newer checkpoint committed
-   (``settle_commit``, :func:`retention_follows`), never during an emergency save, never deletes
-   the newest valid checkpoint, and touches only checkpoints it saw committed.
+   ``keep_last`` *valid* checkpoints of the committing run's lineage (:func:`lineage_of`), runs
+   only after a newer checkpoint committed (``settle_commit``, :func:`retention_follows`), never
+   during an emergency save, never deletes the checkpoint the run resumed from, a damaged one,
+   another lineage's, or one it did not see committed.
 
 The steps that do I/O are :class:`~spot_callbacks.store.CheckpointStore`'s methods, named in
 each rule; this module holds the rules and the pure decisions they take (what a manifest or a
@@ -28,6 +31,7 @@ listing means, what retention may delete) and never calls back into the store.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from spot_callbacks.errors import CorruptCheckpointError, ManifestError
@@ -109,25 +113,91 @@ def landed(found: bytes | None, written: bytes) -> bool:
     return found == written
 
 
-# ----------------------------------------------------------------- 5: retention
+# ----------------------------------------------------------------- 2, 5: lineages
+def lineage_of(info: CheckpointInfo) -> str | None:
+    """The lineage a checkpoint continues (``extra["lineage"]["id"]``): a fresh run starts one, a
+    resume continues its checkpoint's; ``None`` for manifests written before lineages were recorded
+    (they form one lineage together, as every run's checkpoints did then)."""
+    lineage = info.extra.get("lineage")
+    lineage_id = lineage.get("id") if isinstance(lineage, dict) else None
+    return lineage_id if isinstance(lineage_id, str) else None
+
+
+def resumed_from(info: CheckpointInfo) -> int | None:
+    """The step the run that wrote ``info`` resumed from (``None``: it started fresh, or it is not said)."""
+    lineage = info.extra.get("lineage")
+    step = lineage.get("resumed_from") if isinstance(lineage, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
+
+
+def current_lineage(infos: list[CheckpointInfo]) -> str | None:
+    """The lineage of the newest commit (by its manifest's ``created``, then step): the one
+    ``latest()`` follows and retention prunes. ``None`` also when ``infos`` is empty."""
+    if not infos:
+        return None
+    return lineage_of(max(infos, key=lambda info: (info.created, info.step)))
+
+
+def resume_order(infos: list[CheckpointInfo]) -> list[CheckpointInfo]:
+    """``infos`` (oldest first) reordered so the current lineage comes last, by step: walking it
+    from the end, as ``newest_valid`` does, tries the current lineage from its highest step down,
+    then the other lineages' (highest first) only when none of it is valid.
+
+    A fresh run on an old dirpath (another lineage up to step 50) resumes its own step 12 after a
+    preemption, not step 50.
+
+    Example:
+        >>> from datetime import datetime, timedelta, timezone
+        >>> t0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+        >>> def ckpt(step, minute, lineage):
+        ...     return CheckpointInfo(step, f"memory://run/{step}", t0 + timedelta(minutes=minute), "interval", 1,
+        ...                           "demo", extra={"lineage": {"id": lineage}})
+        >>> old = [ckpt(30, 0, "a"), ckpt(50, 1, "a")]
+        >>> [info.step for info in resume_order([ckpt(5, 9, "b"), *old, ckpt(10, 10, "b")])]
+        [30, 50, 5, 10]
+    """
+    lineage = current_lineage(infos)
+    others = sorted((info for info in infos if lineage_of(info) != lineage), key=lambda info: info.step)
+    return [*others, *(info for info in infos if lineage_of(info) == lineage)]
+
+
 def retention_victims(
-    seen: list[CheckpointInfo], keep_last: int, newest_valid: CheckpointInfo | None
+    seen: list[CheckpointInfo],
+    keep_last: int,
+    damaged: Callable[[CheckpointInfo], bool],
+    lineage: str | None,
+    protected: Iterable[int] = (),
 ) -> list[CheckpointInfo]:
-    """What retention may delete of the committed checkpoints ``seen`` (oldest first): all but the
-    newest ``keep_last``, never the newest valid one; ``keep_last=0`` keeps all.
+    """What retention may delete of the committed checkpoints ``seen`` (oldest first), oldest first.
+
+    Rule 5 by lineage: only checkpoints of ``lineage`` (the committing run's) are candidates;
+    walking it down from its highest step, the first ``keep_last`` *valid* ones are kept (one
+    ``damaged`` is neither counted nor deleted: a damaged or foreign higher step never costs the
+    lineage a good checkpoint), every older one goes, except the ``protected`` steps (the
+    checkpoint the run resumed from, the one just committed). Another lineage's checkpoints are
+    never deleted by a run (``spot-callbacks rm`` does that). ``damaged`` is asked only until
+    ``keep_last`` valid ones are found; ``keep_last=0`` keeps all.
 
     Example:
         >>> from datetime import datetime, timezone
-        >>> infos = [CheckpointInfo(s, f"memory://run/{s}", datetime.now(timezone.utc), "end", 1, "demo") for s in (1, 2, 3, 4)]
-        >>> [i.step for i in retention_victims(infos, 2, newest_valid=infos[0])]
-        [2]
+        >>> infos = [CheckpointInfo(s, f"memory://run/{s}", datetime.now(timezone.utc), "end", 1, "demo") for s in (15, 16, 17, 18, 20)]
+        >>> # keep_last=1, step 20 committed but unloadable, the run resumed from 15 and reached 18:
+        >>> [i.step for i in retention_victims(infos, 1, lambda i: i.step == 20, None, protected=[15, 18])]
+        [16, 17]
     """
     if keep_last < 0:
         raise ValueError(f"keep_last={keep_last!r} must be >= 0")
-    if keep_last == 0 or len(seen) <= keep_last:
+    if keep_last == 0:
         return []
-    keep = newest_valid.step if newest_valid is not None else None
-    return [info for info in seen[:-keep_last] if info.step != keep]
+    keep = set(protected)
+    valid_kept = 0
+    victims = []
+    for info in reversed([info for info in seen if lineage_of(info) == lineage]):
+        if valid_kept < keep_last:
+            valid_kept += not damaged(info)
+        elif info.step not in keep:
+            victims.append(info)
+    return victims[::-1]
 
 
 def retention_follows(deadline: float | None) -> bool:
