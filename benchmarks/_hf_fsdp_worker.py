@@ -1,0 +1,212 @@
+"""One rank of the HF FSDP benchmark (launched by ``benchmarks/hf_fsdp.py`` under torchrun).
+
+The MLP of ``_sharded_worker.py`` (the same sizes as Lightning's sharded row) as a Hugging Face
+Trainer model under accelerate's FSDP2 plugin (SHARDED_STATE_DICT, gloo on CPU: the one line of
+``tests/scripts/hf_fsdp_run.py`` that lets accelerate take its FSDP path there), checkpointed by
+SpotCheckpointCallback every ``--every`` steps: staged (the default), or through the Trainer's own
+save (``SPOT_HF_SAVE=trainer`` in the environment). Around each checkpoint, on every rank:
+
+- *blocked*: from the first callback's ``on_step_end`` of a checkpoint step to the last callback's
+  ``on_step_begin`` of the next step (the Trainer's save, or the snapshot and its submission), less
+  the median of the same span at steps without a checkpoint;
+- *until committed*: from the same start until ``engine.wait_for_commit()`` returns;
+- *peak extra RSS*: the highest resident memory until the commit over the RSS just before the first
+  checkpoint (staging buffers kept for reuse count).
+
+With ``--floor`` it also times the floor: ``copy_`` of this rank's local shards of every parameter
+and optimizer tensor into buffers allocated once (the median of 3). Writes ``rank-N.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "scripts"))
+from hf_fsdp_run import enable_fsdp_on_cpu  # noqa: E402
+
+from spot_callbacks.hf import SpotCheckpointCallback  # noqa: E402
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--dirpath", required=True)
+parser.add_argument("--storage-options", default="{}")
+parser.add_argument("--hidden", type=int, default=4096)
+parser.add_argument("--layers", type=int, default=6)
+parser.add_argument("--every", type=int, default=3)
+parser.add_argument("--steps", type=int, default=9)
+parser.add_argument("--floor", action="store_true")
+parser.add_argument("--output-dir", required=True)
+parser.add_argument("--results", required=True, help="folder for one rank-N.json per rank")
+args = parser.parse_args()
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * PAGE
+
+
+class RssSampler:
+    """The highest RSS seen since the last reset, sampled by a daemon thread."""
+
+    def __init__(self) -> None:
+        self.peak = rss_bytes()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            value = rss_bytes()
+            with self._lock:
+                self.peak = max(self.peak, value)
+            time.sleep(0.002)  # a sampling period, not synchronisation
+
+    def reset(self) -> int:
+        with self._lock:
+            self.peak = rss_bytes()
+            return self.peak
+
+
+class Mlp(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.Sequential(
+            *[torch.nn.Linear(args.hidden, args.hidden) for _ in range(args.layers)]
+        )
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": self.layers(x).pow(2).mean()}
+
+
+class Inputs(torch.utils.data.Dataset):
+    def __init__(self, count: int) -> None:
+        self.x = torch.randn(count, args.hidden, generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[index]}
+
+
+class Measure:
+    """The spans of every step (first ``on_step_end`` -> last ``on_step_begin`` of the next), and the checkpoints'."""
+
+    def __init__(self, spot: SpotCheckpointCallback, sampler: RssSampler) -> None:
+        self.spot, self.sampler = spot, sampler
+        self.rows: list[dict] = []
+        self.plain_spans: list[float] = []
+        self._started: float | None = None
+        self._step = 0
+        self._rss_before = 0
+
+    def step_ended(self, step: int) -> None:
+        rss = self.sampler.reset()
+        if not self.rows and step % args.every == 0:
+            self._rss_before = rss
+        self._started, self._step = time.perf_counter(), step
+
+    def next_step_began(self) -> None:
+        if self._started is None:
+            return
+        span_s = time.perf_counter() - self._started
+        if self._step % args.every:
+            self.plain_spans.append(span_s)
+        else:
+            self.spot.engine.wait_for_commit()  # every rank: a barrier inside
+            self.rows.append({
+                "step": self._step, "span_s": span_s, "committed_s": time.perf_counter() - self._started,
+                "peak_extra_bytes": self.sampler.peak - self._rss_before,
+                "stall_s_measured_by_spot": self.spot.engine.last_stall_s,
+            })  # fmt: skip
+        self._started = None
+
+
+class Head(transformers.TrainerCallback):
+    def __init__(self, measure: Measure) -> None:
+        self.measure = measure
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.measure.step_ended(state.global_step)
+
+
+class Tail(transformers.TrainerCallback):
+    def __init__(self, measure: Measure) -> None:
+        self.measure = measure
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.measure.next_step_began()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.measure.next_step_began()
+
+
+def local_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """This rank's local shards of every parameter and optimizer tensor (what a sharded checkpoint stages)."""
+    tensors = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                tensors.append(value.to_local() if hasattr(value, "to_local") else value)
+    return [tensor.detach() for tensor in tensors]
+
+
+def floor_s(tensors: list[torch.Tensor]) -> float:
+    buffers = [torch.empty_like(tensor, device="cpu") for tensor in tensors]
+    times = []
+    for _ in range(3):
+        started = time.perf_counter()
+        for buffer, tensor in zip(buffers, tensors, strict=True):
+            buffer.copy_(tensor)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def main() -> None:
+    enable_fsdp_on_cpu()
+    torch.manual_seed(0)
+    sampler = RssSampler()
+    spot = SpotCheckpointCallback(
+        dirpath=args.dirpath, interval=None, every_n_steps=args.every, keep_last=1,
+        storage_options=json.loads(args.storage_options), preemption=[],
+    )  # fmt: skip
+    measure = Measure(spot, sampler)
+    training_args = transformers.TrainingArguments(
+        output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=4, learning_rate=1e-4,
+        save_strategy="no", logging_steps=10**6, report_to=[], use_cpu=True, dataloader_num_workers=0,
+        disable_tqdm=True, fsdp=True,
+        fsdp_config={"version": 2, "state_dict_type": "SHARDED_STATE_DICT", "transformer_layer_cls_to_wrap": ["Linear"]},
+    )  # fmt: skip
+    trainer = transformers.Trainer(
+        model=Mlp(), args=training_args, train_dataset=Inputs(args.steps * 4 * training_args.world_size),
+        callbacks=[Head(measure), spot, Tail(measure)],
+    )  # fmt: skip
+    trainer.train()
+    tensors = local_tensors(trainer.model, trainer.optimizer)
+    rank = training_args.process_index
+    plain_s = statistics.median(measure.plain_spans) if measure.plain_spans else 0.0
+    result = {
+        "rank": rank,
+        "mode": f"hf-{os.environ.get('SPOT_HF_SAVE', 'staged')}",
+        "fsdp": trainer.is_fsdp_enabled,
+        "shard_bytes": sum(tensor.numel() * tensor.element_size() for tensor in tensors),
+        "plain_span_s": plain_s,
+        "rows": [{**row, "blocked_s": max(row["span_s"] - plain_s, 0.0)} for row in measure.rows],
+        "floor_s": floor_s(tensors) if args.floor else None,
+    }
+    with open(os.path.join(args.results, f"rank-{rank}.json"), "w") as handle:
+        json.dump(result, handle)
+
+
+if __name__ == "__main__":
+    main()
