@@ -227,8 +227,8 @@ CHECKPOINT_MAX_BYTES = Knob(
 
 DATA_PLANE = Knob(
     "SPOT_DATA_PLANE", "auto", choice("auto", "fsspec", "boto3", "obstore"),
-    "which client moves payload bytes: `auto` (s3: boto3 uploads, obstore pulls), `fsspec` (all through "
-    "fsspec), `boto3` or `obstore` (s3: the one that pulls)",
+    "which client moves payload bytes: `auto` (s3: boto3 uploads, obstore pulls; az: obstore), `fsspec` "
+    "(all through fsspec), `boto3` or `obstore` (s3: the one that pulls)",
     "`auto`, `fsspec`, `boto3` or `obstore`",
 )  # fmt: skip
 TRANSFER_BUFFER_MB = Knob(

@@ -20,7 +20,7 @@ from helpers.faultfs import FaultyFileSystem
 from helpers.faultplane import FaultyPlane
 from helpers.reliability_counts import DAMAGED, FAULTS, record
 
-import spot_callbacks.store.clients.s3 as s3_client
+import spot_callbacks.store.clients.obstores as obstore_calls
 from spot_callbacks import CheckpointStore, SpotConfig, load_state
 from spot_callbacks.engine import STATE_FILE, SpotEngine
 from spot_callbacks.errors import AttemptTimeoutError, ConfigError, CorruptCheckpointError
@@ -283,7 +283,7 @@ def test_a_transfer_broken_mid_file_is_retried_and_leaves_no_partial_file(
     store.write_checkpoint(1, tmp_path / "src", reason="manual", framework="test")
     broken: list[str] = []
     if how == "stream":
-        real_get_chunks = s3_client.get_chunks
+        real_get_chunks = obstore_calls.get_chunks
 
         def breaks_once(*args: Any, **kwargs: Any) -> Any:
             for index, chunk in enumerate(real_get_chunks(*args, **kwargs)):
@@ -292,9 +292,9 @@ def test_a_transfer_broken_mid_file_is_retried_and_leaves_no_partial_file(
                     raise ConnectionResetError("injected: connection reset by peer after the first chunk")
                 yield chunk
 
-        monkeypatch.setattr(s3_client, "get_chunks", breaks_once)
+        monkeypatch.setattr(obstore_calls, "get_chunks", breaks_once)
     else:
-        real_get_range = s3_client.get_range
+        real_get_range = obstore_calls.get_range
 
         def third_range_breaks_once(store: Any, key: str, start: int, end: int, url: str) -> Any:
             if start == 2 * MiB and not broken:
@@ -302,7 +302,7 @@ def test_a_transfer_broken_mid_file_is_retried_and_leaves_no_partial_file(
                 raise ConnectionResetError("injected: connection reset by peer in the third range")
             return real_get_range(store, key, start, end, url)
 
-        monkeypatch.setattr(s3_client, "get_range", third_range_breaks_once)
+        monkeypatch.setattr(obstore_calls, "get_range", third_range_breaks_once)
     pulled = store.pull(1, tmp_path / "out" / "pulled")
     assert broken and (pulled / "state.pt").read_bytes() == contents["state.pt"]
     assert sorted(os.listdir(tmp_path / "out")) == ["pulled"]
@@ -379,3 +379,86 @@ def test_damaged_and_missing_payloads_are_caught_by_the_fast_pull_and_the_deep_v
         )
     assert not (tmp_path / "e.bin").exists()
     record(DAMAGED, 2)
+
+
+# ------------------------------------------------------------------ az://: obstore both ways, on Azurite
+def az_url(server: Any, tmp_path: Path, name: str) -> str:
+    return f"az://{server.bucket}/{name}-{tmp_path.name}"
+
+
+def test_an_az_store_moves_payload_through_obstore_both_ways(azurite_server, tmp_path, caplog):
+    from spot_callbacks.store.clients.azure import AzurePlane
+
+    store = CheckpointStore(
+        az_url(azurite_server, tmp_path, "fast"), storage_options=dict(azurite_server.storage_options)
+    )
+    assert isinstance(store.data_plane, AzurePlane)
+    # 20 MiB: a multipart put and ranged GETs (two 8 MiB ranges and more); a nested name; an empty file.
+    contents = payload_folder(tmp_path, {"state.pt": 20 * MiB + 3, "extra/rng.bin": 1000, "empty.bin": 0})
+    fsspec_calls: list[tuple[str, tuple]] = []
+    for method in ("put_file", "get_file", "open"):
+        real = getattr(store.fs, method)
+        spy = lambda *a, _real=real, _method=method, **k: fsspec_calls.append((_method, a)) or _real(*a, **k)  # noqa: E731
+        setattr(store.fs, method, spy)
+    try:
+        with caplog.at_level(logging.INFO, logger="spot_callbacks"):
+            store.write_checkpoint(4, tmp_path / "src", reason="manual", framework="test")
+            assert store.verify(4)
+            pulled = store.pull(4, tmp_path / "pulled")
+    finally:
+        del store.fs.put_file, store.fs.get_file, store.fs.open
+    assert {name: (pulled / name).read_bytes() for name in contents} == contents
+    assert not [call for call in fsspec_calls if any(name in str(call) for name in contents)]
+    assert f"payload bytes of {store.url} move through obstore (upload and pull)" in caplog.text
+
+
+def test_the_azure_client_takes_the_connection_string_from_the_environment_as_adlfs_does(az_env, tmp_path):
+    from spot_callbacks.store.clients.azure import AzurePlane
+
+    store = CheckpointStore(az_url(az_env, tmp_path, "env"), retry=FAST_RETRY)
+    assert isinstance(store.data_plane, AzurePlane)
+    contents = payload_folder(tmp_path, {"state.pt": 2 * MiB})
+    store.write_checkpoint(1, tmp_path / "src", reason="manual", framework="test")
+    assert store.verify(1)
+    assert (store.pull(1, tmp_path / "pulled") / "state.pt").read_bytes() == contents["state.pt"]
+
+
+def test_with_30_percent_transient_failures_of_the_azure_client_every_checkpoint_lands(
+    azurite_server, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("SPOT_TRANSFER_BUFFER_MB", "4")  # 1 MiB ranges: the 3 MiB file comes in ranges
+    url, options = az_url(azurite_server, tmp_path, "flaky"), dict(azurite_server.storage_options)
+    store = CheckpointStore(url, storage_options=options, retry=PATIENT_RETRY)
+    faulty = FaultyPlane(store.data_plane, failure_rate=0.3, seed=5)
+    store.data_plane = faulty
+    contents = {}
+    for step in range(1, 6):
+        contents[step] = payload_folder(tmp_path / f"s{step}", {"state.pt": 3 * MiB, "b.bin": 10}, seed=step)
+        store.write_checkpoint(step, tmp_path / f"s{step}" / "src", reason="steps", framework="test")
+    real_get_range, broken = obstore_calls.get_range, []
+
+    def second_range_breaks_once(store_: Any, key: str, start: int, end: int, url: str) -> Any:
+        if start == MiB and not broken:
+            broken.append(start)
+            raise ConnectionResetError("injected: connection reset by peer in the second range")
+        return real_get_range(store_, key, start, end, url)
+
+    monkeypatch.setattr(obstore_calls, "get_range", second_range_breaks_once)
+    assert [info.step for info in store.committed()] == [1, 2, 3, 4, 5]
+    assert all(store.verify(step) for step in range(1, 6))
+    pulled = store.pull(5, tmp_path / "pulled")
+    assert {name: (pulled / name).read_bytes() for name in contents[5]} == contents[5]
+    assert faulty.injected >= 3 and broken == [MiB]
+    record(FAULTS, faulty.injected + 1)
+
+
+def test_gcs_payload_stays_on_gcsfs_and_the_log_says_why(gcs_server, tmp_path, caplog):
+    store = CheckpointStore(
+        f"gs://{gcs_server.bucket}/plane-{tmp_path.name}", storage_options=dict(gcs_server.storage_options)
+    )
+    assert isinstance(store.data_plane, FsspecPlane)
+    contents = payload_folder(tmp_path, {"state.pt": 3000})
+    with caplog.at_level(logging.INFO, logger="spot_callbacks"):
+        store.write_checkpoint(1, tmp_path / "src", reason="manual", framework="test")
+    assert (store.pull(1, tmp_path / "pulled") / "state.pt").read_bytes() == contents["state.pt"]
+    assert "move through fsspec (GCSFileSystem) (no faster client is verified for gs:// yet)" in caplog.text

@@ -7,10 +7,12 @@ the manifest, the run lock, listings and deletes always go through fsspec, so th
 ============  ==========================  =============================================
 protocol      upload                      pull (and a deep verify's read)
 ============  ==========================  =============================================
-``s3://``     boto3 s3transfer            obstore, one streamed GET per file (boto3's
+``s3://``     boto3 s3transfer            obstore: ranged GETs for large files, one
+                                          streamed GET for small ones (boto3's
                                           TransferManager where obstore is missing or
                                           cannot honour an option)
-otherwise     fsspec (gcsfs, adlfs, ...)  fsspec
+``az://``     obstore                     obstore, as for s3://
+otherwise     fsspec (gcsfs, ...)         fsspec
 ============  ==========================  =============================================
 
 The fast client is built from the store's own fsspec filesystem (same credentials, endpoint,
@@ -20,7 +22,8 @@ leaves the bytes on fsspec, and the log says once which client moves them and wh
 Knobs (in :mod:`spot_callbacks.settings`):
 
 - ``SPOT_DATA_PLANE``: ``auto`` (default), ``fsspec`` (everything through fsspec), ``boto3`` (s3: boto3
-  pulls too), ``obstore`` (s3: obstore must pull; a store it cannot serve falls back to fsspec).
+  pulls too; az: fsspec), ``obstore`` (s3: obstore must pull; a store it cannot serve falls back
+  to fsspec).
 - ``SPOT_TRANSFER_BUFFER_MB``: payload bytes held in memory at once by the data plane, all files
   together (default 256; see :class:`~spot_callbacks.store.clients.base.TransferBudget`).
 """
@@ -49,6 +52,8 @@ DATA_PLANE_ENV = settings.DATA_PLANE.name
 BUFFER_ENV = settings.TRANSFER_BUFFER_MB.name
 MIN_BUFFER_MB = 4
 _S3_PROTOCOLS = {"s3", "s3a"}
+_GCS_PROTOCOLS = {"gs", "gcs"}
+_AZURE_PROTOCOLS = {"az", "abfs", "abfss"}
 _said: set[tuple[str, str]] = set()
 
 
@@ -132,17 +137,24 @@ def select_data_plane(fs: Any, environ: Mapping[str, str] | None = None) -> Data
     if choice == "fsspec":
         return FsspecPlane(fs, f"{DATA_PLANE_ENV}=fsspec")
     protocols = set(fs_protocols(fs))
-    if is_local_fs(fs) or not protocols & (_S3_PROTOCOLS | {"gs", "gcs", "az", "abfs", "abfss"}):
+    if is_local_fs(fs) or not protocols & (_S3_PROTOCOLS | _GCS_PROTOCOLS | _AZURE_PROTOCOLS):
         return FsspecPlane(fs)
-    if not protocols & _S3_PROTOCOLS:
-        return FsspecPlane(fs, "no client faster than it for this protocol is in use yet")
-    from spot_callbacks.store.clients.s3 import s3_plane
-
-    pull_with = {"auto": "auto", "boto3": "boto3", "obstore": "obstore"}[choice]
     try:
-        return s3_plane(fs, transfer_budget(environ), pull_with)
+        if protocols & _S3_PROTOCOLS:
+            from spot_callbacks.store.clients.s3 import s3_plane
+
+            return s3_plane(fs, transfer_budget(environ), choice)
+        if protocols & _AZURE_PROTOCOLS:
+            if choice == "boto3":
+                raise Unsupported(f"{DATA_PLANE_ENV}=boto3, and boto3 speaks s3:// only")
+            from spot_callbacks.store.clients.azure import azure_plane
+
+            return azure_plane(fs, transfer_budget(environ))
     except Unsupported as why:
         return FsspecPlane(fs, str(why))
+    # obstore's GCS client sends object names percent-encoded and asks the metadata server for a
+    # token even unsigned: it cannot be shown to work against fake-gcs-server, so gcsfs stays.
+    return FsspecPlane(fs, "no faster client is verified for gs:// yet")
 
 
 def plane_for(plane: DataPlane, fs: Any) -> DataPlane:

@@ -7,16 +7,82 @@ retries (:mod:`~spot_callbacks.store.retry`) and diagnosis lines do not change w
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
+
+from spot_callbacks.store.checksums import FileDigest
+from spot_callbacks.store.clients.base import TransferBudget
+from spot_callbacks.store.clients.ranged import ranged_digest, ranged_to_file
+from spot_callbacks.store.clients.streams import Deadline, digest_stream, stream_to_file
 
 OBSTORE_PACKAGE = "obstore"
 # object_store's own retries run inside one attempt of the store's RetryPolicy: keep them few.
 OBSTORE_RETRIES = 2
 # A whole transfer may take long; a stall may not (read_timeout), and the attempt has its own limit.
 WHOLE_REQUEST_TIMEOUT = timedelta(hours=24)
+RANGE_THREADS = 16  # ranged GETs in flight at once, all files together
+
+
+class ObstoreReader:
+    """Pulls and deep-verify reads through obstore: a file of two ranges or more as concurrent ranged
+    GETs (:mod:`~spot_callbacks.store.clients.ranged`), a smaller one as one streamed GET (one request,
+    no HEAD); either way written as it arrives and hashed in the same pass, within ``budget``.
+
+    Example:
+        >>> ObstoreReader(TransferBudget()).ranged(64 * 1024 * 1024), ObstoreReader(TransferBudget()).ranged(1000)
+        (True, False)
+    """
+
+    def __init__(self, budget: TransferBudget) -> None:
+        self._budget = budget
+        self._permits = threading.Semaphore(budget.range_permits())
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+
+    def download(
+        self,
+        store: Any,
+        key: str,
+        url: str,
+        local_path: str,
+        timeout_s: float | None,
+        expected_size: int | None,
+    ) -> FileDigest:
+        what, deadline = f"download {url}", Deadline(timeout_s)
+        if self.ranged(expected_size):
+            fetch = functools.partial(get_range, store, key, url=url)
+            return ranged_to_file(
+                fetch, object_size(store, key, url), local_path, chunk=self._budget.range_bytes(),
+                permits=self._permits, pool=self._ranges(), deadline=deadline, what=what,
+            )  # fmt: skip
+        chunks = get_chunks(store, key, self._budget.stream_chunk_bytes(), url)
+        return stream_to_file(chunks, local_path, deadline, what)
+
+    def digest(
+        self, store: Any, key: str, url: str, timeout_s: float | None, expected_size: int | None
+    ) -> FileDigest:
+        what, deadline = f"read {url}", Deadline(timeout_s)
+        if self.ranged(expected_size):
+            fetch = functools.partial(get_range, store, key, url=url)
+            return ranged_digest(
+                fetch, object_size(store, key, url), chunk=self._budget.range_bytes(),
+                permits=self._permits, pool=self._ranges(), deadline=deadline, what=what,
+            )  # fmt: skip
+        return digest_stream(get_chunks(store, key, self._budget.stream_chunk_bytes(), url), deadline, what)
+
+    def ranged(self, expected_size: int | None) -> bool:
+        return expected_size is not None and expected_size >= 2 * self._budget.range_bytes()
+
+    def _ranges(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=RANGE_THREADS, thread_name_prefix="spot-range")
+            return self._pool
 
 
 def obstore_installed() -> bool:

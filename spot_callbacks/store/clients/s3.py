@@ -17,9 +17,7 @@ clients keep the cloud's own checks.
 
 from __future__ import annotations
 
-import functools
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -31,15 +29,12 @@ from spot_callbacks.store.clients.base import (
     Unsupported,
 )
 from spot_callbacks.store.clients.obstores import (
+    ObstoreReader,
     client_options,
-    get_chunks,
-    get_range,
-    object_size,
     obstore_installed,
     retry_config,
 )
-from spot_callbacks.store.clients.ranged import ranged_digest, ranged_to_file
-from spot_callbacks.store.clients.streams import Deadline, digest_stream, stream_to_file
+from spot_callbacks.store.clients.streams import Deadline, digest_stream
 from spot_callbacks.store.transfer import digest_mapped
 
 # What boto3.session.Session(...).client("s3", ...) takes besides config: s3fs passes client_kwargs there.
@@ -61,7 +56,6 @@ _CREDENTIAL_KEYS = ("aws_access_key_id", "aws_secret_access_key", "aws_session_t
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 60.0
 CREDENTIALS_TTL = timedelta(minutes=5)
-RANGE_THREADS = 16  # ranged GETs in flight at once, all files together
 
 
 def s3_plane(fs: Any, budget: TransferBudget, pull_with: str = "auto") -> S3Plane:
@@ -69,6 +63,7 @@ def s3_plane(fs: Any, budget: TransferBudget, pull_with: str = "auto") -> S3Plan
 
     ``pull_with`` is ``"auto"`` (obstore where installed and able, else boto3), ``"boto3"`` or ``"obstore"``.
     """
+    pull_with = {"obstore": "obstore", "boto3": "boto3"}.get(pull_with, "auto")
     import importlib.util
 
     if importlib.util.find_spec("boto3") is None:
@@ -111,8 +106,7 @@ class S3Plane:
         self._client: Any = None
         self._manager: Any = None
         self._obstores: dict[str, Any] = {}
-        self._ranges: ThreadPoolExecutor | None = None
-        self._permits = threading.Semaphore(budget.range_permits())
+        self._reader = ObstoreReader(budget)
 
     def serves(self, fs: Any) -> bool:
         return fs is self._fs
@@ -127,18 +121,11 @@ class S3Plane:
         self, remote_path: str, local_path: str, timeout_s: float | None, expected_size: int | None = None
     ) -> FileDigest:
         bucket, key = self._split(remote_path)
-        url = f"s3://{bucket}/{key}"
-        what, deadline = f"download {url}", Deadline(timeout_s)
         if self.pull_with == "obstore":
-            store, chunk = self._obstore(bucket), self._budget.stream_chunk_bytes()
-            if self._ranged(expected_size):
-                total = object_size(store, key, url)
-                fetch = functools.partial(get_range, store, key, url=url)
-                return ranged_to_file(
-                    fetch, total, local_path, chunk=self._budget.range_bytes(),
-                    permits=self._permits, pool=self._range_pool(), deadline=deadline, what=what,
-                )  # fmt: skip
-            return stream_to_file(get_chunks(store, key, chunk, url), local_path, deadline, what)
+            store = self._obstore(bucket)
+            return self._reader.download(
+                store, key, f"s3://{bucket}/{key}", local_path, timeout_s, expected_size
+            )
         with _boto_errors():
             # s3transfer writes ranged GETs out of order into a temporary it renames: hash after.
             self._transfers().download(bucket, key, local_path, extra_args=dict(self._read_args)).result()
@@ -149,31 +136,13 @@ class S3Plane:
     ) -> FileDigest:
         bucket, key = self._split(remote_path)
         url = f"s3://{bucket}/{key}"
-        what, deadline = f"read {url}", Deadline(timeout_s)
-        chunk = self._budget.stream_chunk_bytes()
         if self.pull_with == "obstore":
-            store = self._obstore(bucket)
-            if self._ranged(expected_size):
-                fetch = functools.partial(get_range, store, key, url=url)
-                return ranged_digest(
-                    fetch, object_size(store, key, url), chunk=self._budget.range_bytes(),
-                    permits=self._permits, pool=self._range_pool(), deadline=deadline, what=what,
-                )  # fmt: skip
-            return digest_stream(get_chunks(store, key, chunk, url), deadline, what)
+            return self._reader.digest(self._obstore(bucket), key, url, timeout_s, expected_size)
         with _boto_errors():
             body = self._boto()[1].get_object(Bucket=bucket, Key=key, **self._read_args)["Body"]
             with body:
-                return digest_stream(body.iter_chunks(chunk), deadline, what)
-
-    def _ranged(self, expected_size: int | None) -> bool:
-        """Ranges for a file of two ranges or more; one streamed GET below (one request, no HEAD)."""
-        return expected_size is not None and expected_size >= 2 * self._budget.range_bytes()
-
-    def _range_pool(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._ranges is None:
-                self._ranges = ThreadPoolExecutor(max_workers=RANGE_THREADS, thread_name_prefix="spot-range")
-            return self._ranges
+                chunks = body.iter_chunks(self._budget.stream_chunk_bytes())
+                return digest_stream(chunks, Deadline(timeout_s), f"read {url}")
 
     # ------------------------------------------------------------------ clients
     def _split(self, remote_path: str) -> tuple[str, str]:

@@ -1,0 +1,146 @@
+"""``az://`` (``abfs://``) payload bytes through obstore, built from the adlfs filesystem the store has.
+
+obstore speaks Azure Blob itself: its multipart ``put`` reads the scratch file in Rust (no GIL, no
+Python copies) and its pulls go through :class:`~spot_callbacks.store.clients.obstores.ObstoreReader`.
+The account, its endpoint and the key or SAS token come from adlfs' own client (so a connection
+string, ``account_name``/``account_key``, ``sas_token``, ``account_host``, anonymous access and the
+``AZURE_STORAGE_*`` variables adlfs reads all mean the same here). An Azure identity credential
+(a service principal, ``DefaultAzureCredential``) is left to adlfs: :class:`Unsupported`.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from spot_callbacks.store.checksums import FileDigest
+from spot_callbacks.store.clients.base import PULL_STREAMS, TransferBudget, Unsupported
+from spot_callbacks.store.clients.obstores import (
+    ObstoreReader,
+    client_options,
+    obstore_installed,
+    retry_config,
+    translated,
+)
+
+CONNECT_TIMEOUT_S = 10.0
+READ_TIMEOUT_S = 60.0
+
+
+def azure_plane(fs: Any, budget: TransferBudget) -> AzurePlane:
+    """The Azure data plane for the adlfs filesystem ``fs``; :class:`Unsupported` names what it cannot honour."""
+    if not obstore_installed():
+        raise Unsupported("obstore is not installed (pip install 'spot-callbacks[azure]')")
+    return AzurePlane(fs, budget)
+
+
+class AzurePlane:
+    """Payload files of one adlfs filesystem through obstore, both ways.
+
+    Example:
+        >>> AzurePlane.name
+        'obstore (upload and pull)'
+    """
+
+    name = "obstore (upload and pull)"
+
+    def __init__(self, fs: Any, budget: TransferBudget) -> None:
+        self._fs = fs
+        self._budget = budget
+        self._options = _account_options(fs)
+        self._reader = ObstoreReader(budget)
+        self._stores: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def serves(self, fs: Any) -> bool:
+        return fs is self._fs
+
+    def upload(self, local_path: str, remote_path: str) -> None:
+        import obstore
+
+        container, key = self._split(remote_path)
+        # Parts of one range each, a share of the budget per file in flight (PULL_STREAMS at once).
+        concurrency = max(1, self._budget.range_permits() // PULL_STREAMS)
+        try:
+            obstore.put(
+                self._store(container), key, Path(local_path),
+                chunk_size=self._budget.range_bytes(), max_concurrency=concurrency,
+            )  # fmt: skip
+        except Exception as err:  # noqa: BLE001 - re-raised as the class adlfs would raise
+            raise translated(err, f"az://{container}/{key}") from err
+
+    def download(
+        self, remote_path: str, local_path: str, timeout_s: float | None, expected_size: int | None = None
+    ) -> FileDigest:
+        container, key = self._split(remote_path)
+        store, url = self._store(container), f"az://{container}/{key}"
+        return self._reader.download(store, key, url, local_path, timeout_s, expected_size)
+
+    def digest(
+        self, remote_path: str, timeout_s: float | None, expected_size: int | None = None
+    ) -> FileDigest:
+        container, key = self._split(remote_path)
+        return self._reader.digest(
+            self._store(container), key, f"az://{container}/{key}", timeout_s, expected_size
+        )
+
+    def _split(self, remote_path: str) -> tuple[str, str]:
+        container, key, _version = self._fs.split_path(remote_path)
+        return container, key
+
+    def _store(self, container: str) -> Any:
+        from obstore.store import AzureStore
+
+        with self._lock:
+            store = self._stores.get(container)
+            if store is None:
+                endpoint = self._options["endpoint"]
+                store = AzureStore(
+                    container,
+                    config=self._options,
+                    client_options=client_options(
+                        http=endpoint.startswith("http://"),
+                        connect_timeout_s=CONNECT_TIMEOUT_S,
+                        read_timeout_s=READ_TIMEOUT_S,
+                    ),
+                    retry_config=retry_config(),
+                )
+                self._stores[container] = store
+            return store
+
+
+def _account_options(fs: Any) -> dict[str, Any]:
+    """obstore's Azure configuration from adlfs' own service client: endpoint, account, key or SAS."""
+    if getattr(fs, "credential", None) is not None or getattr(fs, "sync_credential", None) is not None:
+        raise Unsupported("an Azure identity credential (service principal or DefaultAzureCredential)")
+    if getattr(fs, "location_mode", "primary") != "primary":
+        raise Unsupported(f"location_mode={fs.location_mode!r}")
+    client = getattr(fs, "service_client", None)
+    if client is None:
+        raise Unsupported("adlfs has no service client to read the account from")
+    parts = urlsplit(client.url)
+    endpoint = f"{parts.scheme}://{parts.netloc}{parts.path}".rstrip("/")
+    options: dict[str, Any] = {"account_name": client.account_name, "endpoint": endpoint}
+    key = getattr(getattr(client, "credential", None), "account_key", None)
+    sas = (
+        getattr(fs, "sas_token", None) or _connection_string_field(fs, "SharedAccessSignature") or parts.query
+    )
+    if key:
+        options["account_key"] = key
+    elif sas:
+        options["sas_key"] = sas.lstrip("?")
+    elif getattr(fs, "anon", False):
+        options["skip_signature"] = True
+    else:
+        raise Unsupported("no account key, SAS token or anonymous access that obstore can use")
+    return options
+
+
+def _connection_string_field(fs: Any, name: str) -> str | None:
+    for part in (getattr(fs, "connection_string", None) or "").split(";"):
+        field, _, value = part.partition("=")
+        if field.strip().lower() == name.lower():
+            return value.strip()
+    return None
