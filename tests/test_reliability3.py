@@ -5,11 +5,16 @@ interruption, and URLs that cannot be what the user meant are refused before tra
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
+import pickle
+import shutil
 import socket
+import struct
 import time
 import uuid
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +27,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from spot_callbacks import CheckpointStore, ConfigError, RunLockedError, SpotConfig
 from spot_callbacks.cli import main as cli_main
 from spot_callbacks.engine import SpotEngine
-from spot_callbacks.errors import LockLostError
+from spot_callbacks.errors import CorruptCheckpointError, LockLostError
 from spot_callbacks.hf import SpotCheckpointCallback
 from spot_callbacks.lightning import SpotCheckpoint
 from spot_callbacks.store.runlock import RunLock
@@ -395,3 +400,116 @@ def test_a_fresh_run_on_an_old_dirpath_keeps_its_own_checkpoints_and_resumes_the
     save(relaunch, 13)
     relaunch.finish()
     assert committed_steps(relaunch.store) == [12, 13, 30, 50]  # 12 resumed from; 10 pruned
+
+
+# ------------------------------------------------------------------ item 9: one damage verdict
+@pytest.fixture(scope="module")
+def hf_store(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    """An HF run's store with steps 5 and 10 committed, and a pristine copy of step 10."""
+    tmp = tmp_path_factory.mktemp("hf-damage")
+    url = str(tmp / "store")
+    spot = SpotCheckpointCallback(dirpath=url, interval=None, every_n_steps=5, keep_last=0, preemption=[])
+
+    class Settle(transformers.TrainerCallback):  # each checkpoint commits before the next
+        def on_step_begin(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+            assert spot.engine.wait_for_commit(timeout=60)
+
+    hf_trainer(tmp / "out", [spot, Settle()], max_steps=10).train()
+    assert committed_steps(spot.store) == [5, 10]
+    pristine = spot.store.pull(10, tmp / "pristine-10")
+    return url, pristine
+
+
+def _lying_safetensors(folder: Path) -> None:
+    path = folder / "model.safetensors"
+    raw = path.read_bytes()
+    length = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8 : 8 + length])
+    name = next(key for key in header if key != "__metadata__")
+    header[name]["data_offsets"] = [0, len(raw) * 4]  # points far past the end
+    text = json.dumps(header).encode().ljust(length)
+    path.write_bytes(raw[:8] + text[:length] + raw[8 + length :])
+
+
+def _trainer_state(change) -> Any:  # noqa: ANN001
+    def edit(folder: Path) -> None:
+        doc = json.loads((folder / "trainer_state.json").read_text())
+        change(doc)
+        (folder / "trainer_state.json").write_text(json.dumps(doc))
+
+    return edit
+
+
+HOSTILE_HF = {
+    "truncated optimizer.pt": lambda f: (f / "optimizer.pt").write_bytes(
+        (f / "optimizer.pt").read_bytes()[:500]
+    ),
+    "a pickle in scheduler.pt": lambda f: (f / "scheduler.pt").write_bytes(pickle.dumps(datetime.now())),
+    "wrong RNG values": lambda f: torch.save(
+        {"python": "x", "numpy": 1, "cpu": torch.ones(3)}, f / "rng_state.pth"
+    ),
+    "a safetensors header that lies": _lying_safetensors,
+    "no model.safetensors": lambda f: (f / "model.safetensors").unlink(),
+    "an unknown trainer_state key": _trainer_state(lambda doc: doc.update(surprise=1)),
+    "deep nesting": _trainer_state(lambda doc: doc.update(log_history=[json.loads("[" * 200 + "]" * 200)])),
+    "global_step 10**15": _trainer_state(lambda doc: doc.update(global_step=10**15)),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_HF))
+def test_an_hf_checkpoint_the_trainer_cannot_load_is_damage_and_the_resume_falls_back(
+    case: str, hf_store: tuple[str, Path], tmp_path: Path, caplog
+) -> None:
+    url, pristine = hf_store
+    store = CheckpointStore(url)
+    folder = tmp_path / "hostile"
+    shutil.copytree(pristine, folder)
+    HOSTILE_HF[case](folder)
+    # Committed as a writer would: valid manifest, right sizes and checksums.
+    store.write_checkpoint(10, folder, reason="interval", framework="hf", extra=store.read_manifest(10).extra)
+    caplog.set_level(logging.WARNING, logger="spot_callbacks")
+    fresh = SpotCheckpointCallback(dirpath=url, interval=None, preemption=[], scratch_dir=str(tmp_path / "s"))
+    trainer = hf_trainer(tmp_path / "out", [fresh], max_steps=12)
+    assert fresh.latest() == str(tmp_path / "out" / "checkpoint-5")
+    warned = [r.getMessage() for r in caplog.records if "skipping damaged checkpoint" in r.getMessage()]
+    assert len(warned) == 1 and "step-000000010" in warned[0], warned
+    if case == "truncated optimizer.pt":  # the Trainer resumes from what latest() gave it
+        trainer.train(resume_from_checkpoint=fresh.latest())
+        assert trainer.state.global_step == 12
+        store.delete(12)  # the store stays 5 and 10 for the next case
+    shutil.copytree(pristine, tmp_path / "again")  # put step 10 back for the next case
+    store.write_checkpoint(
+        10, tmp_path / "again", reason="interval", framework="hf", extra=store.read_manifest(10).extra
+    )
+
+
+@pytest.mark.parametrize(
+    ("framework", "files"), [("lightning", {}), ("lightning", {"other.bin"}), ("hf", {})]
+)
+def test_a_manifest_without_the_payload_its_framework_needs_is_damaged_everywhere(
+    framework: str, files: set, tmp_path: Path, capsys
+) -> None:
+    store = CheckpointStore(str(tmp_path / "store"))
+    good = tmp_path / "good"
+    good.mkdir()
+    (good / "state.ckpt").write_bytes(b"x" * 10)
+    (good / "trainer_state.json").write_text("{}")
+    store.write_checkpoint(4, good, reason="interval", framework=framework)
+    doc = json.loads(Path(store.step_path(4), "manifest.json").read_text())
+    doc["step"] = 8
+    doc["files"] = {name: doc["files"]["state.ckpt"] for name in files}
+    Path(store.step_path(8)).mkdir()
+    for name in files:
+        Path(store.step_path(8), name).write_bytes(b"x" * 10)
+    Path(store.step_path(8), "manifest.json").write_text(json.dumps(doc))
+    assert store.latest().step == 4
+    with pytest.raises(CorruptCheckpointError, match="lists no"):
+        store.verify(8)
+    capsys.readouterr()
+    assert cli_main(["ls", store.url]) == 0
+    rows = {
+        line.split()[0].lstrip("*"): line
+        for line in capsys.readouterr().out.splitlines()
+        if line.strip()[:1].isdigit() or line.startswith("*")
+    }
+    assert "lists no" in rows["8"] and "newest valid" not in rows["8"]

@@ -59,7 +59,7 @@ from spot_callbacks.errors import (
 )
 from spot_callbacks.progress import is_terminal, reporting_on_a_terminal, reporting_pull
 from spot_callbacks.store import CheckpointInfo, CheckpointStore
-from spot_callbacks.store.commit import Verdict
+from spot_callbacks.store.commit import Verdict, resume_order
 from spot_callbacks.store.diagnosis import diagnose
 from spot_callbacks.store.layout import list_folder
 from spot_callbacks.store.preflight import probe_readable
@@ -331,8 +331,9 @@ def _cmd_ls(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
         return EXIT_OK
     problems = size_problems(store, [verdict.info for verdict in verdicts if verdict.info is not None])
     problems.update({verdict.step: verdict.problem for verdict in verdicts if verdict.info is None})
-    valid_steps = [verdict.step for verdict in verdicts if problems[verdict.step] is None]
-    newest_valid = max(valid_steps, default=None)
+    # What latest() picks: the lineage of the newest commit first (store/commit.py resume_order).
+    ordered = resume_order([verdict.info for verdict in verdicts if verdict.info is not None])
+    newest_valid = next((info.step for info in reversed(ordered) if problems[info.step] is None), None)
     rows = [_ls_row(verdict, newest_valid, problems[verdict.step]) for verdict in verdicts]
     if newest_valid is None:
         footer = f"no valid checkpoint: all {len(rows)} committed checkpoints are damaged"

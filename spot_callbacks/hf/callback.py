@@ -16,6 +16,7 @@ import spot_callbacks.hf.saves as hf_saves
 from spot_callbacks.config import SpotConfig, checked_arguments
 from spot_callbacks.engine import SpotEngine
 from spot_callbacks.hf.checkpoint import STAGED, TRAINER, StagedSaves
+from spot_callbacks.hf.loadable import check_loadable
 from spot_callbacks.hf.metrics import SpotMetrics
 from spot_callbacks.hf.saves import SaveRequest
 from spot_callbacks.preemption import Notice
@@ -106,7 +107,8 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
         """
         if self._resolved_at_init and (self._materialised is None or self._materialised.is_dir()):
             return os.fspath(self._materialised) if self._materialised is not None else None
-        local_dir = self.engine.pull_latest(self._checkpoint_dir if self._args is not None else None)
+        dest = self._checkpoint_dir if self._args is not None else None
+        local_dir = self.engine.pull_latest(dest, check=check_loadable)  # unloadable is damage: fall back
         return os.fspath(local_dir) if local_dir is not None else None
 
     def _checkpoint_dir(self, step: int) -> Path:
@@ -116,7 +118,7 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
         # Materialise now, so that train(resume_from_checkpoint=True) finds it in output_dir too.
         self._args = args
         compat.place_ahead_of_integrations(compat.running_trainer(), self)
-        self._materialised = self.engine.pull_latest(self._checkpoint_dir)
+        self._materialised = self.engine.pull_latest(self._checkpoint_dir, check=check_loadable)
         self._resolved_at_init = True
         self.engine.move_aside_uncommitted(  # only when resuming; a barrier on every rank
             compat.local_checkpoints(args.output_dir),

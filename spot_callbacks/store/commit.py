@@ -87,11 +87,39 @@ def size_problem(info: CheckpointInfo, sizes: dict[str, int]) -> str | None:
         >>> size_problem(info, {"state.ckpt": 4})
         'memory://run/step-000000001/state.ckpt is 4 bytes but the manifest says 10 (truncated or replaced)'
     """
+    if (problem := payload_problem(info)) is not None:
+        return problem
     for name, digest in info.files.items():
         if name not in sizes:
             return f"{info.url}/{name} is missing"
         if sizes[name] != digest.size:
             return f"{info.url}/{name} is {sizes[name]} bytes but the manifest says {digest.size} (truncated or replaced)"
+    return None
+
+
+# What a resume of each framework cannot do without: one of these names in the manifest's files.
+REQUIRED_PAYLOAD: dict[str, tuple[str, ...]] = {
+    "lightning": ("state.ckpt", ".metadata"),  # a state file, or a sharded (DCP) checkpoint
+    "hf": ("trainer_state.json",),  # the Trainer reads it first on every resume
+}
+
+
+def payload_problem(info: CheckpointInfo) -> str | None:
+    """Why the manifest ``info`` lists no payload its framework can resume from, or ``None``: a
+    manifest with ``files: {}`` (or a Lightning one without ``state.ckpt``) is damaged everywhere.
+
+    Example:
+        >>> from datetime import datetime, timezone
+        >>> info = CheckpointInfo(1, "memory://run/step-000000001", datetime.now(timezone.utc), "end", 0, "lightning")
+        >>> payload_problem(info)
+        'memory://run/step-000000001/manifest.json lists no payload files'
+    """
+    where = f"{info.url}/manifest.json"
+    if not info.files:
+        return f"{where} lists no payload files"
+    needed = REQUIRED_PAYLOAD.get(info.framework)
+    if needed and not any(name in info.files for name in needed):
+        return f"{where} lists no {' or '.join(needed)}, which a {info.framework} resume needs"
     return None
 
 
