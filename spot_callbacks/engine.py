@@ -88,7 +88,7 @@ class SpotEngine:
         self.watcher = PreemptionWatcher.from_setting(config.preemption)
         self.emergency = Emergency(self.watcher)
         self.accounts = RunAccounts()  # the lineage's ledger goes into every manifest
-        self.writer = CheckpointWriter(
+        self.saves = CheckpointWriter(
             self.store,
             self.scratch_root,
             config.keep_last,
@@ -115,15 +115,15 @@ class SpotEngine:
 
     @property
     def last_saved_step(self) -> int | None:
-        return self.writer.last_saved_step
+        return self.saves.last_saved_step
 
     @property
     def last_stall_s(self) -> float | None:
-        return self.writer.last_stall_s
+        return self.saves.last_stall_s
 
     @property
     def staging(self) -> StagingArea:
-        return self.writer.staging
+        return self.saves.staging
 
     # ------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -143,7 +143,7 @@ class SpotEngine:
         """An exception ends training: stop the notice sources and the workers, release the run lock."""
         self.running = False
         self.watcher.stop()
-        self.writer.stop_persister()
+        self.saves.stop_persister()
         self._release(self.emergency.active_notice())
 
     def abandon(self, error: BaseException | None) -> None:
@@ -185,10 +185,10 @@ class SpotEngine:
         """
         if extra_notice is not None:
             self.watcher.report(extra_notice)
-        self.accounts.time_step(persisting=self.writer.persisting)
+        self.accounts.time_step(persisting=self.saves.persisting)
         if self.is_writer:
             self.watch.observe(
-                self.writer.all_records(), self.writer.persister, self.trigger.interval_s, self.resumed
+                self.saves.all_records(), self.saves.persister, self.trigger.interval_s, self.resumed
             )
         if self._first_boundary and self.is_writer and self.resumed is None:
             say_new_lineage(self.store, step)  # a fresh run in an old dirpath: which lineage `latest` follows
@@ -202,7 +202,7 @@ class SpotEngine:
             self.lease.lost,
         )
         if lease_lost:
-            self.writer.refuse(f"this run lost the run lock of {self.store.url} to another run")
+            self.saves.refuse(f"this run lost the run lock of {self.store.url} to another run")
             raise self.lease.lost_error(step, self.last_saved_step)
         if notice is not None:
             self.watcher.report(notice)  # a rank that saw nothing adopts it
@@ -231,7 +231,7 @@ class SpotEngine:
             error_name, late_signal=late_signal, preempted=preempted, between_batches=between_batches,
             step=step, last_saved_step=self.last_saved_step,
         )  # fmt: skip
-        if self.writer.refused_reason is not None:  # a lost lock: the store is another run's now
+        if self.saves.refused_reason is not None:  # a lost lock: the store is another run's now
             action = dataclasses.replace(action, save=False, warning=None)
         if action.warning is not None:
             log.warning("spot_callbacks: %s", action.warning)
@@ -242,7 +242,7 @@ class SpotEngine:
         self, step: int, epoch: int | None, state: Any, reason: str, extra: dict[str, Any] | None = None
     ) -> float:
         """Snapshot ``state`` and persist it in the background (see :meth:`CheckpointWriter.save_state`)."""
-        return self.writer.save_state(step, epoch, state, reason, extra)
+        return self.saves.save_state(step, epoch, state, reason, extra)
 
     def save_sharded_state(
         self,
@@ -254,7 +254,7 @@ class SpotEngine:
         extra: dict[str, Any] | None = None,
     ) -> float:
         """Every rank persists its shards (see :meth:`CheckpointWriter.save_sharded_state`)."""
-        return self.writer.save_sharded_state(step, epoch, state, reason, meta, extra)
+        return self.saves.save_sharded_state(step, epoch, state, reason, meta, extra)
 
     def save_folder(
         self,
@@ -267,14 +267,14 @@ class SpotEngine:
         extra: dict[str, Any] | None = None,
     ) -> bool:
         """Persist a folder the framework wrote (see :meth:`CheckpointWriter.save_folder`)."""
-        return self.writer.save_folder(step, epoch, folder, reason, stall_s, owns_folder, extra)
+        return self.saves.save_folder(step, epoch, folder, reason, stall_s, owns_folder, extra)
 
     def new_failures(self) -> list[PersistError]:
-        return self.writer.new_failures()
+        return self.saves.new_failures()
 
     def new_records(self) -> list[PersistRecord]:
         """Commits not yet returned by this method, those made while :meth:`finish` waited included."""
-        return self.writer.new_records()
+        return self.saves.new_records()
 
     # ------------------------------------------------------- committing
     def wait_for_commit(self, notice: Notice | None = None, timeout: float | None = None) -> bool:
@@ -285,7 +285,7 @@ class SpotEngine:
         (``preemption/emergency.py``); once it committed and training is to stop, the cloud is told (Azure).
         """
         notice = notice or self.emergency.active_notice()
-        committed = self.writer.wait_for_commit(notice, self.emergency.wait_limit(notice, timeout))
+        committed = self.saves.wait_for_commit(notice, self.emergency.wait_limit(notice, timeout))
         if notice is not None and committed and self.config.on_preemption == "stop":
             self.watcher.acknowledge()
         return committed
@@ -307,7 +307,7 @@ class SpotEngine:
         Notices are handled until the last commit settles: one then stops the run as preempted
         (``SystemExit(143)``). Raises when the newest state is not durable (:func:`rules.end_verdict`).
         """
-        failures = self.writer.close(timeout)
+        failures = self.saves.close(timeout)
         self.running = False
         self.watcher.stop()
         lost = agree_at_step(False, False, None, None, self.lease.lost)[4]  # lost after the last step
@@ -315,7 +315,7 @@ class SpotEngine:
         self.barrier()
         if lost:
             raise self.lease.lost_error(None, self.last_saved_step)
-        error = self.writer.end_verdict(failures)
+        error = self.saves.end_verdict(failures)
         if self.config.on_preemption == "stop":
             self.emergency.exit_if_noticed_at_exit()
         if error is not None:
@@ -331,14 +331,14 @@ class SpotEngine:
 
     def cost_summary(self) -> str:
         """The run's checkpoint costs on one screen; the adapters log it at the end of training."""
-        return self.accounts.summary(self.store.url, self.writer.all_records(), self.trigger.describe())
+        return self.accounts.summary(self.store.url, self.saves.all_records(), self.trigger.describe())
 
     def log_cost_summary(self) -> None:
         """Log :meth:`cost_summary` on rank 0, after a run that committed a checkpoint (not after a failed
         start, a second Ctrl-C or a run with nothing committed: ``spot-callbacks report`` gives it on request)."""
         if not self.is_writer:
             return
-        if self.watcher.interrupted_twice or not self.writer.all_records():
+        if self.watcher.interrupted_twice or not self.saves.all_records():
             log.debug(
                 "spot_callbacks: no cost summary: %s",
                 "stopped at once" if self.watcher.interrupted_twice else "nothing committed",
@@ -362,7 +362,7 @@ class SpotEngine:
         self.resumed = resumed
         self.accounts.continue_lineage(resumed.info)
         # That step is committed already: a run resumed at its very end must not rewrite it.
-        self.writer.last_saved_step = resumed.info.step
+        self.saves.last_saved_step = resumed.info.step
         self._resume_recorded = False
         return resumed.local_dir
 

@@ -1,8 +1,18 @@
 """How a checkpoint is taken: snapshot, hand it to the persister of its kind, account for it.
 
-:class:`CheckpointWriter` builds each persist job's ``metrics``, ``extra`` (the ledger, the
-preemption record) and ``deadline`` once for every kind of save (see ``jobs.py``), remembers the
-last step saved (the "never twice" rule reads it) and the commits and failures it reported.
+The engine's saves (``SpotEngine.saves``, a :class:`CheckpointWriter`): every save an adapter asks
+for goes through it. It picks the persister of the save's kind (:data:`SINGLE_WRITER`,
+:data:`SHARDED`, :data:`FOLDERS_ACROSS_NODES`; a run that mixes kinds is refused, since each
+kind commits its own way), builds each persist job's ``metrics``, ``extra`` (the ledger, the
+preemption record) and ``deadline`` once for every kind of save, remembers the last step saved
+(the "never twice" rule reads it) and the commits and failures it reported.
+
+- :data:`SINGLE_WRITER`: the writer rank persists a staged state (``state.ckpt``, :func:`state_file_job`)
+  or a folder the framework wrote (:func:`folder_job`) (:class:`~spot_callbacks.persist.Persister`);
+- :data:`SHARDED`: every rank persists its own DCP shards
+  (:class:`~spot_callbacks.persist.sharded.ShardedPersister`);
+- :data:`FOLDERS_ACROSS_NODES`: each node's local main process uploads its copy of a framework
+  folder (or every rank its own files), rank 0 commits (``NodeFolderPersister``).
 """
 
 from __future__ import annotations
@@ -10,8 +20,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from spot_callbacks._dist import (
     barrier,
@@ -22,23 +33,116 @@ from spot_callbacks._dist import (
 )
 from spot_callbacks.accounting.clock import RunAccounts
 from spot_callbacks.errors import PersistError
-from spot_callbacks.jobs import (
-    FOLDERS_ACROSS_NODES,
-    SHARDED,
-    SINGLE_WRITER,
-    PersisterKind,
-    folder_job,
-    state_file_job,
-)
-from spot_callbacks.persist import PersistRecord
+from spot_callbacks.persist import CheckpointPersister, Persister, PersistJob, PersistRecord
+from spot_callbacks.persist.folders import NodeFolderPersister
+from spot_callbacks.persist.sharded import ShardedPersister
 from spot_callbacks.preemption import Notice
 from spot_callbacks.preemption.emergency import Emergency
-from spot_callbacks.staging import StagingArea
-from spot_callbacks.store import CheckpointStore
+from spot_callbacks.staging import STATE_FILE, StagedState, StagingArea, write_state
+from spot_callbacks.store import CheckpointStore, step_dirname
 from spot_callbacks.store.checksums import FileDigest
 from spot_callbacks.trigger import CheckpointTrigger, rules
 
 log = logging.getLogger("spot_callbacks")
+P = TypeVar("P", bound=CheckpointPersister)
+
+
+@dataclass(frozen=True)
+class PersisterKind(Generic[P]):
+    """One kind of save and the persister that makes it durable (``make(store, scratch_root, keep_last)``).
+
+    Example:
+        >>> SHARDED.mixing_error(SINGLE_WRITER)
+        'this run saves sharded checkpoints (save_sharded_state); it cannot mix in single-file ones'
+    """
+
+    name: str
+    saved_by: str
+    make: Callable[[CheckpointStore, Path, int], P]
+
+    def mixing_error(self, wanted: PersisterKind) -> str:
+        return (
+            f"this run saves {self.name} checkpoints ({self.saved_by}); it cannot mix in {wanted.name} ones"
+        )
+
+
+def _single_writer(store: CheckpointStore, scratch_root: Path, keep_last: int) -> Persister:
+    return Persister(store, keep_last=keep_last, scratch_root=scratch_root)
+
+
+def _sharded(store: CheckpointStore, scratch_root: Path, keep_last: int) -> ShardedPersister:
+    return ShardedPersister(store, scratch_root, keep_last=keep_last)
+
+
+def _folders_across_nodes(store: CheckpointStore, scratch_root: Path, keep_last: int) -> NodeFolderPersister:
+    return NodeFolderPersister(store, keep_last=keep_last)  # each node's folders are the framework's
+
+
+# Three kinds of save, one persister each, chosen by the save the engine is asked for (a run that
+# mixes kinds is refused, since each kind commits its own way).
+SINGLE_WRITER = PersisterKind("single-file", "save_state", _single_writer)
+SHARDED = PersisterKind("sharded", "save_sharded_state", _sharded)
+FOLDERS_ACROSS_NODES = PersisterKind("multi-node folder", "save_folder across nodes", _folders_across_nodes)
+
+
+def state_file_job(
+    step: int,
+    reason: str,
+    framework: str,
+    local_dir: Path,
+    staged: StagedState,
+    *,
+    epoch: int | None,
+    metrics: dict[str, Any],
+    extra: dict[str, Any],
+    deadline: float | None,
+) -> PersistJob:
+    """The job that writes a staged state as ``state.ckpt`` into ``local_dir`` in the background."""
+
+    def write(folder: Path) -> dict[str, FileDigest]:
+        write_started = time.perf_counter()
+        digests = {STATE_FILE: write_state(staged, folder / STATE_FILE)}
+        metrics["write_s"] = round(time.perf_counter() - write_started, 6)  # before the manifest
+        return digests
+
+    return PersistJob(
+        step=step,
+        reason=reason,
+        framework=framework,
+        local_dir=local_dir / step_dirname(step),
+        epoch=epoch,
+        write=write,
+        on_written=staged.release,
+        metrics=metrics,
+        extra=extra,
+        deadline=deadline,
+    )
+
+
+def folder_job(
+    step: int,
+    reason: str,
+    framework: str,
+    folder: Path,
+    *,
+    owns_folder: bool,
+    epoch: int | None,
+    metrics: dict[str, Any],
+    extra: dict[str, Any],
+    deadline: float | None,
+) -> PersistJob:
+    """The job that persists a folder the framework already wrote (``owns_folder``: keep only the newest)."""
+    return PersistJob(
+        step=step,
+        reason=reason,
+        framework=framework,
+        local_dir=Path(folder),
+        epoch=epoch,
+        owns_local_dir=owns_folder,
+        metrics=metrics,
+        extra=extra,
+        deadline=deadline,
+    )
 
 
 class CheckpointWriter:
@@ -73,8 +177,8 @@ class CheckpointWriter:
         self.emergency = emergency
         self.trigger = trigger
         self.staging = StagingArea()
-        self.persister: Any = None  # made by the first save; its kind is remembered with it
-        self.persister_kind: PersisterKind | None = None
+        self.persister: CheckpointPersister | None = None  # made by the first save, of one kind
+        self.persister_kind: PersisterKind[Any] | None = None
         self._spans_nodes: bool | None = None  # several nodes (local main processes); see spans_nodes()
         # The run's folders hold files of every rank even on one node (FSDP shards): set by the adapter.
         self.folders_span_ranks = False
@@ -113,18 +217,19 @@ class CheckpointWriter:
         own copies go, once a newer checkpoint whose folder the run owns commits (every rank)."""
         self._adopted_copy = Path(folder)
 
-    def persister_for(self, kind: PersisterKind) -> Any:
+    def persister_for(self, kind: PersisterKind[P]) -> P:
         """The persister of this kind of save; made on first use (for sharded kinds: on every rank at once)."""
         if self.persister is None:
-            self.persister = kind.make(self.store, self.scratch_root, self.keep_last)
-            self.persister_kind = kind
-            adopt = getattr(self.persister, "adopt_local_copy", None)
+            persister = kind.make(self.store, self.scratch_root, self.keep_last)
+            self.persister, self.persister_kind = persister, kind
+            adopt = getattr(persister, "adopt_local_copy", None)
             if self._adopted_copy is not None and adopt is not None and local_rank() == 0:
                 adopt(self._adopted_copy)
             self._adopted_copy = None
-        elif self.persister_kind is not kind:
+            return persister
+        if self.persister_kind is not kind:
             raise RuntimeError(self.persister_kind.mixing_error(kind))
-        return self.persister
+        return self.persister  # type: ignore[return-value] - made by this kind
 
     def save_state(
         self, step: int, epoch: int | None, state: Any, reason: str, extra: dict[str, Any] | None = None

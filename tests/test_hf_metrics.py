@@ -66,7 +66,7 @@ def test_every_checkpoint_metric_reaches_tensorboard_and_log_history_at_its_step
     assert persist_steps and persist_steps[-1] == MAX_STEPS  # the last commit too, logged after training
     assert all(step >= CHECKPOINT_EVERY for step in persist_steps)
     assert [step for step, _ in scalars["train/spot/persist_MBps"]] == persist_steps
-    recorded = [record.persist_s for record in ckpt.engine.writer.all_records()]
+    recorded = [record.persist_s for record in ckpt.engine.saves.all_records()]
     assert all(
         any(value == pytest.approx(r, rel=1e-5) for r in recorded)
         for _, value in scalars["train/spot/persist_s"]

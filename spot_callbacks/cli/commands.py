@@ -185,6 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--on-demand-price", type=_price, metavar="Q", help="on-demand price per hour: adds what spot saved"
     )
 
+    _add_plan_command(commands)
+    return parser
+
+
+def _add_plan_command(commands: Any) -> None:
+    """``plan``: the one command that reads no store, so it takes no URL."""
     plan_help = (
         "expected cost and time of a job on spot and on demand, the optimal checkpoint interval "
         "and the break-even interruption rate (Daly's model; see spot_callbacks.accounting.costs)"
@@ -213,7 +219,6 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--plot", metavar="PNG", help="also write a plot of expected cost against the interval")
     _add_global_options(plan, suppress_defaults=True)
     plan.set_defaults(run=_cmd_plan)
-    return parser
 
 
 def _add_pull_arguments(pull: argparse.ArgumentParser) -> None:

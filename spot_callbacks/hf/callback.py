@@ -135,8 +135,8 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
             compat.bypass_jit_sigterm_handler(self.store.url)
         self.engine.start()
         compat.place_ahead_of_integrations(trainer := compat.running_trainer(), self)
-        self._staged.start(trainer, args, self.engine.writer.spans_nodes())
-        self.engine.writer.folders_span_ranks = self._staged.every_rank  # FSDP: every rank's shards
+        self._staged.start(trainer, args, self.engine.saves.spans_nodes())
+        self.engine.saves.folders_span_ranks = self._staged.every_rank  # FSDP: every rank's shards
         self._metrics.attach(trainer)
         resumed = self.engine.resumed
         self._position = hf_saves.data_position(args, kwargs, resumed, state.global_step)
@@ -144,7 +144,7 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
             self.engine.load_state_dict(resumed.info.extra.get("engine", {}))
             self._metrics.add({"spot/resume_s": resumed.pull_s})
             if self._staged.owns_folders and resumed.local_dir.parent == Path(args.output_dir):
-                self.engine.writer.adopt_local_copy(resumed.local_dir)  # cleaned up like the run's own
+                self.engine.saves.adopt_local_copy(resumed.local_dir)  # cleaned up like the run's own
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # The integrations' on_train_begin has run (it opens their writers): log what is pending.
@@ -205,7 +205,7 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
     def _submit_staged(self, control: Any) -> None:
         if self._staged.pending is not None:
             self._save_started_at = None
-            self._after_checkpoint(control, *self._staged.submit(self.engine.writer, self._extra(STAGED)))
+            self._after_checkpoint(control, *self._staged.submit(self.engine.saves, self._extra(STAGED)))
 
     def _extra(self, save_path: str) -> dict[str, Any]:
         state = self.engine.state_dict(at_checkpoint=True)

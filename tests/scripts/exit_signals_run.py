@@ -15,7 +15,7 @@ import threading
 import lightning.pytorch as pl
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from spot_callbacks import jobs
+from spot_callbacks import saving as jobs
 from spot_callbacks.lightning import SpotCheckpoint
 
 parser = argparse.ArgumentParser()

@@ -67,7 +67,7 @@ class SelfSigterm(pl.Callback):
             self.sent = True
             # The checkpoints before the notice commit first: the emergency one then never overtakes
             # (and drops) one still queued, so which steps are committed does not depend on upload speed.
-            persister = self.spot.engine.writer.persister if self.spot is not None else None
+            persister = self.spot.engine.saves.persister if self.spot is not None else None
             if persister is not None:
                 assert persister.wait(timeout=120), "the checkpoints before the SIGTERM did not settle"
             os.kill(os.getpid(), signal.SIGTERM)

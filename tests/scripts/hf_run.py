@@ -73,7 +73,7 @@ class SelfSigterm(transformers.TrainerCallback):
         if state.global_step != self.step or self.sent:
             return
         self.sent = True
-        persister = self.spot.engine.writer.persister if self.settle and self.spot is not None else None
+        persister = self.spot.engine.saves.persister if self.settle and self.spot is not None else None
         if persister is not None:  # the writer rank; the notice is agreed at the step's end, after this
             assert persister.wait(timeout=120), "the checkpoints before the SIGTERM did not settle"
         if args.process_index == self.rank:
