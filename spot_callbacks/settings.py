@@ -67,14 +67,22 @@ class Knob(Generic[T]):
 # ------------------------------------------------------------------ parsers: (name, text) -> value
 def seconds(name: str, text: str) -> float:
     """A positive duration: ``"90"``, ``"90s"``, ``"2min"``, ``"1h"`` (:func:`parse_duration`)."""
-    value = parse_duration(text, key=name)
-    assert value is not None
-    return value
+    return _duration(name, text, "")
 
 
 def seconds_or_off(name: str, text: str) -> float | None:
     """A duration, or ``0``/``off``/``none`` for no limit (``None``)."""
-    return None if text.lower() in ("0", "off", "none") else seconds(name, text)
+    return None if text.lower() in ("0", "off", "none") else _duration(name, text, ", or 0/off for no limit")
+
+
+def _duration(name: str, text: str, off: str) -> float:
+    try:
+        value = parse_duration(text, key=name)
+    except ConfigError as err:  # parse_duration's help is about arguments ('auto', None): say a knob's forms
+        problem = "must be a positive duration" if "must be a positive" in str(err) else "is not a duration"
+        raise ConfigError(f"{name}={text!r} {problem}; use e.g. '90', '90s', '2min' or '1h'{off}") from None
+    assert value is not None
+    return value
 
 
 def switch(name: str, text: str) -> bool:
@@ -153,6 +161,11 @@ SCRATCH = Knob(
     "SPOT_SCRATCH", None, text,
     "fast local disk for staging when `scratch_dir` is not given (default: a per-user folder in the temp dir)",
     "folder",
+)  # fmt: skip
+SCRATCH_KEEP_S = Knob(
+    "SPOT_SCRATCH_KEEP_S", 7 * 86400.0, seconds_or_off,
+    "when a run starts, other dirpaths' scratch folders unused this long and held by no live run are "
+    "deleted (`off`: keep them; `spot-callbacks scratch` lists them)",
 )  # fmt: skip
 STORE_TIMEOUT_S = Knob(
     "SPOT_STORE_TIMEOUT_S", 60.0, seconds_or_off,
@@ -243,10 +256,10 @@ def check_all(environ: Mapping[str, str] | None = None) -> None:
     """Parse every knob set in ``environ``; the first bad value raises its :class:`ConfigError`.
 
     Example:
-        >>> check_all({"SPOT_SIGNAL_GRACE_S": "30 fortnights"})  # doctest: +ELLIPSIS
+        >>> check_all({"SPOT_SIGNAL_GRACE_S": "30 fortnights"})
         Traceback (most recent call last):
         ...
-        spot_callbacks.errors.ConfigError: SPOT_SIGNAL_GRACE_S='30 fortnights' is not a duration; ...
+        spot_callbacks.errors.ConfigError: SPOT_SIGNAL_GRACE_S='30 fortnights' is not a duration; use e.g. '90', '90s', '2min' or '1h'
     """
     for knob in KNOBS.values():
         knob.value(environ)

@@ -125,7 +125,13 @@ def test_a_hung_upload_times_out_is_retried_and_the_checkpoint_commits(
 
 @pytest.mark.parametrize(
     ("value", "message"),
-    [("ten", "SPOT_UPLOAD_TIMEOUT_S='ten' is not a positive number"), ("-5", "SPOT_UPLOAD_TIMEOUT_S='-5'")],
+    [
+        (
+            "ten",
+            "SPOT_UPLOAD_TIMEOUT_S='ten' is not a duration; use e.g. '90', '90s', '2min' or '1h', or 0/off for no limit",
+        ),
+        ("-5", "SPOT_UPLOAD_TIMEOUT_S='-5'"),
+    ],
 )
 def test_a_bad_upload_timeout_in_the_environment_is_an_error_naming_it(monkeypatch, tmp_path, value, message):
     monkeypatch.setenv("SPOT_UPLOAD_TIMEOUT_S", value)
