@@ -11,6 +11,7 @@ The library logs to the ``spot_callbacks`` logger and configures no logging at i
 configured none.
 """
 
+import spot_callbacks.log  # noqa: F401 - the logger's filters (rank 0 info lines, escaped controls) on any import
 from spot_callbacks.config import SpotConfig, parse_duration
 from spot_callbacks.errors import (
     AttemptTimeoutError,

@@ -87,3 +87,36 @@ def _parse_unit_string(text: str, original: str, key: str) -> float:
     if position == 0:
         raise ConfigError(f"{key}={original!r} is not a duration; {DURATION_HELP}")
     return total
+
+
+# C0 and C1 controls (ESC starts every ANSI sequence, 0x9b is a one-byte CSI), DEL, and the
+# Unicode line separators and bidirectional overrides that reorder what a terminal shows.
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: object, *, keep_newlines: bool = False) -> str:
+    """``text`` safe to show on a terminal or in a pipe: every control character escaped (``\\x1b``).
+
+    The one helper for text that came from a store (a manifest's ``reason``, ``framework``,
+    ``extra`` values and file names, a lock's host): whoever can write the bucket must not be able
+    to clear the screen, retitle the terminal or forge lines of the output. ``keep_newlines``
+    keeps ``\\n`` and ``\\t`` (a log message of ours may span lines).
+
+    Example:
+        >>> printable("interval\\x1b[2J\\x1b]0;pwned\\x07")
+        'interval\\\\x1b[2J\\\\x1b]0;pwned\\\\x07'
+        >>> printable("a\\nb"), printable("a\\nb", keep_newlines=True)
+        ('a\\\\x0ab', 'a\\nb')
+    """
+    string = text if isinstance(text, str) else str(text)
+    if _UNPRINTABLE.search(string) is None:
+        return string
+
+    def escape(match: re.Match[str]) -> str:
+        char = match.group()
+        if keep_newlines and char in "\n\t":
+            return char
+        code = ord(char)
+        return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}"
+
+    return _UNPRINTABLE.sub(escape, string)

@@ -44,7 +44,28 @@ def _this_rank() -> int:
     return int(text) if text.isdigit() else 0
 
 
+class PrintableLines(logging.Filter):
+    """Every line escaped of control characters (``_format.printable``): a log line may quote a
+    manifest, a lock or a file name from the store, which must not drive the terminal it is shown on.
+
+    Example:
+        >>> record = logging.makeLogRecord({"msg": "ignoring %s", "args": ("\x1b[2J",)})
+        >>> PrintableLines().filter(record), record.getMessage()
+        (True, 'ignoring \\\\x1b[2J')
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from spot_callbacks._format import printable
+
+        message = record.getMessage()
+        safe = printable(message, keep_newlines=True)
+        if safe != message:
+            record.msg, record.args = safe, None
+        return True
+
+
 log.addFilter(OneRankSpeaks())
+log.addFilter(PrintableLines())
 
 _added: logging.Handler | None = None
 

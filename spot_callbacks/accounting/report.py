@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+from spot_callbacks._format import printable
 from spot_callbacks.accounting.costs import SECONDS_PER_HOUR, SpotPlan
 from spot_callbacks.accounting.ledger import EMERGENCY_REASONS, RunLedger, finite_number
 
@@ -292,7 +293,9 @@ RESUME_HEADERS = ("RESUMED (UTC)", "FROM STEP", "AFTER", "PULL", "LOAD", "LOST W
 
 
 def format_rows(rows: Sequence[tuple[str, str]], indent: str = "  ") -> str:
-    """Label/value rows as aligned plain-text lines."""
+    """Label/value rows as aligned plain-text lines, every cell through ``printable`` (a value may
+    quote a manifest's ``reason``)."""
+    rows = [(printable(label), printable(value)) for label, value in rows]
     width = max((len(label) for label, _ in rows), default=0)
     return "\n".join(f"{indent}{label.ljust(width)}  {value}" for label, value in rows)
 

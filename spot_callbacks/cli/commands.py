@@ -35,6 +35,7 @@ from typing import Any
 import fsspec
 
 from spot_callbacks import __version__
+from spot_callbacks._format import printable
 from spot_callbacks.accounting.costs import plan_job
 from spot_callbacks.accounting.report import (
     RESUME_HEADERS,
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_ERROR
     except Exception as err:
         if verbosity:
-            sys.stderr.write(redact("".join(traceback.format_exception(err))))
+            sys.stderr.write(printable(redact("".join(traceback.format_exception(err))), keep_newlines=True))
         _print_error(describe_error(err, verbose=bool(verbosity), url=getattr(args, "url", "")), redact)
         return EXIT_ERROR
     finally:
@@ -460,11 +461,11 @@ def _cmd_rm(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
     else:
         created = info.created.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         what = f"checkpoint {info.url} ({human_size(info.size_bytes)}, {info.reason}, created {created})"
-    if not args.yes and not _confirm(f"delete {what}?"):
+    if not args.yes and not _confirm(f"delete {printable(what)}?"):
         print(f"{PROG}: not deleted", file=sys.stderr)
         return EXIT_ERROR
     store.delete(step)
-    print(f"deleted {what}")
+    print(f"deleted {printable(what)}")
     return EXIT_OK
 
 
@@ -482,13 +483,13 @@ def _cmd_report(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
     resumes = resume_rows(history)
     newest = history.newest
     created = newest.created.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    title = f"{store.url} ({newest.framework}), newest checkpoint committed {created}"
+    title = printable(f"{store.url} ({newest.framework}), newest checkpoint committed {created}")
     resume_title = f"recent resumes ({len(resumes)} of {history.ledger.resumes})"
     console = rich_console(sys.stdout)
     if console is None:
         print(title)
         for note in notes:
-            print(note)
+            print(printable(note))
         print(format_rows(rows))
         if resumes:
             print(f"\n{resume_title}")
@@ -497,21 +498,22 @@ def _cmd_report(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
         return EXIT_OK
     from rich import box
     from rich.table import Table
+    from rich.text import Text
 
     for note in notes:
-        console.print(note, markup=False)
-    summary = Table(title=title, title_justify="left", show_header=False, box=box.SIMPLE)
+        console.print(printable(note), markup=False)
+    summary = Table(title=Text(title), title_justify="left", show_header=False, box=box.SIMPLE)
     summary.add_column(style="bold", no_wrap=True)
     summary.add_column(overflow="fold")
     for label, value in rows:
-        summary.add_row(label, value)
+        summary.add_row(Text(printable(label)), Text(printable(value)))
     console.print(summary)
     if resumes:
         table = Table(title=resume_title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD)
         for col, header in enumerate(RESUME_HEADERS):
             table.add_column(header.lower(), justify="right" if col in {1, 3, 4, 5, 6} else "left")
         for row in resumes:
-            table.add_row(*row)
+            table.add_row(*(Text(printable(cell)) for cell in row))
         console.print(table)
     return EXIT_OK
 
@@ -677,4 +679,4 @@ def _confirm(question: str) -> bool:
 
 
 def _print_error(message: str, redact: Redactor) -> None:
-    print(f"{PROG}: error: {redact(message)}", file=sys.stderr)
+    print(f"{PROG}: error: {printable(redact(message), keep_newlines=True)}", file=sys.stderr)

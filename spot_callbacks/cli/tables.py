@@ -7,6 +7,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any, TextIO
 
+from spot_callbacks._format import printable
 from spot_callbacks.progress import is_terminal
 
 
@@ -46,7 +47,8 @@ def plain_table(
     headers: tuple[str, ...] = CHECKPOINT_HEADERS,
     right_aligned: set[int] = CHECKPOINT_RIGHT_ALIGNED,
 ) -> list[str]:
-    """``rows`` under ``headers`` as aligned lines of text (columns in ``right_aligned`` right-justified).
+    """``rows`` under ``headers`` as aligned lines of text (columns in ``right_aligned`` right-justified);
+    every cell through ``printable`` (a cell may hold a manifest's text).
 
     Example:
         >>> print("\\n".join(plain_table([("a", "12"), ("bcd", "3")], ("NAME", "N"), right_aligned={1})))
@@ -54,6 +56,7 @@ def plain_table(
         a     12
         bcd    3
     """
+    rows = [tuple(printable(cell) for cell in row) for row in rows]
     widths = [max(len(row[col]) for row in [headers, *rows]) for col in range(len(headers))]
     lines = []
     for row in [headers, *rows]:
@@ -82,6 +85,7 @@ def print_rich_table(console: Any, rows: list[tuple[str, ...]], footer: str) -> 
             overflow="fold",
         )
     for row in rows:
+        row = tuple(printable(cell) for cell in row)
         valid = row[-1]
         cells = [Text(cell) for cell in row[:-1]] + [Text(valid, style="green" if valid == "ok" else "red")]
         table.add_row(*cells, style="bold" if row[0] == "*" else None)

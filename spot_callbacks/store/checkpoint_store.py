@@ -23,6 +23,7 @@ import spot_callbacks.store.transfer as transfer
 from spot_callbacks.errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    CorruptCheckpointError,
     DeleteIncompleteError,
     ForeignCheckpointError,
     ManifestError,
@@ -45,6 +46,9 @@ log = logging.getLogger("spot_callbacks")
 
 # prune()'s default: the lineage latest() follows (lineage ids are uuid hex, never this word).
 FOLLOWED_LINEAGE = "latest"
+# latest() reads the manifests of the highest steps this many at a time (one concurrent read per
+# batch), walking down only until the newest valid checkpoint of the current lineage is found.
+LATEST_BATCH = 64
 
 
 class CheckpointStore:
@@ -122,6 +126,8 @@ class CheckpointStore:
 
         A step folder that is a symbolic link (another run's checkpoint linked in) is not this
         run's: it is left out with a warning, so nothing here reads it as ours or deletes through it.
+        So is a local entry named like a step folder that is not a readable folder (a file, a
+        fifo, a socket: ``layout.local_stray``).
         """
         try:
             entries = self.retry.call(lambda: layout.list_folder(self.fs, self.root), f"list {self.url}")
@@ -135,6 +141,9 @@ class CheckpointStore:
             if layout.is_link(self.fs, self.step_path(step)):
                 self.warn_once(step, f"spot_callbacks: ignoring {self.step_url(step)}: {self._foreign(step)}")
                 continue
+            if (stray := layout.local_stray(self.fs, self.step_path(step), folder=True)) is not None:
+                self.warn_once(step, f"spot_callbacks: ignoring {self.step_url(step)}: {self._stray(stray)}")
+                continue
             folders[step] = self.step_path(step)
         return folders
 
@@ -143,9 +152,20 @@ class CheckpointStore:
         return self.retry.call(lambda: layout.missing_root_reason(self.fs, self.root), f"check {self.url}")
 
     def refuse_foreign(self, step: int) -> None:
-        """Raise :class:`ForeignCheckpointError` when the folder of ``step`` is a symbolic link."""
+        """Raise :class:`ForeignCheckpointError` when the folder of ``step`` is a symbolic link, or
+        (local disk) is not a readable folder or holds a ``manifest.json`` that is not a regular
+        file: nothing reads through it, and ``rm`` does not delete what no run wrote."""
         if layout.is_link(self.fs, self.step_path(step)):
             raise ForeignCheckpointError(f"{self.step_url(step)}: {self._foreign(step)}")
+        if (stray := layout.local_stray(self.fs, self.step_path(step), folder=True)) is not None:
+            raise ForeignCheckpointError(f"{self.step_url(step)}: {self._stray(stray)}")
+        manifest = posixpath.join(self.step_path(step), MANIFEST_NAME)
+        if (stray := layout.local_stray(self.fs, manifest, folder=False)) is not None:
+            raise ForeignCheckpointError(f"{self.url_of(manifest)}: {self._stray(stray)}")
+
+    @staticmethod
+    def _stray(why: str) -> str:
+        return f"{why}; no run wrote that, so it is never read as a checkpoint nor deleted here (remove it by hand)"
 
     def _foreign(self, step: int) -> str:
         target = os.readlink(self.step_path(step))
@@ -160,8 +180,11 @@ class CheckpointStore:
 
         Reads one listing and the manifests (fetched concurrently by async filesystems), never a payload.
         """
+        return self._infos(self.manifest_verdicts())
+
+    def _infos(self, verdicts: list[protocol.Verdict]) -> list[CheckpointInfo]:
         infos = []
-        for verdict in self.manifest_verdicts():
+        for verdict in verdicts:
             if verdict.info is None:
                 self.warn_once(
                     verdict.step, f"spot_callbacks: ignoring checkpoint {verdict.url}: {verdict.problem}"
@@ -190,19 +213,57 @@ class CheckpointStore:
         """Every step folder holding a manifest, oldest first, with the manifest parsed or why it
         cannot be trusted (one listing and the manifests, none parsed past
         ``SPOT_MANIFEST_MAX_BYTES``; never a payload)."""
-        manifests = {step: posixpath.join(path, MANIFEST_NAME) for step, path in self.step_folders().items()}
+        return self.verdicts_of(self.step_folders())
+
+    def verdicts_of(self, folders: dict[int, str]) -> list[protocol.Verdict]:
+        """:meth:`manifest_verdicts` of the step ``folders`` given (step -> path), in one concurrent read.
+
+        A ``manifest.json`` that is not a regular file (a folder, a fifo: ``layout.local_stray``)
+        or that the store will not let us read is a damaged checkpoint, never read (a fifo
+        would block the reader forever).
+        """
+        manifests = {step: posixpath.join(path, MANIFEST_NAME) for step, path in folders.items()}
         if not manifests:
             return []
         limits = ManifestLimits.from_env()
-        what = f"read manifests under {self.url}"
-        # A ranged read would bound the download too, but backends answer a range past the end of a
-        # small or empty object differently (InvalidRange); the size is checked before parsing.
-        raw_by_path = transfer.read_files(self.fs, self.retry, list(manifests.values()), self.root, what)
+        unreadable = {}
+        for step, path in manifests.items():
+            if (stray := layout.local_stray(self.fs, path, folder=False)) is not None:
+                unreadable[step] = f"{self.url_of(path)}: {self._stray(stray)}"
+        readable = [path for step, path in manifests.items() if step not in unreadable]
+        raw_by_path = self._read_manifests(readable, unreadable, {path: s for s, path in manifests.items()})
         verdicts = [
-            protocol.manifest_verdict(step, self.step_url(step), raw_by_path.get(manifests[step]), limits)
+            protocol.Verdict(step, self.step_url(step), None, unreadable[step])
+            if step in unreadable
+            else protocol.manifest_verdict(
+                step, self.step_url(step), raw_by_path.get(manifests[step]), limits
+            )
             for step in sorted(manifests)
         ]
         return [verdict for verdict in verdicts if verdict is not None]
+
+    def _read_manifests(
+        self, paths: list[str], unreadable: dict[int, str], step_of: dict[str, int]
+    ) -> dict[str, bytes | FileNotFoundError]:
+        """The bytes of every manifest in ``paths``; one the store refuses (PermissionError) goes
+        to ``unreadable`` with why, and the others are still read."""
+        if not paths:
+            return {}
+        what = f"read manifests under {self.url}"
+        # A ranged read would bound the download too, but backends answer a range past the end of a
+        # small or empty object differently (InvalidRange); the size is checked before parsing.
+        try:
+            return transfer.read_files(self.fs, self.retry, paths, self.root, what)
+        except (PermissionError, IsADirectoryError):
+            if len(paths) == 1:
+                raise
+        found: dict[str, bytes | FileNotFoundError] = {}
+        for path in paths:  # which one: read them one by one
+            try:
+                found.update(self._read_manifests([path], unreadable, step_of))
+            except (PermissionError, IsADirectoryError) as err:
+                unreadable[step_of[path]] = f"{self.url_of(path)} cannot be read: {err.strerror or err}"
+        return found
 
     def damage(self, info: CheckpointInfo) -> str | None:
         """Why the committed checkpoint ``info`` cannot be used (``None``: its files have the
@@ -222,8 +283,36 @@ class CheckpointStore:
         A checkpoint that fails the check is skipped with a warning naming it and the reason; it
         is never deleted here. With checkpoints of several lineages (a fresh run on an old
         dirpath), the lineage of the newest commit is followed (``commit.resume_order``).
+
+        The highest steps' manifests are read first, :data:`LATEST_BATCH` at a time, and the walk
+        stops at the newest valid checkpoint of the lineage of the newest commit read so far: a
+        store of thousands of checkpoints costs one listing and a batch or two of reads, not a
+        read of every manifest (``README``: a fresh run started more than a batch below the top
+        of an old run's kept checkpoints is seen only once the walk reaches it).
         """
-        return self.newest_valid(protocol.resume_order(self.committed()))
+        steps = sorted(self.step_folders(), reverse=True)
+        folders = {step: self.step_path(step) for step in steps}
+        seen: list[CheckpointInfo] = []  # oldest first
+        damage: dict[int, str | None] = {}
+
+        def problem_of(info: CheckpointInfo) -> str | None:
+            if info.step not in damage:
+                damage[info.step] = self.damage(info)
+                if damage[info.step] is not None:
+                    self.warn_once(info.step, protocol.damaged_message(info.url, damage[info.step]))
+            return damage[info.step]
+
+        for start in range(0, len(steps), LATEST_BATCH):
+            batch = {step: folders[step] for step in steps[start : start + LATEST_BATCH]}
+            seen = self._infos(self.verdicts_of(batch)) + seen
+            lineage = protocol.current_lineage(seen)
+            for info in reversed(seen):
+                if protocol.lineage_of(info) == lineage and problem_of(info) is None:
+                    return info
+        # None of the current lineage is valid: another lineage's, highest first (resume_order).
+        return next(
+            (info for info in reversed(protocol.resume_order(seen)) if problem_of(info) is None), None
+        )
 
     def newest_valid(
         self,
@@ -244,8 +333,15 @@ class CheckpointStore:
 
     def check_sizes(self, info: CheckpointInfo) -> None:
         """Raise :class:`CorruptCheckpointError` unless every payload file exists with its manifest size."""
-        sizes = transfer.file_sizes(self.fs, self.retry, self.step_path(info.step), f"list {info.url}")
+        folder = self.step_path(info.step)
+        sizes = transfer.file_sizes(self.fs, self.retry, folder, f"list {info.url}")
         protocol.check_size_problem(info, sizes)
+        if self.is_local:  # a fifo listed with size 0 would block verify and pull forever
+            for name in info.files:
+                if (
+                    stray := layout.local_stray(self.fs, posixpath.join(folder, name), folder=False)
+                ) is not None:
+                    raise CorruptCheckpointError(f"{info.url}/{name}: {stray}")
 
     def verify(self, step: int, deep: bool = True) -> bool:
         """True when the checkpoint is committed and intact; otherwise an exception saying what is wrong.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +107,48 @@ def list_folder(fs: Any, folder: str) -> list[str]:
 def is_link(fs: Any, path: str) -> bool:
     """True for a symbolic link on the local disk (object stores have none)."""
     return is_local_fs(fs) and os.path.islink(path)
+
+
+_KINDS = (
+    (stat.S_ISDIR, "a folder"), (stat.S_ISREG, "a file"), (stat.S_ISLNK, "a symbolic link"),
+    (stat.S_ISFIFO, "a named pipe (fifo)"), (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"),
+)  # fmt: skip
+
+
+def local_stray(fs: Any, path: str, *, folder: bool) -> str | None:
+    """Why the local entry ``path`` is not what the layout puts there (``folder``: a plain folder,
+    else a regular file), or ``None`` (it is, it does not exist, or the store is not a local disk).
+
+    A local store can hold what no run wrote: a file named like a step folder, a folder named
+    ``manifest.json``, a fifo (reading it would block forever), a socket. Readers skip such an
+    entry, ``rm`` refuses it, and nothing reads through it. Symbolic links are judged by the
+    callers (:func:`is_link`): a linked step folder is another run's.
+
+    Example:
+        >>> import tempfile
+        >>> base = tempfile.mkdtemp()
+        >>> local_stray(fsspec.filesystem("file"), base, folder=False)
+        'it is a folder, not a file'
+        >>> local_stray(fsspec.filesystem("file"), base, folder=True) is None
+        True
+    """
+    if not is_local_fs(fs):
+        return None
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        return f"it cannot be examined ({err.strerror or err})"
+    if stat.S_ISLNK(mode) and folder:
+        return None
+    if stat.S_ISDIR(mode) if folder else stat.S_ISREG(mode):
+        if os.access(path, os.R_OK | (os.X_OK if folder else 0)):
+            return None
+        return "it cannot be read (permission denied)"
+    kind = next((name for test, name in _KINDS if test(mode)), "not a regular entry")
+    return f"it is {kind}, not {'a folder' if folder else 'a file'}"
 
 
 _BUCKET_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"})

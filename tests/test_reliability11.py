@@ -1,0 +1,232 @@
+"""Issue 21 item 11 (the classes described by class only): worst cases, each with its bounded behaviour.
+
+Control characters from a store never reach a terminal; stray entries in a local store are
+skipped or refused; ``latest()`` on thousands of step folders reads a bounded number of
+manifests; run locks judged by this host's own clock; the ledger counts a dead previous run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from spot_callbacks import CheckpointStore, RunLockedError
+from spot_callbacks.cli import main as cli_main
+from spot_callbacks.errors import ForeignCheckpointError
+from spot_callbacks.store.layout import MANIFEST_NAME, step_dirname
+from spot_callbacks.store.runlock import LOCK_NAME, RunLock
+from tests.helpers.faultfs import FaultyFileSystem
+
+EVIL = "\x1b[2J\x1b]0;pwned\x07"
+RAW_CONTROLS = ("\x1b", "\x07", "\x9b")
+
+
+def _payload(tmp_path: Path, size: int = 10) -> Path:
+    src = tmp_path / "src"
+    src.mkdir(exist_ok=True)
+    (src / "state.ckpt").write_bytes(b"x" * size)
+    return src
+
+
+def _commit(store: CheckpointStore, step: int, src: Path, **extra: Any) -> None:
+    store.write_checkpoint(step, src, reason="interval", framework="lightning", extra=extra or None)
+
+
+def _tamper(root: Path, step: int, **fields: Any) -> None:
+    """What a writer of the bucket does: rewrite a committed manifest's free-form strings."""
+    path = root / step_dirname(step) / MANIFEST_NAME
+    doc = json.loads(path.read_text())
+    doc.update(fields)
+    path.write_text(json.dumps(doc))
+
+
+# ------------------------------------------------------------------ control characters
+
+
+def test_ls_and_report_never_print_a_manifests_control_characters(tmp_path: Path, capsys) -> None:
+    root = tmp_path / "store"
+    store = CheckpointStore(str(root))
+    _commit(store, 5, _payload(tmp_path), note=EVIL)
+    _commit(store, 6, _payload(tmp_path))
+    _tamper(root, 5, reason="interval" + EVIL, framework="lightning" + EVIL)
+    _tamper(root, 6, reason="end" + EVIL + "\x9b31m", framework="lightning" + EVIL)
+    for command in ("ls", "report"):
+        assert cli_main([command, str(root)]) == 0
+        out, err = capsys.readouterr()
+        assert not [c for c in RAW_CONTROLS if c in out + err], (command, out + err)
+        assert "\\x1b[2J" in out  # shown, escaped: the operator sees what the manifest says
+
+
+def test_log_lines_quoting_the_store_are_escaped(caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="spot_callbacks"):
+        logging.getLogger("spot_callbacks").warning("resumed from %s\nnext line", "step" + EVIL)
+    assert not [c for c in RAW_CONTROLS if c in caplog.text]
+    assert "step\\x1b[2J" in caplog.text and "\nnext line" in caplog.text  # our own newlines stay
+
+
+# ------------------------------------------------------------------ stray entries
+
+
+def _store_with_strays(tmp_path: Path) -> tuple[Path, CheckpointStore]:
+    root = tmp_path / "store"
+    store = CheckpointStore(str(root))
+    src = _payload(tmp_path)
+    for step in (1, 2, 3):
+        _commit(store, step, src)
+    (root / step_dirname(7)).write_bytes(b"not a folder")  # a file named like a step folder
+    os.mkfifo(root / step_dirname(8))  # a fifo named like one
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(root / step_dirname(9)))
+    sock.close()
+    (root / step_dirname(10)).mkdir()
+    (root / step_dirname(10) / MANIFEST_NAME).mkdir()  # a folder named manifest.json
+    (root / step_dirname(11)).mkdir()
+    os.mkfifo(root / step_dirname(11) / MANIFEST_NAME)  # a fifo named manifest.json: a read blocks
+    return root, store
+
+
+def _in_thread(call, timeout_s: float = 60.0) -> Any:
+    """Run ``call``; a reader that blocks on a fifo fails the test instead of hanging the suite."""
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["value"] = call()
+        except BaseException as err:  # noqa: BLE001 - handed to the test
+            result["error"] = err
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    assert not thread.is_alive(), "the reader blocked (on a fifo?)"
+    if "error" in result:
+        raise result["error"]
+    return result.get("value")
+
+
+def test_stray_entries_in_a_local_store_are_skipped_by_every_reader(tmp_path: Path, capsys, caplog) -> None:
+    root, store = _store_with_strays(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="spot_callbacks"):
+        assert _in_thread(store.latest).step == 3
+        assert [info.step for info in _in_thread(store.committed)] == [1, 2, 3]
+    assert "it is a file, not a folder" in caplog.text and "named pipe" in caplog.text
+    assert "socket" in caplog.text and "it is a folder, not a file" in caplog.text
+    assert _in_thread(lambda: cli_main(["ls", str(root)])) == 0
+    out = capsys.readouterr().out
+    assert "step 3" in out and "named pipe" in out  # step 11's fifo manifest listed as damaged
+    assert _in_thread(lambda: cli_main(["verify", str(root), "--step", "3"])) == 0
+    assert _in_thread(lambda: cli_main(["verify", str(root), "--step", "11"])) == 1
+
+
+@pytest.mark.parametrize("step", [7, 8, 10, 11])
+def test_rm_refuses_a_stray_entry_in_one_line(step: int, tmp_path: Path, capsys) -> None:
+    root, store = _store_with_strays(tmp_path)
+    before = sorted(os.listdir(root))
+    assert _in_thread(lambda: cli_main(["rm", str(root), "--step", str(step), "--yes"])) == 1
+    err = capsys.readouterr().err
+    assert "remove it by hand" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert sorted(os.listdir(root)) == before
+    with pytest.raises(ForeignCheckpointError):
+        store.delete(step)
+
+
+def test_a_fifo_listed_as_payload_is_damage_not_a_blocked_read(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    store = CheckpointStore(str(root))
+    src = _payload(tmp_path)
+    _commit(store, 1, src)
+    (src / "empty.bin").write_bytes(b"")
+    _commit(store, 2, src)
+    os.remove(root / step_dirname(2) / "empty.bin")
+    os.mkfifo(root / step_dirname(2) / "empty.bin")  # size 0, as the manifest says
+    assert _in_thread(store.latest).step == 1
+    assert _in_thread(lambda: cli_main(["verify", str(root), "--step", "2"])) == 1
+
+
+class RefusingFileSystem(FaultyFileSystem):
+    """A real filesystem that refuses to read one folder (what a bucket policy or a mode-000
+    folder does; the tests run as root, for whom a chmod refuses nothing)."""
+
+    def __init__(self, inner: Any, refused: str) -> None:
+        super().__init__(inner)
+        self.refused = refused
+
+    def cat(self, path: Any, *args: Any, **kwargs: Any) -> Any:
+        paths = [path] if isinstance(path, str) else list(path)
+        if any(self.refused in p for p in paths):
+            raise PermissionError(13, "Permission denied", self.refused)
+        return self.inner.cat(path, *args, **kwargs)
+
+    def cat_file(self, path: str, *args: Any, **kwargs: Any) -> Any:
+        if self.refused in path:
+            raise PermissionError(13, "Permission denied", path)
+        return self.inner.cat_file(path, *args, **kwargs)
+
+
+def test_an_unreadable_step_folder_is_damage_and_the_others_are_read(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    store = CheckpointStore(str(root))
+    src = _payload(tmp_path)
+    for step in (1, 2, 3):
+        _commit(store, step, src)
+    store.fs = RefusingFileSystem(store.fs, step_dirname(3))
+    assert store.latest().step == 2
+    verdicts = {verdict.step: verdict.problem for verdict in store.manifest_verdicts()}
+    assert verdicts[1] is None and verdicts[2] is None and "Permission denied" in verdicts[3]
+
+
+# ------------------------------------------------------------------ thousands of step folders
+
+
+class CountingFileSystem(FaultyFileSystem):
+    """A real filesystem that counts the manifests read through it."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.manifests_read = 0
+
+    def cat(self, path: Any, *args: Any, **kwargs: Any) -> Any:
+        paths = [path] if isinstance(path, str) else list(path)
+        self.manifests_read += sum(p.endswith(MANIFEST_NAME) for p in paths)
+        return self.inner.cat(path, *args, **kwargs)
+
+    def cat_file(self, path: str, *args: Any, **kwargs: Any) -> Any:
+        self.manifests_read += path.endswith(MANIFEST_NAME)
+        return self.inner.cat_file(path, *args, **kwargs)
+
+
+def _many_steps(tmp_path: Path, count: int) -> tuple[Path, CheckpointStore]:
+    root = tmp_path / "store"
+    store = CheckpointStore(str(root))
+    _commit(store, 0, _payload(tmp_path), lineage={"id": "a" * 32, "resumed_from": None})
+    first = root / step_dirname(0)
+    doc = json.loads((first / MANIFEST_NAME).read_text())
+    for step in range(1, count):  # copies of one committed checkpoint, renumbered
+        folder = root / step_dirname(step)
+        shutil.copytree(first, folder)
+        (folder / MANIFEST_NAME).write_text(json.dumps({**doc, "step": step}))
+    return root, store
+
+
+def test_latest_on_2000_step_folders_reads_a_bounded_number_of_manifests(tmp_path: Path) -> None:
+    from spot_callbacks.store.checkpoint_store import LATEST_BATCH
+
+    root, store = _many_steps(tmp_path, 2000)
+    counting = CountingFileSystem(store.fs)
+    store.fs = counting
+    assert store.latest().step == 1999
+    assert counting.manifests_read <= LATEST_BATCH
+    # The newest 100 damaged: the walk goes on a batch at a time, still not reading everything.
+    for step in range(1900, 2000):
+        os.remove(root / step_dirname(step) / "state.ckpt")
+    counting.manifests_read = 0
+    assert store.latest().step == 1899
+    assert counting.manifests_read <= 2 * LATEST_BATCH
