@@ -38,7 +38,8 @@ from spot_callbacks.accounting.watch import PersistWatch
 from spot_callbacks.config import SpotConfig
 from spot_callbacks.errors import PersistError
 from spot_callbacks.log import show_info_lines
-from spot_callbacks.persist import PersistRecord, private_scratch_root
+from spot_callbacks.persist import PersistRecord
+from spot_callbacks.persist.scratch_folders import claim_scratch_root
 from spot_callbacks.preemption import Notice, PreemptionWatcher, exit_guard
 from spot_callbacks.preemption.emergency import EXIT_MARGIN_S, Emergency, time_left_s, warn_if_grace_too_short
 from spot_callbacks.resume import ResumeInfo, move_aside_uncommitted, pull_latest, say_new_lineage
@@ -80,7 +81,7 @@ class SpotEngine:
         self.config = config
         self.framework = framework
         self.store = CheckpointStore(config.dirpath, storage_options=config.storage_options)
-        self.scratch_root = private_scratch_root(self.store.url, config.scratch_dir)
+        self.scratch_root = claim_scratch_root(self.store.url, config.scratch_dir)  # and sweep
         self.trigger = CheckpointTrigger(
             config.interval_seconds, config.every_n_steps, auto=config.interval_is_auto,
             interruptions_per_hour=config.interruptions_per_hour,

@@ -1,12 +1,18 @@
-"""The local scratch disk: private to its user, no planted link followed, bounded, workers closed on every exit."""
+"""The local scratch disk: private to its user, no planted link followed, bounded (per dirpath and across
+dirpaths: recorded, listed, held by live runs, cleaned), workers closed on every exit."""
 
 from __future__ import annotations
 
+import json
 import os
 import stat
+import subprocess
+import sys
 import tempfile
 import threading
+import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -17,8 +23,11 @@ from helpers.reliability_counts import FAULTS, record
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from spot_callbacks import CheckpointStore, ConfigError, SpotConfig
+from spot_callbacks.cli import main
 from spot_callbacks.engine import SpotEngine
 from spot_callbacks.lightning import SpotCheckpoint
+from spot_callbacks.persist.scratch import default_scratch_root
+from spot_callbacks.persist.scratch_folders import RECORD_NAME, ScratchClaim, list_scratch
 from spot_callbacks.store import MANIFEST_NAME, parse_step_dirname, transfer
 from spot_callbacks.store.retry import RetryPolicy
 
@@ -219,3 +228,155 @@ def test_no_worker_thread_outlives_a_failing_or_succeeding_fit(tmp_path) -> None
             trainer.fit(BoringModel(), ckpt_path="latest")
         assert spot_workers() == []
         assert len(step_folders(spot.engine.scratch_root)) == 1
+
+
+# ------------------------------------------------------------------ across dirpaths (issues 21.7, 23)
+DAY_S = 86400.0
+
+HOLDER = """
+import sys
+from pathlib import Path
+from spot_callbacks.persist.scratch_folders import claim_scratch
+claim_scratch(Path(sys.argv[1]), sys.argv[2])
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def make_folder(base: Path, url: str, payload_bytes: int = 1000, age_s: float = 0.0) -> Path:
+    """A scratch folder of ``url`` as an earlier run left it: a record, a step folder, last used ``age_s`` ago."""
+    folder = default_scratch_root(url, scratch_dir=str(base))
+    (folder / "step-000000010").mkdir(parents=True)
+    (folder / "step-000000010" / "state.ckpt").write_bytes(b"x" * payload_bytes)
+    ScratchClaim(folder, url).release()
+    then = time.time() - age_s
+    record = folder / RECORD_NAME
+    record.write_text(json.dumps({"dirpath": url, "last_used": then}))
+    for path in [*folder.rglob("*"), folder]:
+        os.utime(path, (then, then), follow_symlinks=False)
+    return folder
+
+
+@pytest.fixture
+def holder(tmp_path: Path) -> Iterator[Path]:
+    """A scratch folder held by a live child process (a run on this host) for the test's duration."""
+    folder = make_folder(tmp_path / "base", "s3://bucket/held", age_s=30 * DAY_S)
+    child = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(folder), "s3://bucket/held"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        yield folder
+    finally:
+        child.communicate(input="")
+    assert child.returncode == 0
+
+
+def test_the_engine_records_its_dirpath_and_holds_its_folder(tmp_path: Path) -> None:
+    engine = SpotEngine(
+        SpotConfig(
+            dirpath=str(tmp_path / "store"), interval=None, preemption=[], scratch_dir=str(tmp_path / "s")
+        ),
+        "demo",
+    )
+    [folder] = list_scratch(tmp_path / "s")
+    assert folder.path == engine.scratch_root
+    assert folder.dirpath == engine.store.url
+    assert folder.held_by == f"pid {os.getpid()}"
+    assert time.time() - folder.last_used < 3600
+
+
+def test_the_record_keeps_no_credentials(tmp_path: Path) -> None:
+    folder = tmp_path / "0123456789ab"
+    folder.mkdir()
+    ScratchClaim(folder, "ftp://alice:hunter2@files.example:2121/runs/a").release()
+    record = (folder / RECORD_NAME).read_text()
+    assert "hunter2" not in record and "alice" not in record
+    assert json.loads(record)["dirpath"] == "ftp://files.example:2121/runs/a"
+
+
+def test_scratch_lists_each_folder_with_its_dirpath_size_and_holder(
+    tmp_path: Path, holder: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    make_folder(tmp_path / "base", "s3://bucket/old", payload_bytes=5_000_000, age_s=10 * DAY_S)
+    assert main(["scratch", "--root", str(tmp_path / "base")]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0] == f"{tmp_path / 'base'}: 2 scratch folders, 5.0 MB"
+    assert lines[1].split() == ["FOLDER", "DIRPATH", "SIZE", "LAST", "USE", "(UTC)", "HELD", "BY"]
+    old = next(line for line in lines if "s3://bucket/old" in line)
+    assert "5.0 MB" in old and old.rstrip().endswith("-")
+    held = next(line for line in lines if "s3://bucket/held" in line)
+    assert held.rstrip().endswith(f"pid {holder_pid(holder)}")
+    assert sorted(path.name for path in (tmp_path / "base").iterdir()) == sorted(
+        [holder.name, default_scratch_root("s3://bucket/old", str(tmp_path / "base")).name]
+    )  # listing deletes nothing
+
+
+def holder_pid(folder: Path) -> int:
+    [marker] = folder.glob(".spot-scratch-live-*.json")
+    return json.loads(marker.read_text())["pid"]
+
+
+def test_clean_deletes_what_no_live_run_holds_and_nothing_through_a_link(
+    tmp_path: Path, holder: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = tmp_path / "base"
+    idle = make_folder(base, "s3://bucket/idle", age_s=DAY_S)
+    dead = make_folder(base, "s3://bucket/dead")
+    # A folder whose run died: its marker names a process that is gone.
+    gone = subprocess.run([sys.executable, "-c", HOLDER, str(dead), "s3://bucket/dead"], input="", text=True)
+    assert gone.returncode == 0 and list(dead.glob(".spot-scratch-live-*.json"))
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("the user's")
+    (base / "fedcba987654").symlink_to(outside)  # a link with a scratch folder's name
+    (idle / "step-000000010" / "escape").symlink_to(outside)  # a link inside a folder being deleted
+    assert main(["scratch", "--root", str(base), "--clean"]) == 0
+    out = capsys.readouterr().out
+    assert "deleted 2 folders" in out and "kept 1 a live run holds" in out
+    assert not idle.exists() and not dead.exists()
+    assert holder.is_dir() and (holder / "step-000000010" / "state.ckpt").is_file()
+    assert (outside / "keep.txt").read_text() == "the user's" and (base / "fedcba987654").is_symlink()
+
+
+def test_clean_older_than_keeps_recent_folders(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = tmp_path / "base"
+    old = make_folder(base, "s3://bucket/old", age_s=8 * DAY_S)
+    recent = make_folder(base, "s3://bucket/recent", age_s=DAY_S)
+    assert main(["scratch", "--root", str(base), "--clean", "--older-than", "7d"]) == 0
+    assert "deleted 1 folder (" in capsys.readouterr().out
+    assert not old.exists() and recent.is_dir()
+
+
+def test_a_new_run_deletes_other_dirpaths_folders_past_the_keep_time(
+    tmp_path: Path, holder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base = tmp_path / "base"
+    old = make_folder(base, "s3://bucket/old", age_s=8 * DAY_S)
+    recent = make_folder(base, "s3://bucket/recent", age_s=6 * DAY_S)
+    stranger = base / "notes"  # not a scratch folder's name: never touched
+    stranger.mkdir()
+    os.utime(stranger, (0, 0))
+    SpotEngine(
+        SpotConfig(dirpath=str(tmp_path / "store"), interval=None, preemption=[], scratch_dir=str(base)),
+        "demo",
+    )
+    assert not old.exists()
+    assert recent.is_dir() and holder.is_dir() and stranger.is_dir()  # newer than 7 days; held by a live run
+
+
+def test_the_keep_time_is_a_knob(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    base = tmp_path / "base"
+    old = make_folder(base, "s3://bucket/old", age_s=30 * DAY_S)
+    monkeypatch.setenv("SPOT_SCRATCH_KEEP_S", "off")
+    SpotEngine(
+        SpotConfig(dirpath=str(tmp_path / "a"), interval=None, preemption=[], scratch_dir=str(base)), "demo"
+    )
+    assert old.is_dir()
+    monkeypatch.setenv("SPOT_SCRATCH_KEEP_S", "1h")
+    SpotEngine(
+        SpotConfig(dirpath=str(tmp_path / "b"), interval=None, preemption=[], scratch_dir=str(base)), "demo"
+    )
+    assert not old.exists()

@@ -1,11 +1,13 @@
 """`spot-callbacks`: list, verify, pull and delete the committed checkpoints of a run; report
-what its checkpoints and interruptions cost; plan whether spot is worth it for a job.
+what its checkpoints and interruptions cost; plan whether spot is worth it for a job; list and
+clean this machine's scratch folders.
 
     spot-callbacks ls s3://bucket/runs/exp1
     spot-callbacks verify s3://bucket/runs/exp1 --step 12000
     spot-callbacks pull s3://bucket/runs/exp1 ./resume
     spot-callbacks rm s3://bucket/runs/exp1 --step 11000 --yes
     spot-callbacks report s3://bucket/runs/exp1 --spot-price 1.2 --on-demand-price 3.9
+    spot-callbacks scratch --clean --older-than 7d
     spot-callbacks plan --work-hours 200 --spot-price 1.2 --on-demand-price 3.9 \\
         --interruptions-per-hour 0.1 --checkpoint-seconds 30 --resume-seconds 300 --plot plan.png
 
@@ -25,10 +27,11 @@ import math
 import os
 import posixpath
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from datetime import timezone
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +61,8 @@ from spot_callbacks.errors import (
     SpotError,
     StoreUnavailableError,
 )
+from spot_callbacks.persist.scratch import scratch_base
+from spot_callbacks.persist.scratch_folders import delete_scratch_folder, list_scratch
 from spot_callbacks.progress import is_terminal, reporting_on_a_terminal, reporting_pull
 from spot_callbacks.store import CheckpointInfo, CheckpointStore
 from spot_callbacks.store.commit import Verdict, resume_order
@@ -187,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     _add_plan_command(commands)
+    _add_scratch_command(commands)
     return parser
 
 
@@ -220,6 +226,29 @@ def _add_plan_command(commands: Any) -> None:
     plan.add_argument("--plot", metavar="PNG", help="also write a plot of expected cost against the interval")
     _add_global_options(plan, suppress_defaults=True)
     plan.set_defaults(run=_cmd_plan)
+
+
+def _add_scratch_command(commands: Any) -> None:
+    """``scratch``: the local scratch folders of this machine, so it takes no URL either."""
+    scratch_help = (
+        "list the local scratch folders (one per dirpath: its size and last use) and, with --clean, "
+        "delete those no live run holds"
+    )
+    scratch = commands.add_parser("scratch", help=scratch_help, description=scratch_help)
+    scratch.add_argument(
+        "--root",
+        metavar="DIR",
+        help="the folder that holds them (default: $SPOT_SCRATCH, else $TMPDIR/spot-callbacks-<uid>)",
+    )
+    scratch.add_argument(
+        "--clean", action="store_true", help="delete the folders no live run on this host holds"
+    )
+    scratch.add_argument(
+        "--older-than", type=_duration, metavar="DURATION",
+        help="only the folders not used for this long ('7d', '12h', seconds)",
+    )  # fmt: skip
+    _add_global_options(scratch, suppress_defaults=True)
+    scratch.set_defaults(run=_cmd_scratch)
 
 
 def _add_pull_arguments(pull: argparse.ArgumentParser) -> None:
@@ -547,6 +576,43 @@ def _cmd_plan(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
     for label, value in rows:
         table.add_row(label, value)
     console.print(table)
+    return EXIT_OK
+
+
+SCRATCH_HEADERS = ("FOLDER", "DIRPATH", "SIZE", "LAST USE (UTC)", "HELD BY")
+
+
+def _cmd_scratch(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
+    base = Path(args.root).expanduser() if args.root else scratch_base()
+    if not base.is_dir() or base.is_symlink():
+        print(f"no scratch folders: {base} is not a folder")
+        return EXIT_OK
+    now = time.time()
+    folders = [
+        folder for folder in list_scratch(base)
+        if args.older_than is None or now - folder.last_used >= args.older_than
+    ]  # fmt: skip
+    rows = [
+        (
+            folder.name, printable(folder.dirpath or "(unknown: made before scratch records)"), human_size(folder.size_bytes),
+            datetime.fromtimestamp(folder.last_used, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            folder.held_by or "-",
+        )
+        for folder in folders
+    ]  # fmt: skip
+    total = human_size(sum(folder.size_bytes for folder in folders))
+    print(f"{base}: {len(folders)} scratch folder{'' if len(folders) == 1 else 's'}, {total}")
+    for line in plain_table(rows, SCRATCH_HEADERS, right_aligned={2}) if rows else ():
+        print(line)
+    if not args.clean:
+        return EXIT_OK
+    deleted = [folder for folder in folders if not folder.held and delete_scratch_folder(folder, base)]
+    held = [folder for folder in folders if folder not in deleted]
+    print(
+        f"deleted {len(deleted)} folder{'' if len(deleted) == 1 else 's'} "
+        f"({human_size(sum(folder.size_bytes for folder in deleted))} freed); "
+        f"kept {len(held)} a live run holds"
+    )
     return EXIT_OK
 
 

@@ -45,13 +45,19 @@ def default_scratch_root(store_url: str, scratch_dir: str | None = None) -> Path
         >>> default_scratch_root("s3://bucket/run").parent.name == f"spot-callbacks-{_user_key()}"
         True
     """
-    base = (
-        scratch_dir
-        or settings.SCRATCH.value()
-        or os.path.join(tempfile.gettempdir(), f"spot-callbacks-{_user_key()}")
-    )
     run_key = hashlib.sha256(store_url.encode()).hexdigest()[:12]
-    return Path(base).expanduser() / run_key
+    return scratch_base(scratch_dir) / run_key
+
+
+def scratch_base(scratch_dir: str | None = None) -> Path:
+    """The folder that holds every run's scratch folder: ``scratch_dir``, else ``$SPOT_SCRATCH``, else
+    :func:`per_user_base`."""
+    return Path(scratch_dir or settings.SCRATCH.value() or per_user_base()).expanduser()
+
+
+def per_user_base() -> Path:
+    """The default base, ``$TMPDIR/spot-callbacks-<uid>``: private, so everything in it is a run's scratch."""
+    return Path(tempfile.gettempdir()) / f"spot-callbacks-{_user_key()}"
 
 
 def private_scratch_root(store_url: str, scratch_dir: str | None = None) -> Path:

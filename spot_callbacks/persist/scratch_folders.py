@@ -1,0 +1,311 @@
+"""The scratch folders of every dirpath on this machine: whom each serves, which a live run holds,
+and the bound across dirpaths.
+
+Each run's scratch folder (``<base>/<hash of the store URL>``, :func:`default_scratch_root`) holds a
+record, ``.spot-scratch.json``: the dirpath it serves (the URL without user name or password) and
+the time of its last use. Every process of a run that uses it holds a marker,
+``.spot-scratch-live-<pid>.json`` (pid, host, the process's start time), while it lives: a folder
+whose marker names a running process of this host, or any process of another host (which cannot be
+checked from here), is *held*, and nothing deletes it.
+
+The policy (:func:`claim_scratch`, called once when an engine is made): the run records its own
+folder, then deletes the other dirpaths' folders of the same base not used for longer than
+``$SPOT_SCRATCH_KEEP_S`` (7 days) that no live run holds. ``spot-callbacks scratch`` lists them all
+and ``--clean`` deletes what no live run holds. Nothing outside the base is deleted, nothing through
+a link, and in a base the user chose (``scratch_dir=``, ``$SPOT_SCRATCH``) only folders with a record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import stat
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import spot_callbacks.settings as settings
+from spot_callbacks.persist.scratch import per_user_base, private_scratch_root, scratch_base
+
+log = logging.getLogger("spot_callbacks")
+
+RECORD_NAME = ".spot-scratch.json"
+LIVE_PREFIX = ".spot-scratch-live-"
+_FOLDER_NAME = re.compile(r"^[0-9a-f]{12}$")
+
+
+def url_without_credentials(url: str) -> str:
+    """``url`` without the user name and password a URL may carry.
+
+    Example:
+        >>> url_without_credentials("ftp://user:secret@host:21/runs/a")
+        'ftp://host:21/runs/a'
+        >>> url_without_credentials("s3://bucket/run")
+        's3://bucket/run'
+    """
+    try:
+        parts = urlsplit(url)
+        if parts.username is None and parts.password is None:
+            return url
+        host = parts.hostname or ""
+        netloc = f"{host}:{parts.port}" if parts.port is not None else host
+    except ValueError:
+        return "(a URL that cannot be parsed, not shown)"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def _process_start(pid: int) -> str | None:
+    """The start time of ``pid`` as the kernel counts it (Linux), so a reused pid is not taken for the run."""
+    try:
+        stat_line = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat_line.rsplit(")", 1)[-1].split()[19]
+
+
+def _pid_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
+def _write_json(path: Path, value: dict[str, object]) -> None:
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    with os.fdopen(fd, "w") as out:
+        json.dump(value, out)
+    os.replace(tmp, path)
+
+
+def _read_json(path: Path) -> dict[str, object]:
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode) or os.lstat(path).st_size > 64 * 1024:
+            return {}
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+@dataclass(frozen=True)
+class ScratchFolder:
+    """One scratch folder as found on disk.
+
+    Example:
+        >>> folder = ScratchFolder(Path("/tmp/x/03236a011055"), "s3://bucket/run", 10, 0.0, None)
+        >>> folder.held, folder.name
+        (False, '03236a011055')
+    """
+
+    path: Path
+    dirpath: str | None  # None: a folder made before records were written
+    size_bytes: int
+    last_used: float  # seconds since the epoch: the record's time or the newest file, whichever is later
+    held_by: str | None  # "pid 123" / "pid 123 on host-b" of a live run; None: no live run holds it
+
+    @property
+    def held(self) -> bool:
+        return self.held_by is not None
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+def _live_holder(folder: Path) -> str | None:
+    host = socket.gethostname()
+    for marker in sorted(folder.glob(f"{LIVE_PREFIX}*.json")):
+        record = _read_json(marker)
+        pid, marker_host = record.get("pid"), record.get("host")
+        if not isinstance(pid, int) or not isinstance(marker_host, str):
+            continue
+        if marker_host != host:
+            return f"pid {pid} on {marker_host}"
+        started = record.get("started")
+        if _pid_running(pid) and (started is None or started == _process_start(pid)):
+            return f"pid {pid}"
+    return None
+
+
+def _walk(folder: Path) -> tuple[int, float]:
+    """Bytes of the files under ``folder`` and the newest modification time, links not followed."""
+    size, newest = 0, os.lstat(folder).st_mtime
+    for top, dirs, files in os.walk(folder, followlinks=False):
+        for name in dirs + files:
+            with contextlib.suppress(OSError):
+                found = os.lstat(os.path.join(top, name))
+                newest = max(newest, found.st_mtime)
+                if stat.S_ISREG(found.st_mode):
+                    size += found.st_size
+    return size, newest
+
+
+def _is_scratch_folder(path: Path, base_is_ours: bool) -> bool:
+    """A real folder of the base with a run key's name; in a base the user chose, one with a record too."""
+    if not _FOLDER_NAME.match(path.name):
+        return False
+    try:
+        found = os.lstat(path)
+    except OSError:
+        return False
+    if stat.S_ISLNK(found.st_mode) or not stat.S_ISDIR(found.st_mode):
+        return False
+    getuid = getattr(os, "getuid", None)
+    if getuid is not None and found.st_uid != getuid():
+        return False
+    return base_is_ours or os.path.lexists(path / RECORD_NAME)
+
+
+def list_scratch(base: Path | None = None) -> list[ScratchFolder]:
+    """Every scratch folder in ``base`` (default: :func:`~spot_callbacks.persist.scratch.scratch_base`), least recently used first.
+
+    Example:
+        >>> import tempfile
+        >>> base = Path(tempfile.mkdtemp())
+        >>> (base / "03236a011055").mkdir()
+        >>> claim = claim_scratch(base / "03236a011055", "s3://bucket/run")
+        >>> [(f.dirpath, f.held_by is not None) for f in list_scratch(base)]
+        [('s3://bucket/run', True)]
+        >>> claim.release(); list_scratch(base)[0].held
+        False
+    """
+    base = scratch_base() if base is None else Path(base)
+    base_is_ours = base == per_user_base()
+    found = []
+    for path in sorted(base.iterdir()) if base.is_dir() and not base.is_symlink() else ():
+        if not _is_scratch_folder(path, base_is_ours):
+            continue
+        record = _read_json(path / RECORD_NAME)
+        dirpath = record.get("dirpath")
+        recorded = record.get("last_used")
+        try:
+            size, newest = _walk(path)
+        except OSError:
+            continue
+        last_used = max(newest, float(recorded)) if isinstance(recorded, (int, float)) else newest
+        held_by = _live_holder(path)
+        found.append(
+            ScratchFolder(path, dirpath if isinstance(dirpath, str) else None, size, last_used, held_by)
+        )
+    return sorted(found, key=lambda folder: folder.last_used)
+
+
+def delete_scratch_folder(folder: ScratchFolder, base: Path) -> bool:
+    """Delete ``folder`` unless a live run holds it now, it is a link, or it is not directly in ``base``."""
+    path = folder.path
+    if path.parent != Path(base) or os.path.islink(path) or _live_holder(path) is not None:
+        return False
+    shutil.rmtree(path, ignore_errors=True)  # rmtree never follows a link inside the folder
+    return not os.path.lexists(path)
+
+
+class ScratchClaim:
+    """This process's hold on its scratch folder: the record of the dirpath, the live marker.
+
+    Example:
+        >>> import tempfile
+        >>> root = Path(tempfile.mkdtemp()) / "03236a011055"; root.mkdir()
+        >>> claim = ScratchClaim(root, "s3://bucket/run")
+        >>> json.loads((root / RECORD_NAME).read_text())["dirpath"], claim.marker.exists()
+        ('s3://bucket/run', True)
+        >>> claim.release(); claim.marker.exists()
+        False
+    """
+
+    def __init__(self, root: Path, store_url: str) -> None:
+        self.root = Path(root)
+        self.marker = self.root / f"{LIVE_PREFIX}{os.getpid()}.json"
+        pid = os.getpid()
+        self._forget_dead_markers()
+        _write_json(self.marker, {"pid": pid, "host": socket.gethostname(), "started": _process_start(pid)})
+        _write_json(
+            self.root / RECORD_NAME, {"dirpath": url_without_credentials(store_url), "last_used": time.time()}
+        )
+
+    def _forget_dead_markers(self) -> None:
+        host = socket.gethostname()
+        for marker in self.root.glob(f"{LIVE_PREFIX}*.json"):
+            record = _read_json(marker)
+            pid = record.get("pid")
+            if record.get("host") == host and isinstance(pid, int) and not _pid_running(pid):
+                with contextlib.suppress(OSError):
+                    marker.unlink()
+
+    def release(self) -> None:
+        """The run is over: the folder is no longer held by this process (it stays, for a restart)."""
+        with contextlib.suppress(OSError):
+            self.marker.unlink()
+
+
+_CLAIMS: dict[Path, ScratchClaim] = {}  # this process's, by folder: held until the process ends
+
+
+def claim_scratch_root(store_url: str, scratch_dir: str | None = None) -> Path:
+    """:func:`~spot_callbacks.persist.scratch.private_scratch_root`, recorded and held by this process
+    (:func:`claim_scratch`) until it ends; an engine calls it once.
+
+    Example:
+        >>> import tempfile
+        >>> root = claim_scratch_root("s3://bucket/run", scratch_dir=tempfile.mkdtemp())
+        >>> [folder.dirpath for folder in list_scratch(root.parent)]
+        ['s3://bucket/run']
+    """
+    root = private_scratch_root(store_url, scratch_dir)
+    _CLAIMS[root] = claim_scratch(root, store_url)
+    return root
+
+
+def claim_scratch(root: Path, store_url: str) -> ScratchClaim:
+    """Record and hold ``root`` for ``store_url``; delete the other dirpaths' folders of its base that
+    no live run holds and nobody used for ``$SPOT_SCRATCH_KEEP_S`` (``off``: keep them all)."""
+    claim = ScratchClaim(root, store_url)
+    keep_s = settings.SCRATCH_KEEP_S.value()
+    if keep_s is not None:
+        sweep_scratch(Path(root).parent, older_than_s=keep_s, keep=Path(root))
+    return claim
+
+
+def sweep_scratch(
+    base: Path, older_than_s: float | None = None, keep: Path | None = None
+) -> list[ScratchFolder]:
+    """Delete the folders of ``base`` that no live run holds (``older_than_s``: only those not used for
+    that long; ``keep``: never this one). Returns what was deleted."""
+    now = time.time()
+    deleted = []
+    for folder in list_scratch(base):
+        if folder.held or folder.path == keep:
+            continue
+        if older_than_s is not None and now - folder.last_used < older_than_s:
+            continue
+        if delete_scratch_folder(folder, base):
+            deleted.append(folder)
+    if deleted and keep is not None:
+        log.info(
+            "spot_callbacks: scratch %s: deleted %d folder%s of other dirpaths unused for over %s (%s freed; "
+            "$SPOT_SCRATCH_KEEP_S sets how long): %s",
+            base, len(deleted), "" if len(deleted) == 1 else "s", _days(older_than_s),
+            _mib(sum(f.size_bytes for f in deleted)), ", ".join(f.dirpath or f.name for f in deleted),
+        )  # fmt: skip
+    return deleted
+
+
+def _days(seconds: float | None) -> str:
+    if seconds is None:
+        return "any time"
+    return f"{seconds / 86400:g} days" if seconds >= 86400 else f"{seconds:g} s"
+
+
+def _mib(size_bytes: int) -> str:
+    return f"{size_bytes / 1024**2:.1f} MiB"
