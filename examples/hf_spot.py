@@ -14,7 +14,7 @@ Several processes (data parallel; on a machine without a GPU they are CPU proces
     accelerate launch --multi_gpu --num_processes 2 examples/hf_spot.py
 
 `accelerate launch --cpu --num_processes 2` starts one process, not two: accelerate leaves the
-other CPU processes to mpirun (`--mpirun_hostfile`). The script says so when it sees that case.
+other CPU processes to mpirun (`--mpirun_hostfile`). The callback warns when it sees that case.
 
 Exit codes: 0 when training finished, 143 (128 + SIGTERM) when it stopped for a preemption after
 committing an emergency checkpoint, so a scheduler can tell "resume me" from "done". The Trainer
@@ -66,27 +66,6 @@ def several_processes_without_gpu() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
 
 
-def warn_if_accelerate_started_one_of_several() -> None:
-    # accelerate's plain launcher (taken with --cpu, and without --multi_gpu unless it finds several
-    # GPUs) starts exactly one process and expects mpirun to start the others. It always sets
-    # ACCELERATE_USE_CPU, and MASTER_ADDR only when asked for --num_processes or --num_machines > 1.
-    # Where mpirun did start them, accelerate reads the world size from PMI_SIZE or OMPI_/MV2_...SIZE.
-    world_size_names = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
-    if (
-        "ACCELERATE_USE_CPU" in os.environ
-        and "MASTER_ADDR" in os.environ
-        and not any(name in os.environ for name in world_size_names)
-    ):
-        logging.warning(
-            "hf_spot: accelerate launch was asked for several processes but started only this one "
-            "(without --multi_gpu it starts one and leaves the others to mpirun); training on 1 process. "
-            "For several, run `accelerate launch --multi_gpu --num_processes N %s` "
-            "or `torchrun --standalone --nproc_per_node N %s`",
-            sys.argv[0],
-            sys.argv[0],
-        )
-
-
 def parse_args(argv: list[str] | None) -> tuple[transformers.TrainingArguments, SpotConfig]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -131,7 +110,6 @@ def parse_args(argv: list[str] | None) -> tuple[transformers.TrainingArguments, 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    warn_if_accelerate_started_one_of_several()
     training_args, spot_config = parse_args(argv)
     ckpt = SpotCheckpointCallback(**spot_config.to_dict())
     torch.manual_seed(0)

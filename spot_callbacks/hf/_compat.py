@@ -36,6 +36,7 @@ import torch
 import transformers
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+import spot_callbacks.settings as settings
 from spot_callbacks.errors import ConfigError
 from spot_callbacks.run_lease import release_on_unwind
 
@@ -247,7 +248,8 @@ def place_ahead_of_integrations(trainer: transformers.Trainer | None, callback: 
 
 
 def check_trainer_spans_the_process_group(args: Any) -> None:
-    """Refuse a Trainer that trains alone in a process group of several (before the first step).
+    """Refuse a Trainer that trains alone in a process group of several (before the first step);
+    warn when the launcher was asked for several processes and started one.
 
     Under torchrun on a machine without a GPU, a Trainer without ``use_cpu=True`` finds no
     distributed backend and trains each process's own copy of the model, while the process group
@@ -260,6 +262,13 @@ def check_trainer_spans_the_process_group(args: Any) -> None:
         transformers.training_args.ParallelMode.NOT_PARALLEL,
         transformers.training_args.ParallelMode.NOT_DISTRIBUTED,
     )
+    if group_size == 1 and launcher_started_one_of_several():
+        log.warning(
+            "spot_callbacks: accelerate launch was asked for several processes but started only this one "
+            "(without --multi_gpu it starts one and leaves the others to mpirun); training on 1 process. "
+            "For several, run `accelerate launch --multi_gpu --num_processes N %s` or "
+            "`torchrun --standalone --nproc_per_node N %s`", sys.argv[0], sys.argv[0],
+        )  # fmt: skip
     if group_size > 1 and args.world_size == 1 and mode in alone:  # not SageMaker MP, not XLA
         raise ConfigError(
             f"the process group has {group_size} processes but the Trainer trains as one "
@@ -268,6 +277,23 @@ def check_trainer_spans_the_process_group(args: Any) -> None:
             "On a machine without a GPU pass TrainingArguments(use_cpu=True) (use_cpu: true in YAML); "
             "launch with torchrun or `accelerate launch --multi_gpu`"
         )
+
+
+def launcher_started_one_of_several() -> bool:
+    """``accelerate launch --cpu --num_processes N`` (and without ``--multi_gpu`` on fewer GPUs than N)
+    took accelerate's plain launcher: it starts exactly this process and leaves the others to mpirun.
+
+    It always sets ``ACCELERATE_USE_CPU``, and ``MASTER_ADDR`` only when asked for several processes
+    or machines; where mpirun did start them, accelerate reads the world size from ``PMI_SIZE`` or
+    ``OMPI_``/``MV2_..._SIZE``.
+    """
+    world_size_names = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+    variable = settings.environment_variable
+    return (
+        variable("ACCELERATE_USE_CPU") is not None
+        and variable("MASTER_ADDR") is not None
+        and not any(variable(name) is not None for name in world_size_names)
+    )
 
 
 NEVER_RESTORED_MARK = "_spot_never_restored_from_checkpoints"
