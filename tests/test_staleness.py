@@ -117,10 +117,82 @@ def test_uploads_slower_than_the_interval_warn_with_the_persist_time_and_a_longe
     warnings = stale_warnings(caplog)
     assert len(warnings) == 1, warnings
     persist_s = 2 * INTERVAL_S + 30
-    assert "persisting is slower than the interval" in warnings[0]
+    assert (
+        "uploads take 2.5 min, longer than the interval 1.0 min: raise the interval or use interval='auto'"
+        in (warnings[0])
+    )
     assert "the upload of step 1 has run for 2.5 min" in warnings[0]
-    assert duration_setting(persist_s * 1.5) == "4min" and "interval='4min' (1.5x" in warnings[0]
+    assert duration_setting(persist_s * 1.5) == "4min" and "interval='4min', 1.5x" in warnings[0]
     assert "nothing this run did is committed yet" in warnings[0]
+
+
+def test_an_upload_in_flight_is_never_called_checkpoints_not_being_taken(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 23: two intervals without a commit while the first upload (slower than the interval) ran
+    said "the measured persist time fits the interval. The checkpoints are not being taken"."""
+    caplog.set_level(logging.WARNING, logger="spot_callbacks")
+    engine, faulty, clock = engine_with_clock(tmp_path)
+    engine.start()
+    faulty.gate = threading.Event()
+    try:
+        clock.now += INTERVAL_S + 10  # the first checkpoint, at its interval
+        save(engine, 1)
+        assert faulty.held.wait(timeout=30)
+        engine.decide(2)  # its upload is seen in flight from here
+        clock.now += INTERVAL_S - 9  # two intervals without a commit; the upload has run 51 s < 60 s
+        engine.decide(3)
+        assert stale_warnings(caplog) == []  # on its way: not "the checkpoints are not being taken"
+        clock.now += 15  # it outruns the interval
+        engine.decide(4)
+    finally:
+        faulty.gate.set()
+        engine.finish()
+    [warning] = stale_warnings(caplog)
+    assert "not being taken" not in warning
+    assert (
+        "uploads take 1.1 min, longer than the interval 1.0 min: raise the interval or use interval='auto'"
+        in warning
+    )
+    assert "the upload of step 1 has run for 1.1 min" in warning
+
+
+def test_checkpoints_dropped_for_newer_ones_mean_uploads_are_too_slow_said_once_in_the_log(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="spot_callbacks")
+    engine, faulty, clock = engine_with_clock(tmp_path)
+    engine.start()
+    faulty.gate = threading.Event()
+    try:
+        save(engine, 1)
+        assert faulty.held.wait(timeout=30)  # step 1 uploads, slowly; no step boundary sees it
+        save(engine, 2)
+        save(engine, 3)  # 2 was queued: dropped for 3
+        save(engine, 4)  # 3 was queued: dropped for 4
+        persister = engine.saves.persister
+        assert persister is not None and not persister.wait_for_step(3, timeout=30)
+        assert persister.dropped_for_newer == 2
+        clock.now += 2 * INTERVAL_S + 5
+        engine.decide(5)  # the upload of step 1 is first seen now: in flight for 0 s by this clock
+    finally:
+        faulty.gate.set()
+        engine.finish()
+    [warning] = stale_warnings(caplog)
+    assert "not being taken" not in warning
+    assert (
+        "uploads take longer than the interval 1.0 min: raise the interval or use interval='auto'" in warning
+    )
+    assert "2 checkpoints dropped before upload because a newer one came" in warning
+    drops = [r.getMessage() for r in caplog.records if "before upload: step" in r.getMessage()]
+    assert [line.split(": ", 1)[1].split(";")[0] for line in drops] == [
+        "dropping checkpoint of step 2 before upload: step 3 is newer",
+        "dropping checkpoint of step 3 before upload: step 4 is newer",
+    ]
+    assert (
+        "raise the interval or use interval='auto'" in drops[0] and "the upload of step 1 has run" in drops[0]
+    )
+    assert "interval" not in drops[1]  # the advice once, not per drop
 
 
 def test_the_lightning_adapter_logs_the_persist_lag_at_each_checkpoint(tmp_path: Path) -> None:

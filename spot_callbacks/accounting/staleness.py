@@ -4,7 +4,12 @@
 started when nothing has committed yet (time outside training is not a lag). When it reaches
 twice the checkpoint interval, uploads are failing or too slow for the interval: one warning per
 episode (until a checkpoint commits again) says which, with the evidence and an interval that
-would keep up.
+would keep up. The verdict reads what is in flight: an upload that has run longer than the
+interval, a persist time over it, or a checkpoint dropped because a newer one came before it
+could upload all mean "uploads take X, longer than the interval Y: raise the interval or use
+interval='auto'". While an upload is in flight and none of these holds yet, the alarm waits for
+it (it commits, or outruns the interval): an upload on its way is never called "checkpoints are
+not being taken".
 """
 
 from __future__ import annotations
@@ -74,6 +79,15 @@ class StalenessMonitor:
         spot_callbacks: no checkpoint has committed to s3://bucket/run for 2.1 min (the interval is 1.0 min), and no upload failed: ...
         >>> monitor.observe([], [], None, interval_s=60.0) is None  # once per episode
         True
+
+    An upload in flight for longer than the interval is the cause, said with the fix:
+
+        >>> monitor = StalenessMonitor("s3://bucket/run", clock=lambda: now[0])
+        >>> now[0] = 0.0; monitor.start(); monitor.observe([], [], 1, interval_s=10.0)
+        >>> now[0] = 19.0; monitor.observe([], [], 1, interval_s=10.0) is None  # still uploading, < 2 intervals
+        True
+        >>> now[0] = 25.0; print(monitor.observe([], [], 1, interval_s=10.0))  # doctest: +ELLIPSIS
+        spot_callbacks: no checkpoint has committed to s3://bucket/run for 25.0 s (...): uploads take 25.0 s, longer than the interval 10.0 s: raise the interval or use interval='auto' (e.g. interval='38s', ...
     """
 
     def __init__(
@@ -88,6 +102,8 @@ class StalenessMonitor:
         self._persist_s: float | None = None
         self._in_flight_step: int | None = None
         self._in_flight_since = 0.0
+        self._dropped = 0  # checkpoints the persister dropped for a newer one, so far
+        self._dropped_at_commit = 0  # ... when the episode began
         self._warned = False
 
     def start(self) -> None:
@@ -105,21 +121,25 @@ class StalenessMonitor:
         failures: Sequence[PersistError],
         in_flight_step: int | None,
         interval_s: float | None,
+        dropped: int = 0,
     ) -> str | None:
         """Take in the persister's state; log and return the warning when one is due (else None).
 
         ``records``: every commit so far (append-only; only the new ones are read). ``failures``:
         the persist failures so far. ``in_flight_step``: the step uploading now. ``interval_s``:
-        the checkpoint interval now (None: no time interval, no alarm).
+        the checkpoint interval now (None: no time interval, no alarm). ``dropped``: checkpoints
+        the persister dropped so far because a newer one came before they could upload.
         """
         now = self.clock()
         if self._since is None:
             self._since = now
         fresh = records[self._seen_records :]
         self._seen_records = len(records)
+        self._dropped = dropped
         if fresh:
             self._since = now
             self._warned = False
+            self._dropped_at_commit = dropped
             self._persist_s = fresh[-1].persist_s
             self._newest_step = max([r.info.step for r in fresh] + [self._newest_step or 0])
         if in_flight_step != self._in_flight_step:
@@ -129,12 +149,17 @@ class StalenessMonitor:
         lag = now - self._since
         if lag < self.factor * interval_s:
             return None
-        self._warned = True
         message = self._message(lag, interval_s, failures, now)
+        if message is None:
+            return None
+        self._warned = True
         log.warning("%s", message)
         return message
 
-    def _message(self, lag: float, interval_s: float, failures: Sequence[PersistError], now: float) -> str:
+    def _message(
+        self, lag: float, interval_s: float, failures: Sequence[PersistError], now: float
+    ) -> str | None:
+        """The warning, or None when an upload in flight may still commit within the interval."""
         head = (
             f"spot_callbacks: no checkpoint has committed to {self.store_url} for {format_seconds(lag)} "
             f"(the interval is {format_seconds(interval_s)})"
@@ -162,20 +187,12 @@ class StalenessMonitor:
         in_flight_s = now - self._in_flight_since if self._in_flight_step is not None else None
         measured = [s for s in (self._persist_s, in_flight_s) if s is not None]
         persist = max(measured) if measured else None
-        if persist is not None and persist > interval_s:
-            evidence = []
-            if self._persist_s is not None:
-                evidence.append(f"the last commit took {format_seconds(self._persist_s)} to persist")
-            if in_flight_s is not None:
-                evidence.append(
-                    f"the upload of step {self._in_flight_step} has run for {format_seconds(in_flight_s)}"
-                )
-            suggestion = suggested_interval_s(persist, interval_s)
+        dropped = self._dropped - self._dropped_at_commit
+        if (persist is not None and persist > interval_s) or dropped > 0:
+            return self._slow_uploads(head, interval_s, persist, in_flight_s, dropped, resume_point)
+        if in_flight_s is not None:
             return (
-                f"{head}: persisting is slower than the interval ({' and '.join(evidence)}), so newer "
-                f"checkpoints replace queued ones before they commit. Suggested interval="
-                f"{duration_setting(suggestion)!r} ({PERSIST_HEADROOM:g}x the measured persist time of "
-                f"{format_seconds(persist)}), or a faster or closer store; {resume_point}"
+                None  # on its way and not yet slower than the interval: judged when it commits or outruns it
             )
         known = "no persist time is measured yet"
         if persist is not None:
@@ -184,6 +201,38 @@ class StalenessMonitor:
             f"{head}, and no upload failed: {known}. The checkpoints are not being taken: steps (or "
             f"validation) may run longer than the interval, or a checkpoint is still being written; "
             f"{resume_point}"
+        )
+
+    def _slow_uploads(
+        self,
+        head: str,
+        interval_s: float,
+        persist: float | None,
+        in_flight_s: float | None,
+        dropped: int,
+        resume_point: str,
+    ) -> str:
+        evidence = []
+        if self._persist_s is not None:
+            evidence.append(f"the last commit took {format_seconds(self._persist_s)} to persist")
+        if in_flight_s is not None:
+            evidence.append(
+                f"the upload of step {self._in_flight_step} has run for {format_seconds(in_flight_s)}"
+            )
+        if dropped:
+            evidence.append(
+                f"{dropped} checkpoint{'' if dropped == 1 else 's'} dropped before upload because a newer one came"
+            )
+        slower = persist is not None and persist > interval_s
+        took = f"take {format_seconds(persist)}, longer than" if slower else "take longer than"
+        example = ""
+        if slower:
+            suggestion = suggested_interval_s(persist, interval_s)
+            example = f"e.g. interval={duration_setting(suggestion)!r}, {PERSIST_HEADROOM:g}x the measured persist time; "
+        return (
+            f"{head}: uploads {took} the interval {format_seconds(interval_s)}: raise the interval or use "
+            f"interval='auto' ({example}a faster or closer store helps too). Evidence: "
+            f"{'; '.join(evidence)}. Newer checkpoints replace queued ones before they commit; {resume_point}"
         )
 
 

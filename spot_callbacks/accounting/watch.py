@@ -43,6 +43,7 @@ class PersistWatch:
             persister.failures if persister is not None else [],
             persister.in_flight_step if persister is not None else None,
             interval_s,
+            getattr(persister, "dropped_for_newer", 0),
         )
         if self.region_check is not None:
             size = records[-1].bytes if records else resumed.info.size_bytes if resumed else None

@@ -96,6 +96,7 @@ class Persister(StepTracker):
         self._busy_since = 0.0
         self._busy_bytes = 0
         self._urgent: PersistJob | None = None  # the emergency checkpoint, until it settles
+        self.dropped_for_newer = 0  # checkpoints dropped because a newer one came before they uploaded
         self._alongside: dict[int, threading.Thread] = {}  # step -> emergency upload beside the uploader
         self._kept = NewestCommittedFolder()
         self._writer = threading.Thread(target=self._write_loop, name="spot-writer", daemon=True)
@@ -181,7 +182,20 @@ class Persister(StepTracker):
     def _queue_for_upload(self, job: PersistJob) -> None:
         dropped, self._to_upload = self._to_upload, job
         if dropped is not None:
-            self._drop(dropped, f"step {job.step} is newer")
+            self.dropped_for_newer += 1
+            advice = ""
+            if self.dropped_for_newer == 1:  # the cause and the fix once; later drops say only which
+                busy = self._busy_uploading
+                running = (
+                    f" (the upload of step {busy.step} has run {time.monotonic() - self._busy_since:.1f} s)"
+                    if busy is not None
+                    else ""
+                )
+                advice = (
+                    f"; uploads take longer than the interval between checkpoints{running}: raise the "
+                    "interval or use interval='auto'"
+                )
+            self._drop(dropped, f"step {job.step} is newer{advice}")
 
     def _drop(self, job: PersistJob, why: str) -> None:
         log.info("spot_callbacks: dropping checkpoint of step %d before upload: %s", job.step, why)
