@@ -1,7 +1,10 @@
-"""Numbers as people write and read them: durations ("90s", "1h30", "PT1H30M"), sizes, rates.
+"""Numbers as people write and read them: durations ("90s", "1h30", "PT1H30M"), sizes, rates, money.
 
-The bottom layer for text: :func:`parse_duration` is the one duration grammar (arguments, YAML,
-``SPOT_*`` knobs and the command line all accept the same forms).
+The bottom layer for text. :func:`parse_duration` is the one duration grammar (arguments, YAML,
+``SPOT_*`` knobs and the command line all accept the same forms). A duration is shown three ways,
+each for its reader: :func:`format_seconds` in reports and log lines (``12.3 s``, ``4.5 min``),
+:func:`human_duration` beside a moving transfer (``3m07s``), :func:`duration_setting` as a value
+to paste back into ``interval=`` (``1h30min``).
 """
 
 from __future__ import annotations
@@ -120,3 +123,94 @@ def printable(text: object, *, keep_newlines: bool = False) -> str:
         return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}"
 
     return _UNPRINTABLE.sub(escape, string)
+
+
+# ------------------------------------------------------------------ shown to people
+def format_seconds(seconds: float | None) -> str:
+    """A duration for people: ``0.42 s``, ``12.3 s``, ``4.5 min``, ``3.25 h``.
+
+    Example:
+        >>> format_seconds(0.4213), format_seconds(75), format_seconds(4 * 3600), format_seconds(None)
+        ('0.42 s', '1.2 min', '4.00 h', 'unknown')
+    """
+    if seconds is None:
+        return "unknown"
+    if math.isinf(seconds):
+        return "never" if seconds > 0 else "-inf"
+    if abs(seconds) < 10:
+        return f"{seconds:.2f} s"
+    if abs(seconds) < 60:
+        return f"{seconds:.1f} s"
+    if abs(seconds) < 3600:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.2f} h"
+
+
+def format_money(amount: float) -> str:
+    """Example:
+    >>> format_money(1234.5), format_money(-3.2)
+    ('$1,234.50', '-$3.20')
+    """
+    return f"{'-' if amount < 0 else ''}${abs(amount):,.2f}"
+
+
+def human_size(size_bytes: int) -> str:
+    """A byte count in decimal units, as storage consoles show it.
+
+    Example:
+        >>> human_size(512), human_size(12_345_678), human_size(3 * 10**12)
+        ('512 B', '12.3 MB', '3.0 TB')
+    """
+    if size_bytes < 1000:
+        return f"{size_bytes} B"
+    value = float(size_bytes)
+    for unit in ("kB", "MB", "GB", "TB", "PB"):
+        value /= 1000
+        if value < 999.95 or unit == "PB":
+            return f"{value:.1f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def human_rate(nbytes: int, seconds: float) -> str:
+    """Bytes per second in decimal units; ``"-"`` before any time has passed.
+
+    Example:
+        >>> human_rate(300_000_000, 4.0), human_rate(10, 0.0)
+        ('75.0 MB/s', '-')
+    """
+    if seconds <= 0:
+        return "-"
+    return f"{human_size(round(nbytes / seconds))}/s"
+
+
+def human_duration(seconds: float | None) -> str:
+    """``"42s"``, ``"3m07s"``, ``"1h02m"``; ``"?"`` when unknown.
+
+    Example:
+        >>> human_duration(42.4), human_duration(187), human_duration(3720), human_duration(None)
+        ('42s', '3m07s', '1h02m', '?')
+    """
+    if seconds is None or not math.isfinite(seconds):
+        return "?"
+    whole = max(0, round(seconds))
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
+
+
+def duration_setting(seconds: float) -> str:
+    """``seconds`` as an ``interval`` value SpotConfig accepts, rounded up (to seconds below 2 min, else minutes).
+
+    Example:
+        >>> duration_setting(41.2), duration_setting(150), duration_setting(5400), duration_setting(7200)
+        ('42s', '3min', '1h30min', '2h')
+    """
+    if seconds < 120:
+        return f"{max(1, math.ceil(seconds))}s"
+    minutes = math.ceil(seconds / 60)
+    hours, minutes = divmod(minutes, 60)
+    if not hours:
+        return f"{minutes}min"
+    return f"{hours}h{minutes}min" if minutes else f"{hours}h"

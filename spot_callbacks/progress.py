@@ -22,8 +22,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
-from spot_callbacks.accounting.report import human_size
-from spot_callbacks.accounting.throughput import eta_s, human_duration, human_rate
+from spot_callbacks._format import human_duration, human_rate, human_size
+from spot_callbacks.accounting.throughput import eta_s
 from spot_callbacks.store import CheckpointInfo, CheckpointStore
 
 REFRESH_S = 0.2  # how often a terminal's bars are redrawn from the local file sizes

@@ -15,6 +15,7 @@ import torch
 from conftest import ServerInfo
 
 from spot_callbacks import SpotConfig
+from spot_callbacks._format import format_seconds
 from spot_callbacks.accounting.region import (
     ASSUMED_CROSS_REGION_BYTES_PER_S,
     Mismatch,
@@ -22,7 +23,6 @@ from spot_callbacks.accounting.region import (
     RegionCheck,
     instance_placement,
 )
-from spot_callbacks.accounting.report import format_seconds
 from spot_callbacks.engine import SpotEngine
 
 

@@ -26,7 +26,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import spot_callbacks.settings as settings
-from spot_callbacks.accounting.report import format_seconds
+from spot_callbacks._format import format_seconds
 from spot_callbacks.preemption.clouds import CLOUDS, ask_each
 from spot_callbacks.preemption.metadata import DETECT_TIMEOUT_S
 from spot_callbacks.store.layout import fs_protocols

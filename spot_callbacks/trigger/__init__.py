@@ -8,13 +8,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from spot_callbacks._format import format_seconds
 from spot_callbacks.accounting.costs import (
     PRIOR_INTERRUPTIONS_PER_HOUR,
     daly_interval_s,
     posterior_interruptions_per_hour,
 )
 from spot_callbacks.accounting.ledger import finite_number
-from spot_callbacks.accounting.report import format_seconds
 
 log = logging.getLogger("spot_callbacks")
 
