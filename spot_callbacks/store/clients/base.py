@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from spot_callbacks.errors import SpotError
 from spot_callbacks.store.checksums import FileDigest
 
 MiB = 1024 * 1024
@@ -25,7 +26,7 @@ MAX_STREAM_CHUNK_BYTES = 16 * MiB
 RANGE_BYTES = 8 * MiB
 
 
-class Unsupported(Exception):
+class Unsupported(SpotError):
     """A fast client cannot honour this filesystem or its options; the message says what (the store
     then moves the bytes through fsspec, and says why once)."""
 
