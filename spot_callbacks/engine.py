@@ -135,6 +135,7 @@ class SpotEngine:
         self.trigger.mark_checkpoint()
         self.accounts.start_clock()
         self.lease.acquire()
+        self.accounts.dead_run = self.lease.dead_run()  # a run that died uncommitted: an interruption
         self.watcher.clear()  # a notice acted on in an earlier fit() in this process is spent
         self.watcher.start()
         warn_if_grace_too_short(self.watcher.sources)

@@ -67,6 +67,11 @@ class RunLease:
         if refusal is not None:
             raise refusal
 
+    def dead_run(self) -> tuple[float, float] | None:
+        """``(started, last_heartbeat)`` of a previous run seen dead through its stale lock at
+        :meth:`acquire` (writer only; see :meth:`RunLock.dead_run`): an interruption no manifest records."""
+        return self.lock.dead_run() if self.lock is not None else None
+
     @property
     def lost(self) -> bool:
         """True once the heartbeat found another run's lock in place of ours (see RunLock.lost)."""

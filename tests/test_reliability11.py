@@ -13,13 +13,17 @@ import os
 import shutil
 import socket
 import threading
+import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from spot_callbacks import CheckpointStore, RunLockedError
+from spot_callbacks import CheckpointStore, RunLockedError, SpotConfig
 from spot_callbacks.cli import main as cli_main
+from spot_callbacks.engine import SpotEngine
 from spot_callbacks.errors import ForeignCheckpointError
 from spot_callbacks.store.layout import MANIFEST_NAME, step_dirname
 from spot_callbacks.store.runlock import LOCK_NAME, RunLock
@@ -230,3 +234,129 @@ def test_latest_on_2000_step_folders_reads_a_bounded_number_of_manifests(tmp_pat
     counting.manifests_read = 0
     assert store.latest().step == 1899
     assert counting.manifests_read <= 2 * LATEST_BATCH
+
+
+# ------------------------------------------------------------------ run-lock clocks
+
+
+class TimelessFileSystem(FaultyFileSystem):
+    """A real filesystem whose ``info`` tells no modification time (as some backends do): the
+    lock is then judged by its heartbeat value and this host's own clock alone."""
+
+    def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+        found = dict(self.inner.info(path, **kwargs))
+        for key in ("LastModified", "last_modified", "mtime", "updated", "created"):
+            found.pop(key, None)
+        return found
+
+
+def _lock_store(tmp_path: Path, timeless: bool) -> CheckpointStore:
+    store = CheckpointStore(str(tmp_path / "run"))
+    store.fs.makedirs(store.root, exist_ok=True)
+    if timeless:
+        store.fs = TimelessFileSystem(store.fs)
+    return store
+
+
+@pytest.mark.parametrize("timeless", [False, True], ids=["store-mtime", "no-mtime"])
+def test_a_dead_owners_lock_with_a_heartbeat_in_the_future_does_not_block_forever(
+    timeless: bool, tmp_path: Path
+) -> None:
+    store = _lock_store(tmp_path, timeless)
+    doc = {
+        "host": "other-host",
+        "pid": 4242,
+        "run_id": "f" * 32,
+        "started": "2026-01-01T00:00:00+00:00",
+        "heartbeat": time.time() + 3600,
+    }  # fmt: skip - a host whose clock runs an hour ahead, then died
+    (Path(store.root) / LOCK_NAME).write_text(json.dumps(doc))
+    lock = RunLock(store, stale_s=0.4)
+    _in_thread(lock.acquire, timeout_s=30)
+    assert lock.holder()["run_id"] == lock.run_id
+    lock.release()
+
+
+@pytest.mark.parametrize("timeless", [False, True], ids=["store-mtime", "no-mtime"])
+def test_a_live_owner_whose_clock_is_an_hour_behind_is_not_evicted(timeless: bool, tmp_path: Path) -> None:
+    store = _lock_store(tmp_path, timeless)
+    owner = RunLock(store, stale_s=0.4)
+    owner._owner["host"] = "other-host"  # another machine...
+    behind = lambda: json.dumps({**owner._owner, "heartbeat": time.time() - 3600}).encode()  # noqa: E731
+    owner._encoded = behind  # ...whose clock runs an hour behind ours (ours runs ahead of it)
+    owner.acquire()
+    try:
+        with pytest.raises(RunLockedError, match="in use by another run"):
+            _in_thread(RunLock(store, stale_s=0.4).acquire, timeout_s=30)
+        assert not owner.lost and owner.holder()["run_id"] == owner.run_id
+    finally:
+        owner.release()
+
+
+def test_a_lock_the_store_says_is_hours_old_is_taken_over_at_once(tmp_path: Path, caplog) -> None:
+    store = _lock_store(tmp_path, timeless=False)
+    path = Path(store.root) / LOCK_NAME
+    path.write_text(
+        json.dumps({"host": "other-host", "pid": 4242, "run_id": "f" * 32, "heartbeat": time.time()})
+    )
+    os.utime(path, (time.time() - 7200, time.time() - 7200))  # a machine that vanished two hours ago
+    lock = RunLock(store, stale_s=60)  # a watch would take 45 s at least
+    with caplog.at_level(logging.WARNING, logger="spot_callbacks"):
+        _in_thread(lock.acquire, timeout_s=30)
+    assert "by the store's clock" in caplog.text and "waiting up to" not in caplog.text
+    lock.release()
+
+
+# ------------------------------------------------------------------ the ledger sees a dead run
+
+
+def _engine(url: str) -> SpotEngine:
+    return SpotEngine(SpotConfig(dirpath=url, interval=None, preemption=[]), "test")
+
+
+def _resume(engine: SpotEngine) -> None:
+    """What an adapter does at the start of a resumed fit: the lock, the pull, the engine's state."""
+    engine.start()
+    assert engine.pull_latest() is not None
+    engine.load_state_dict(engine.resumed.info.extra.get("engine", {}))
+
+
+def test_a_run_killed_before_its_first_commit_is_an_interruption_in_report_and_auto(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    monkeypatch.setenv("SPOT_LOCK_STALE_S", "0.4")
+    root = tmp_path / "store"
+    url = str(root)
+    # Run 1: SIGTERM, its emergency checkpoint commits (100 s ago, by a fake clock: the manifest's time).
+    first = _engine(url)
+    first.start()
+    first.save_state(step=5, epoch=0, state={"w": torch.ones(2)}, reason="preemption")
+    first.finish()
+    t0 = time.time() - 100
+    _tamper(root, 5, created=datetime.fromtimestamp(t0, timezone.utc).isoformat())
+    # Run 2: resumes (10 s after that commit), trains 40 s and is killed -9 before committing anything.
+    second = _engine(url)
+    _resume(second)
+    second.lease.lock._stop.set()  # kill -9: nothing more is written, nothing is released
+    second.lease.lock._thread.join()
+    lock_path = root / LOCK_NAME
+    doc = json.loads(lock_path.read_text())
+    started = datetime.fromtimestamp(t0 + 10, timezone.utc).isoformat()
+    lock_path.write_text(
+        json.dumps({**doc, "host": "vanished-host", "started": started, "heartbeat": t0 + 50})
+    )
+    # Run 3: sees run 2's stale lock, resumes step 5 again, commits.
+    third = _engine(url)
+    _resume(third)
+    assert third.accounts.interruption_history()[0] == 2  # what interval="auto" is fed
+    third.save_state(step=6, epoch=0, state={"w": torch.ones(2)}, reason="interval")
+    third.finish()
+    assert cli_main(["report", url]) == 0
+    rows = dict(
+        line.strip().split("  ", 1)
+        for line in capsys.readouterr().out.splitlines()[1:]
+        if "  " in line.strip()
+    )
+    assert rows["interruptions"].strip().startswith("2 (2 resumed"), rows
+    assert "in 3 runs" in rows["training time"], rows
+    assert "up to 40.0 s estimated" in rows["lost work"], rows

@@ -110,13 +110,16 @@ def test_the_lock_is_held_while_training_and_released_at_finish(lock_target) -> 
     assert RunLock(CheckpointStore(url, storage_options=options)).holder() is None
 
 
-def test_a_stale_lock_is_taken_over_with_a_warning(lock_target, caplog) -> None:
+def test_a_stale_lock_is_taken_over_with_a_warning(lock_target, monkeypatch, caplog) -> None:
     url, options = lock_target
-    _write_foreign_lock(url, options, heartbeat=time.time() - 3600)  # a machine that vanished an hour ago
+    # A heartbeat an hour old in a lock written just now: a vanished machine, or a live one whose
+    # clock is an hour behind; it is taken over once unchanged on this host's clock (SPOT_LOCK_STALE_S).
+    monkeypatch.setenv("SPOT_LOCK_STALE_S", "1")
+    _write_foreign_lock(url, options, heartbeat=time.time() - 3600)
     engine = _engine(url, options)
     with caplog.at_level(logging.WARNING, logger="spot_callbacks"):
         engine.start()
-    assert "taking over the run lock" in caplog.text and "heartbeat is 3600s old" in caplog.text
+    assert "taking over the run lock" in caplog.text and "unchanged for" in caplog.text
     engine.finish()
 
 

@@ -11,9 +11,16 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
+from datetime import datetime, timezone
 from typing import Any
 
-from spot_callbacks.accounting.ledger import RunLedger, SlowdownMeter, finite_number, ledger_after_resume
+from spot_callbacks.accounting.ledger import (
+    DIED_UNCOMMITTED,
+    RunLedger,
+    SlowdownMeter,
+    finite_number,
+    ledger_after_resume,
+)
 from spot_callbacks.accounting.report import RunHistory, format_rows, format_seconds, history_rows
 
 log = logging.getLogger("spot_callbacks")
@@ -40,6 +47,8 @@ class RunAccounts:
         self.train_base_s = 0.0
         self.train_started_at: float | None = None
         self._last_step_at: float | None = None
+        # (started, last heartbeat) of a previous run seen dead through its stale run lock (run_lease).
+        self.dead_run: tuple[float, float] | None = None
 
     def start_clock(self, train_s: float | None = None) -> None:
         """(Re)start the training clock at ``train_s`` seconds (default: the ledger's)."""
@@ -94,8 +103,15 @@ class RunAccounts:
     def record_resume(self, info: Any, pull_s: float, pulled_at: float, say_info: bool) -> None:
         """Continue the ledger of the checkpoint resumed from (``info``), with this resume in it."""
         load_s = time.perf_counter() - pulled_at
-        self.ledger = ledger_after_resume(info, self.created_at, pull_s, load_s)
+        self.ledger = ledger_after_resume(info, self.created_at, pull_s, load_s, self.dead_run)
         record = self.ledger.recent_resumes[-1]
+        if record.from_reason == DIED_UNCOMMITTED:
+            log.warning(
+                "spot_callbacks: the previous run (its stale run lock says: started %s, last heartbeat "
+                "%s later) died before committing anything: an interruption that lost at least %s of work",
+                datetime.fromtimestamp(self.dead_run[0], timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                format_seconds(record.lost_work_s), format_seconds(record.lost_work_s),
+            )  # fmt: skip
         self.start_clock(self.ledger.train_s)
         lost = format_seconds(record.lost_work_s)
         lost = lost if record.lost_work_measured else f"<= {lost} (estimated: no emergency checkpoint)"

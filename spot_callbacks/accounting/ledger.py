@@ -297,11 +297,30 @@ class RunLedger:
         return ledger
 
 
-def ledger_after_resume(info: Any, resumed_at: float, pull_s: float, load_s: float) -> RunLedger:
+# ResumeRecord.from_reason of a resume after a run that died before it committed anything.
+DIED_UNCOMMITTED = "crash"
+
+
+def ledger_after_resume(
+    info: Any, resumed_at: float, pull_s: float, load_s: float, dead_run: tuple[float, float] | None = None
+) -> RunLedger:
     """The ledger a run resumed from checkpoint ``info`` continues, with this resume recorded in it.
 
     ``info`` is the :class:`~spot_callbacks.store.CheckpointInfo` resumed from; its manifest's
     ledger is continued (or, for a manifest without one, a ledger that starts at its training time).
+    ``dead_run``: ``(started, last_heartbeat)`` (Unix times) of a previous run seen dead through
+    its stale run lock; when it started after ``info`` committed, it resumed from ``info`` too and
+    died before committing anything, so no manifest tells of it: its resume and its death are
+    recorded here (lost work: its start to its last heartbeat, estimated; downtime: from then).
+
+    Example:
+        >>> from datetime import datetime, timezone
+        >>> from types import SimpleNamespace
+        >>> info = SimpleNamespace(step=150, reason="preemption", metrics={}, extra={},
+        ...                        created=datetime.fromtimestamp(1000, timezone.utc))
+        >>> ledger = ledger_after_resume(info, 1200, 1.0, 1.0, dead_run=(1010, 1050))
+        >>> ledger.resumes, ledger.interruptions, ledger.lost_work_estimated_s
+        (2, 2, 40.0)
     """
     metrics = info.metrics
     ledger = RunLedger.from_json(info.extra.get("ledger")) or RunLedger(
@@ -310,13 +329,24 @@ def ledger_after_resume(info: Any, resumed_at: float, pull_s: float, load_s: flo
     persist_s = (finite_number(metrics.get("write_s")) or 0.0) + (
         finite_number(metrics.get("upload_s")) or 0.0
     )
-    record = measure_resume(
-        info.reason, info.step,
-        committed_at=info.created.timestamp(), taken_at=finite_number(metrics.get("taken_at")),
-        resumed_at=resumed_at, pull_s=pull_s, load_s=load_s,
-        interval_s=finite_number(metrics.get("interval_s")), persist_s=persist_s,
+    committed_at = info.created.timestamp()
+
+    def resumed(at: float, pull: float, load: float) -> ResumeRecord:
+        return measure_resume(
+            info.reason, info.step, committed_at=committed_at, taken_at=finite_number(metrics.get("taken_at")),
+            resumed_at=at, pull_s=pull, load_s=load,
+            interval_s=finite_number(metrics.get("interval_s")), persist_s=persist_s,
+        )  # fmt: skip
+
+    started, beat = dead_run if dead_run is not None else (None, None)
+    if started is None or beat is None or not committed_at < started <= beat:
+        return ledger.add_resume(resumed(resumed_at, pull_s, load_s))
+    died = ResumeRecord(
+        from_step=info.step, from_reason=DIED_UNCOMMITTED, resumed_at=float(resumed_at),
+        pull_s=float(pull_s), load_s=float(load_s), lost_work_s=beat - started,
+        lost_work_measured=False, downtime_s=max(resumed_at - beat, 0.0),
     )  # fmt: skip
-    return ledger.add_resume(record)
+    return ledger.add_resume(resumed(started, 0.0, 0.0)).add_resume(died)
 
 
 def finite_number(value: Any) -> float | None:

@@ -126,8 +126,7 @@ class CheckpointStore:
 
         A step folder that is a symbolic link (another run's checkpoint linked in) is not this
         run's: it is left out with a warning, so nothing here reads it as ours or deletes through it.
-        So is a local entry named like a step folder that is not a readable folder (a file, a
-        fifo, a socket: ``layout.local_stray``).
+        So is a local entry named so that is no readable folder (a file, fifo, socket: ``layout.local_stray``).
         """
         try:
             entries = self.retry.call(lambda: layout.list_folder(self.fs, self.root), f"list {self.url}")
@@ -142,7 +141,7 @@ class CheckpointStore:
                 self.warn_once(step, f"spot_callbacks: ignoring {self.step_url(step)}: {self._foreign(step)}")
                 continue
             if (stray := layout.local_stray(self.fs, self.step_path(step), folder=True)) is not None:
-                self.warn_once(step, f"spot_callbacks: ignoring {self.step_url(step)}: {self._stray(stray)}")
+                self.warn_once(step, f"spot_callbacks: ignoring {self.step_url(step)}: {_stray(stray)}")
                 continue
             folders[step] = self.step_path(step)
         return folders
@@ -152,20 +151,15 @@ class CheckpointStore:
         return self.retry.call(lambda: layout.missing_root_reason(self.fs, self.root), f"check {self.url}")
 
     def refuse_foreign(self, step: int) -> None:
-        """Raise :class:`ForeignCheckpointError` when the folder of ``step`` is a symbolic link, or
-        (local disk) is not a readable folder or holds a ``manifest.json`` that is not a regular
-        file: nothing reads through it, and ``rm`` does not delete what no run wrote."""
+        """Raise :class:`ForeignCheckpointError` when the folder of ``step`` is a symbolic link, or (local
+        disk: ``layout.local_stray``) not a readable folder, or its ``manifest.json`` not a regular file."""
         if layout.is_link(self.fs, self.step_path(step)):
             raise ForeignCheckpointError(f"{self.step_url(step)}: {self._foreign(step)}")
         if (stray := layout.local_stray(self.fs, self.step_path(step), folder=True)) is not None:
-            raise ForeignCheckpointError(f"{self.step_url(step)}: {self._stray(stray)}")
+            raise ForeignCheckpointError(f"{self.step_url(step)}: {_stray(stray)}")
         manifest = posixpath.join(self.step_path(step), MANIFEST_NAME)
         if (stray := layout.local_stray(self.fs, manifest, folder=False)) is not None:
-            raise ForeignCheckpointError(f"{self.url_of(manifest)}: {self._stray(stray)}")
-
-    @staticmethod
-    def _stray(why: str) -> str:
-        return f"{why}; no run wrote that, so it is never read as a checkpoint nor deleted here (remove it by hand)"
+            raise ForeignCheckpointError(f"{self.url_of(manifest)}: {_stray(stray)}")
 
     def _foreign(self, step: int) -> str:
         target = os.readlink(self.step_path(step))
@@ -216,12 +210,9 @@ class CheckpointStore:
         return self.verdicts_of(self.step_folders())
 
     def verdicts_of(self, folders: dict[int, str]) -> list[protocol.Verdict]:
-        """:meth:`manifest_verdicts` of the step ``folders`` given (step -> path), in one concurrent read.
-
-        A ``manifest.json`` that is not a regular file (a folder, a fifo: ``layout.local_stray``)
-        or that the store will not let us read is a damaged checkpoint, never read (a fifo
-        would block the reader forever).
-        """
+        """:meth:`manifest_verdicts` of the step ``folders`` (step -> path), in one concurrent read; a
+        ``manifest.json`` that is not a regular file (a fifo would block forever) or that the store
+        will not let us read is damage, never read."""
         manifests = {step: posixpath.join(path, MANIFEST_NAME) for step, path in folders.items()}
         if not manifests:
             return []
@@ -229,9 +220,9 @@ class CheckpointStore:
         unreadable = {}
         for step, path in manifests.items():
             if (stray := layout.local_stray(self.fs, path, folder=False)) is not None:
-                unreadable[step] = f"{self.url_of(path)}: {self._stray(stray)}"
+                unreadable[step] = f"{self.url_of(path)}: {_stray(stray)}"
         readable = [path for step, path in manifests.items() if step not in unreadable]
-        raw_by_path = self._read_manifests(readable, unreadable, {path: s for s, path in manifests.items()})
+        raw_by_path = _read_manifests(self, readable, unreadable, {path: s for s, path in manifests.items()})
         verdicts = [
             protocol.Verdict(step, self.step_url(step), None, unreadable[step])
             if step in unreadable
@@ -241,29 +232,6 @@ class CheckpointStore:
             for step in sorted(manifests)
         ]
         return [verdict for verdict in verdicts if verdict is not None]
-
-    def _read_manifests(
-        self, paths: list[str], unreadable: dict[int, str], step_of: dict[str, int]
-    ) -> dict[str, bytes | FileNotFoundError]:
-        """The bytes of every manifest in ``paths``; one the store refuses (PermissionError) goes
-        to ``unreadable`` with why, and the others are still read."""
-        if not paths:
-            return {}
-        what = f"read manifests under {self.url}"
-        # A ranged read would bound the download too, but backends answer a range past the end of a
-        # small or empty object differently (InvalidRange); the size is checked before parsing.
-        try:
-            return transfer.read_files(self.fs, self.retry, paths, self.root, what)
-        except (PermissionError, IsADirectoryError):
-            if len(paths) == 1:
-                raise
-        found: dict[str, bytes | FileNotFoundError] = {}
-        for path in paths:  # which one: read them one by one
-            try:
-                found.update(self._read_manifests([path], unreadable, step_of))
-            except (PermissionError, IsADirectoryError) as err:
-                unreadable[step_of[path]] = f"{self.url_of(path)} cannot be read: {err.strerror or err}"
-        return found
 
     def damage(self, info: CheckpointInfo) -> str | None:
         """Why the committed checkpoint ``info`` cannot be used (``None``: its files have the
@@ -284,35 +252,10 @@ class CheckpointStore:
         is never deleted here. With checkpoints of several lineages (a fresh run on an old
         dirpath), the lineage of the newest commit is followed (``commit.resume_order``).
 
-        The highest steps' manifests are read first, :data:`LATEST_BATCH` at a time, and the walk
-        stops at the newest valid checkpoint of the lineage of the newest commit read so far: a
-        store of thousands of checkpoints costs one listing and a batch or two of reads, not a
-        read of every manifest (``README``: a fresh run started more than a batch below the top
-        of an old run's kept checkpoints is seen only once the walk reaches it).
+        Thousands of step folders cost one listing and a batch or two of manifest reads
+        (:data:`LATEST_BATCH` from the highest step down, the lineage of the newest commit read so far).
         """
-        steps = sorted(self.step_folders(), reverse=True)
-        folders = {step: self.step_path(step) for step in steps}
-        seen: list[CheckpointInfo] = []  # oldest first
-        damage: dict[int, str | None] = {}
-
-        def problem_of(info: CheckpointInfo) -> str | None:
-            if info.step not in damage:
-                damage[info.step] = self.damage(info)
-                if damage[info.step] is not None:
-                    self.warn_once(info.step, protocol.damaged_message(info.url, damage[info.step]))
-            return damage[info.step]
-
-        for start in range(0, len(steps), LATEST_BATCH):
-            batch = {step: folders[step] for step in steps[start : start + LATEST_BATCH]}
-            seen = self._infos(self.verdicts_of(batch)) + seen
-            lineage = protocol.current_lineage(seen)
-            for info in reversed(seen):
-                if protocol.lineage_of(info) == lineage and problem_of(info) is None:
-                    return info
-        # None of the current lineage is valid: another lineage's, highest first (resume_order).
-        return next(
-            (info for info in reversed(protocol.resume_order(seen)) if problem_of(info) is None), None
-        )
+        return _walk_down(self)
 
     def newest_valid(
         self,
@@ -606,3 +549,59 @@ class CheckpointStore:
             log.warning(
                 "spot_callbacks: retention in %s failed, will retry after the next commit: %s", self.url, err
             )
+
+
+def _stray(why: str) -> str:
+    return (
+        f"{why}; no run wrote that, so it is never read as a checkpoint nor deleted here (remove it by hand)"
+    )
+
+
+def _read_manifests(
+    store: CheckpointStore, paths: list[str], unreadable: dict[int, str], step_of: dict[str, int]
+) -> dict[str, bytes | FileNotFoundError]:
+    """The bytes of every manifest in ``paths``; one the store refuses (PermissionError) goes
+    to ``unreadable`` with why, and the others are still read."""
+    if not paths:
+        return {}
+    what = f"read manifests under {store.url}"
+    # A ranged read would bound the download too, but backends answer a range past the end of a
+    # small or empty object differently (InvalidRange); the size is checked before parsing.
+    try:
+        return transfer.read_files(store.fs, store.retry, paths, store.root, what)
+    except (PermissionError, IsADirectoryError):
+        if len(paths) == 1:
+            raise
+    found: dict[str, bytes | FileNotFoundError] = {}
+    for path in paths:  # which one: read them one by one
+        try:
+            found.update(_read_manifests(store, [path], unreadable, step_of))
+        except (PermissionError, IsADirectoryError) as err:
+            unreadable[step_of[path]] = f"{store.url_of(path)} cannot be read: {err.strerror or err}"
+    return found
+
+
+def _walk_down(store: CheckpointStore) -> CheckpointInfo | None:
+    """:meth:`CheckpointStore.latest`: one listing, then the manifests from the highest step down,
+    :data:`LATEST_BATCH` at a time, until the newest valid checkpoint of the current lineage."""
+    steps = sorted(store.step_folders(), reverse=True)
+    folders = {step: store.step_path(step) for step in steps}
+    seen: list[CheckpointInfo] = []  # oldest first
+    damage: dict[int, str | None] = {}
+
+    def problem_of(info: CheckpointInfo) -> str | None:
+        if info.step not in damage:
+            damage[info.step] = store.damage(info)
+            if damage[info.step] is not None:
+                store.warn_once(info.step, protocol.damaged_message(info.url, damage[info.step]))
+        return damage[info.step]
+
+    for start in range(0, len(steps), LATEST_BATCH):
+        batch = {step: folders[step] for step in steps[start : start + LATEST_BATCH]}
+        seen = store._infos(store.verdicts_of(batch)) + seen
+        lineage = protocol.current_lineage(seen)
+        for info in reversed(seen):
+            if protocol.lineage_of(info) == lineage and problem_of(info) is None:
+                return info
+    # None of the current lineage is valid: another lineage's, highest first (resume_order).
+    return next((info for info in reversed(protocol.resume_order(seen)) if problem_of(info) is None), None)

@@ -16,6 +16,15 @@ file succeeds) and checking that what was renamed is the lock judged stale. Obje
 compare-and-swap: two runs that start within the same second or so can both read "no lock" and
 both write one; the lock is read back after writing, which catches most of those races.
 
+Hosts' clocks disagree, so no heartbeat value decides alone. A lock is judged stale by the age
+of its last write as the **store** tells it (``fs.info``'s ``LastModified``/``mtime``), or, where
+the backend gives none, by its heartbeat value; and a lock that looks stale is taken over only
+once it has not changed for :data:`CONFIRM_HEARTBEATS` heartbeat periods of **this host's own**
+monotonic clock (a live owner, whatever its clock says, rewrites it by then). Only a store-side
+age past ``SPOT_LOCK_STALE_S`` + :data:`MAX_CLOCK_SKEW_S` (signed requests to S3, GCS and Azure
+fail beyond that skew) is taken over at once. A lock whose heartbeat lies in the future never
+holds the next run longer than ``SPOT_LOCK_STALE_S`` of this host's clock.
+
 Every heartbeat reads the lock back before refreshing it: a run whose lock now names another run
 has lost it (:attr:`RunLock.lost`, and ``on_lost`` is called once): it stops refreshing, and the
 engine stops checkpointing into that ``dirpath`` and says so.
@@ -53,10 +62,28 @@ HEARTBEATS_PER_STALE = 4  # a live owner refreshes several times before its lock
 # up the exit (SIGKILL may be seconds away); a lock left behind only goes stale.
 RELEASE_TIMEOUT_S = 10.0
 CLAIM_ATTEMPTS = 8  # each failed attempt means another run claimed the lock in between: judge it again
+# A lock that looks stale by a clock is taken over only once unchanged for this many heartbeat
+# periods of our monotonic clock: a live owner rewrites it every period, whatever its clock says.
+CONFIRM_HEARTBEATS = 1.5
+# Past stale_s + this, a store-side age is believed at once: S3 (SigV4), GCS and Azure refuse
+# requests from a host whose clock is off by more than about 15 minutes.
+MAX_CLOCK_SKEW_S = 900.0
 
 
 def stale_after_s() -> float:
     return settings.LOCK_STALE_S.value()
+
+
+def _timestamp(value: Any) -> float | None:
+    """A backend's modification time (a datetime, epoch seconds or an ISO string) as epoch seconds."""
+    if isinstance(value, datetime):
+        return (value if value.tzinfo else value.replace(tzinfo=timezone.utc)).timestamp()
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            return _timestamp(datetime.fromisoformat(value.replace("Z", "+00:00")))
+    return None
 
 
 def _pid_alive(pid: int) -> bool:
@@ -101,6 +128,8 @@ class RunLock:
             "started": datetime.now(timezone.utc).isoformat(),
         }
         self._held = False
+        # The lock of a previous run taken over because that run looked dead (stale or a dead pid).
+        self.taken_from: dict[str, Any] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -123,8 +152,37 @@ class RunLock:
             return None
         return doc if isinstance(doc, dict) else None
 
+    def _written_at(self) -> float | None:
+        """When the store says the lock object was last written (epoch seconds), or None where the
+        backend does not say (or the lock is gone)."""
+        try:
+            if hasattr(self.store.fs, "invalidate_cache"):
+                self.store.fs.invalidate_cache(self.path)
+            info = self.store.retry.call(lambda: self.store.fs.info(self.path), f"check {self.url}")
+        except FileNotFoundError:
+            return None
+        for key in ("LastModified", "last_modified", "mtime", "updated", "created"):
+            if (found := _timestamp(info.get(key))) is not None:
+                return found
+        return None
+
+    def _age(self, doc: dict[str, Any]) -> tuple[float, str]:
+        """How old the lock looks and by which clock: the store's modification time where the
+        backend gives one (a lying or skewed heartbeat value does not matter), else the heartbeat's."""
+        written = self._written_at()
+        if written is not None:
+            return time.time() - written, "store"
+        heartbeat = doc.get("heartbeat")
+        return (time.time() - heartbeat if isinstance(heartbeat, (int, float)) else float("inf")), "heartbeat"
+
+    def _stale_reason(self, age_s: float, basis: str) -> str:
+        what = "it was last written" if basis == "store" else "its heartbeat is"
+        ago = f"{age_s:.0f}s ago, by the store's clock" if basis == "store" else f"{age_s:.0f}s old"
+        return f"{what} {ago} (stale after {self.stale_s:.0f}s, {STALE_ENV})"
+
     def _why_free(self, doc: dict[str, Any]) -> str | None:
-        """Why the lock in ``doc`` may be taken over, or None when its owner looks alive."""
+        """Why the lock in ``doc`` may be taken over at once, or None: its owner may be alive
+        (then :meth:`_watch_heartbeat` decides by watching it on this host's own clock)."""
         if doc.get("run_id") == self.run_id:
             return "it is ours"
         if settings.FORCE_LOCK.value():
@@ -135,21 +193,25 @@ class RunLock:
             return "its owner was an earlier run in this process"
         if same_host and isinstance(pid, int) and not _pid_alive(pid):
             return f"its owner, process {pid} on this host, is dead"
-        heartbeat = doc.get("heartbeat")
-        age_s = time.time() - heartbeat if isinstance(heartbeat, (int, float)) else float("inf")
-        if age_s > self.stale_s:
-            return f"its heartbeat is {age_s:.0f}s old (stale after {self.stale_s:.0f}s, {STALE_ENV})"
+        age_s, basis = self._age(doc)
+        if basis == "store" and age_s > self.stale_s + MAX_CLOCK_SKEW_S:
+            return self._stale_reason(age_s, basis)
         return None
 
     def _watch_heartbeat(self, doc: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
         """A fresh lock may belong to a run that was just killed (a replacement machine often starts
-        within the stale time): watch it rather than fail. A live owner refreshes it within one
-        heartbeat period (then we refuse); a dead one lets it go stale (then we take over)."""
+        within the stale time), and a stale-looking one to a live run on a host whose clock is off:
+        watch it rather than fail or evict. A live owner rewrites it within one heartbeat period
+        (then we refuse); a dead one leaves it unchanged: taken over once it looks stale and has
+        stayed unchanged for ``CONFIRM_HEARTBEATS`` periods, or for ``stale_s``, of this host's
+        monotonic clock, whatever the clocks that wrote it say."""
         log.warning(
             "spot_callbacks: %s is locked by %s; waiting up to %.0fs to see whether that run is alive",
             self.store.url, _owner(doc), self.stale_s,
         )  # fmt: skip
-        first_beat = doc.get("heartbeat")
+        first = (doc.get("heartbeat"), doc.get("run_id"), self._written_at())
+        confirm_s = CONFIRM_HEARTBEATS * self.heartbeat_s
+        watched_from = time.monotonic()
         waiter = threading.Event()
         while True:
             waiter.wait(min(self.heartbeat_s / 4, 5.0))
@@ -158,11 +220,30 @@ class RunLock:
                 if self.store.retry.call(lambda: self.store.fs.exists(self.path), f"check {self.url}"):
                     continue  # caught mid-write (a local write is not atomic): its owner is writing
                 return doc, "it was released"
-            if current.get("heartbeat") != first_beat or current.get("run_id") != doc.get("run_id"):
-                return current, None  # refreshed: its owner is alive
+            if (current.get("heartbeat"), current.get("run_id"), self._written_at()) != first:
+                return current, None  # rewritten: its owner is alive
             why = self._why_free(current)
             if why is not None:
                 return current, why
+            unchanged_s = time.monotonic() - watched_from
+            age_s, basis = self._age(current)
+            if age_s > self.stale_s and unchanged_s >= confirm_s:
+                return current, f"{self._stale_reason(age_s, basis)}, unchanged for {unchanged_s:.0f}s"
+            if unchanged_s >= self.stale_s:  # its clock says fresh (or the future), ours says dead
+                return current, (
+                    f"it has not changed for {unchanged_s:.0f}s of this host's clock ({STALE_ENV}), "
+                    "whatever its heartbeat says"
+                )
+
+    def dead_run(self) -> tuple[float, float] | None:
+        """``(started, last_heartbeat)`` (Unix times) of the previous run whose lock :meth:`acquire`
+        took over because it looked dead, or None (none, or the lock did not say sanely)."""
+        doc = self.taken_from or {}
+        beat, started = doc.get("heartbeat"), doc.get("started")
+        started_at = _timestamp(started) if isinstance(started, str) else None
+        if not isinstance(beat, (int, float)) or isinstance(beat, bool) or started_at is None:
+            return None
+        return (started_at, float(beat)) if started_at <= beat < float("inf") else None
 
     # ----------------------------------------------------------------- writing
     def acquire(self) -> None:
@@ -183,6 +264,8 @@ class RunLock:
                     "spot_callbacks: taking over the run lock %s (%s): %s", self.url, why, _owner(doc)
                 )
             if self._take_over(doc):
+                if doc.get("run_id") != self.run_id and why != "it was released" and FORCE_ENV not in why:
+                    self.taken_from = doc
                 break
         else:
             raise self._locked_error(self.holder() or {})
