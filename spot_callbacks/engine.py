@@ -363,8 +363,7 @@ class SpotEngine:
             return None
         self.resumed = resumed
         self.accounts.continue_lineage(resumed.info)
-        # That step is committed already: a run resumed at its very end must not rewrite it.
-        self.saves.last_saved_step = resumed.info.step
+        self.saves.resumed_from(resumed.info.step, resumed.local_dir)  # not rewritten; older copies go
         self._resume_recorded = False
         return resumed.local_dir
 

@@ -35,6 +35,7 @@ from spot_callbacks.accounting.clock import RunAccounts
 from spot_callbacks.errors import PersistError
 from spot_callbacks.persist import CheckpointPersister, Persister, PersistJob, PersistRecord
 from spot_callbacks.persist.folders import NodeFolderPersister
+from spot_callbacks.persist.scratch import discard_copies_older_than
 from spot_callbacks.persist.sharded import ShardedPersister
 from spot_callbacks.preemption import Notice
 from spot_callbacks.preemption.emergency import Emergency
@@ -211,6 +212,13 @@ class CheckpointWriter:
         if self.refused_reason is not None:
             log.warning("spot_callbacks: not checkpointing step %d: %s", step, self.refused_reason)
         return self.refused_reason is not None
+
+    def resumed_from(self, step: int, folder: Path) -> None:
+        """The run resumed from the committed ``step``, pulled into ``folder`` (every rank): a run resumed
+        at its very end must not rewrite it, and older copies in scratch go, on every node."""
+        self.last_saved_step = step
+        if local_rank() == 0 and Path(folder).parent == self.scratch_root:
+            discard_copies_older_than(self.scratch_root, step)
 
     def adopt_local_copy(self, folder: Path) -> None:
         """The local copy of the checkpoint this run resumed from is the run's: it goes, as the run's

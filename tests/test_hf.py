@@ -320,6 +320,9 @@ def test_two_nodes_sigterm_then_resume_on_fresh_disks_is_bit_identical(tmp_path:
     resumed = result_of(tmp_path / "b1.pt")
     assert resumed["resumed_from"] == str(tmp_path / "b-1" / f"checkpoint-{SIGTERM_AT + 1}")
     assert resumed["global_step"] == MAX_STEPS
+    for node in (0, 1):  # every node's pulled copy of the resumed step goes once a newer one commits
+        kept = sorted(path.name for path in (tmp_path / f"b-{node}").glob("checkpoint-*"))
+        assert kept == [f"checkpoint-{MAX_STEPS}"], (node, kept)
     for rank in (0, 1):
         assert_same_weights(torch.load(tmp_path / f"b{rank}.pt"), torch.load(tmp_path / f"plain{rank}.pt"))
 

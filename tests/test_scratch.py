@@ -175,6 +175,23 @@ def test_scratch_holds_one_checkpoint_however_many_resumes_on_this_machine(tmp_p
     assert [info.step for info in CheckpointStore(url).committed()] == [step - 1, step]
 
 
+def test_a_resume_deletes_the_older_copies_in_scratch_before_any_commit(tmp_path) -> None:
+    """Issue 23: a node that does not write (no persister prunes its scratch) kept the copy it pulled
+    at every resume; now each resume drops the copies older than the step it resumed from."""
+    url, here, elsewhere = str(tmp_path / "run"), str(tmp_path / "here"), str(tmp_path / "elsewhere")
+    for step, scratch in ((5, here), (10, elsewhere)):
+        engine = engine_on(url, scratch_dir=scratch, keep_last=0)
+        engine.start()
+        engine.save_state(step=step, epoch=0, state={"w": torch.full((8,), float(step))}, reason="steps")
+        assert engine.wait_for_commit(timeout=60)
+        engine.finish()
+    resumed = engine_on(url, scratch_dir=here, keep_last=0)
+    assert step_folders(resumed.scratch_root) == ["step-000000005"]  # this machine's copy of step 5
+    assert resumed.pull_latest() == resumed.scratch_root / "step-000000010"
+    assert step_folders(resumed.scratch_root) == ["step-000000010"]  # before any commit of this run
+    assert resumed.last_saved_step == 10
+
+
 def test_thirty_failing_checkpoints_in_a_row_leave_one_failed_copy(tmp_path, caplog) -> None:
     engine = engine_on(str(tmp_path / "run"), scratch_dir=str(tmp_path / "scratch"), keep_last=0)
     engine.start()

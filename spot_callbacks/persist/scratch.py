@@ -147,6 +147,30 @@ def discard_leftover_step_folders(root: Path) -> list[Path]:
     return leftovers
 
 
+def discard_copies_older_than(root: Path, step: int) -> list[Path]:
+    """After a resume from ``step`` (committed, the newest valid): the step folders of ``root`` below it
+    are copies no restart here can use; delete them and return them. On every node: the nodes that
+    do not write (their pulled copies) have no persister to prune their scratch.
+
+    Example:
+        >>> import tempfile
+        >>> root = Path(tempfile.mkdtemp())
+        >>> for step in (5, 10, 15):
+        ...     (root / f"step-{step:09d}").mkdir()
+        >>> [p.name for p in discard_copies_older_than(root, 10)], sorted(p.name for p in root.iterdir())
+        (['step-000000005'], ['step-000000010', 'step-000000015'])
+    """
+    older = [path for found, path in sorted(_step_folders(root).items()) if found < step]
+    for path in older:
+        shutil.rmtree(path, ignore_errors=True)
+    if older:
+        log.info(
+            "spot_callbacks: scratch %s: deleted %d local cop%s older than the resumed step %d (%s)",
+            root, len(older), "y" if len(older) == 1 else "ies", step, ", ".join(p.name for p in older),
+        )  # fmt: skip
+    return older
+
+
 def prune_scratch(root: Path, in_flight: Iterable[Path], newest_failed: Path | None) -> list[Path]:
     """Delete the step folders of ``root`` that a restart on this machine has no use for; return them.
 
