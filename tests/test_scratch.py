@@ -172,7 +172,8 @@ def test_scratch_holds_one_checkpoint_however_many_resumes_on_this_machine(tmp_p
             assert engine.wait_for_commit(timeout=60)
         engine.finish()
         assert step_folders(engine.scratch_root) == [f"step-{step:09d}"]
-    assert [info.step for info in CheckpointStore(url).committed()] == [step - 1, step]
+    # keep_last=2 of this run's own, plus the step it resumed from (retention never deletes that one)
+    assert [info.step for info in CheckpointStore(url).committed()] == [step - 2, step - 1, step]
 
 
 def test_a_resume_deletes_the_older_copies_in_scratch_before_any_commit(tmp_path) -> None:
