@@ -14,7 +14,8 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loggers import CSVLogger
 
 from spot_callbacks import SpotConfig
-from spot_callbacks.accounting.staleness import StalenessMonitor, duration_setting
+from spot_callbacks._format import duration_setting
+from spot_callbacks.accounting.staleness import StalenessMonitor
 from spot_callbacks.engine import SpotEngine
 from spot_callbacks.errors import PersistError
 from spot_callbacks.lightning import SpotCheckpoint

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Any
 
+from spot_callbacks._format import format_seconds
 from spot_callbacks.accounting.ledger import (
     DIED_UNCOMMITTED,
     RunLedger,
@@ -21,7 +22,7 @@ from spot_callbacks.accounting.ledger import (
     finite_number,
     ledger_after_resume,
 )
-from spot_callbacks.accounting.report import RunHistory, format_rows, format_seconds, history_rows
+from spot_callbacks.accounting.report import RunHistory, format_rows, history_rows
 
 log = logging.getLogger("spot_callbacks")
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from spot_callbacks._format import printable
+from spot_callbacks._format import format_money, format_seconds, human_size, printable
 from spot_callbacks.accounting.costs import SECONDS_PER_HOUR, SpotPlan
 from spot_callbacks.accounting.ledger import EMERGENCY_REASONS, RunLedger, finite_number
 
@@ -62,51 +62,6 @@ class RunHistory:
     @property
     def interruptions(self) -> int:
         return self.ledger.interruptions + int(self.awaiting_resume)
-
-
-def format_seconds(seconds: float | None) -> str:
-    """A duration for people: ``0.42 s``, ``12.3 s``, ``4.5 min``, ``3.25 h``.
-
-    Example:
-        >>> format_seconds(0.4213), format_seconds(75), format_seconds(4 * 3600), format_seconds(None)
-        ('0.42 s', '1.2 min', '4.00 h', 'unknown')
-    """
-    if seconds is None:
-        return "unknown"
-    if math.isinf(seconds):
-        return "never" if seconds > 0 else "-inf"
-    if abs(seconds) < 10:
-        return f"{seconds:.2f} s"
-    if abs(seconds) < 60:
-        return f"{seconds:.1f} s"
-    if abs(seconds) < 3600:
-        return f"{seconds / 60:.1f} min"
-    return f"{seconds / 3600:.2f} h"
-
-
-def format_money(amount: float) -> str:
-    """Example:
-    >>> format_money(1234.5), format_money(-3.2)
-    ('$1,234.50', '-$3.20')
-    """
-    return f"{'-' if amount < 0 else ''}${abs(amount):,.2f}"
-
-
-def human_size(size_bytes: int) -> str:
-    """A byte count in decimal units, as storage consoles show it.
-
-    Example:
-        >>> human_size(512), human_size(12_345_678), human_size(3 * 10**12)
-        ('512 B', '12.3 MB', '3.0 TB')
-    """
-    if size_bytes < 1000:
-        return f"{size_bytes} B"
-    value = float(size_bytes)
-    for unit in ("kB", "MB", "GB", "TB", "PB"):
-        value /= 1000
-        if value < 999.95 or unit == "PB":
-            return f"{value:.1f} {unit}"
-    raise AssertionError("unreachable")
 
 
 def _percent(part: float, whole: float) -> str:

@@ -15,11 +15,10 @@ not being taken".
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Sequence
 
-from spot_callbacks.accounting.report import format_seconds
+from spot_callbacks._format import duration_setting, format_seconds
 from spot_callbacks.errors import PersistError
 from spot_callbacks.persist import PersistRecord
 
@@ -28,22 +27,6 @@ log = logging.getLogger("spot_callbacks")
 STALE_FACTOR = 2.0  # intervals without a commit before the alarm
 # A suggested interval leaves this much room over the persist time: uploads keep up with margin.
 PERSIST_HEADROOM = 1.5
-
-
-def duration_setting(seconds: float) -> str:
-    """``seconds`` as an ``interval`` value SpotConfig accepts, rounded up (to seconds below 2 min, else minutes).
-
-    Example:
-        >>> duration_setting(41.2), duration_setting(150), duration_setting(5400), duration_setting(7200)
-        ('42s', '3min', '1h30min', '2h')
-    """
-    if seconds < 120:
-        return f"{max(1, math.ceil(seconds))}s"
-    minutes = math.ceil(seconds / 60)
-    hours, minutes = divmod(minutes, 60)
-    if not hours:
-        return f"{minutes}min"
-    return f"{hours}h{minutes}min" if minutes else f"{hours}h"
 
 
 def suggested_interval_s(persist_s: float | None, interval_s: float) -> float:

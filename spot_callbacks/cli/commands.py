@@ -38,14 +38,13 @@ from typing import Any
 import fsspec
 
 from spot_callbacks import __version__
-from spot_callbacks._format import printable
+from spot_callbacks._format import human_size, printable
 from spot_callbacks.accounting.costs import plan_job
 from spot_callbacks.accounting.report import (
     RESUME_HEADERS,
     RunHistory,
     format_rows,
     history_rows,
-    human_size,
     plan_rows,
     resume_rows,
     write_plan_plot,
