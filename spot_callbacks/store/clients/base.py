@@ -14,7 +14,7 @@ from spot_callbacks.errors import SpotError
 from spot_callbacks.store.checksums import FileDigest
 
 MiB = 1024 * 1024
-DEFAULT_BUFFER_BYTES = 256 * MiB
+DEFAULT_BUFFER_BYTES = 128 * MiB
 # Upload requests in flight at once across every file of a checkpoint (one shared pool): enough to
 # fill a 25 Gbit/s link with 32 MiB parts, few enough for 2 cores.
 UPLOAD_THREADS = 16
@@ -35,7 +35,7 @@ class Unsupported(SpotError):
 class TransferBudget:
     """How much payload the data plane may hold in memory at once, whatever the number of files.
 
-    ``buffer_bytes`` (``$SPOT_TRANSFER_BUFFER_MB``, default 256 MiB) is shared by every stream in
+    ``buffer_bytes`` (``$SPOT_TRANSFER_BUFFER_MB``, default 128 MiB) is shared by every stream in
     flight: a streamed pull holds at most two chunks per stream, ranged pulls one permit per range
     in flight or waiting for the hash (:meth:`range_permits`, shared by all files); boto3's
     uploads read each part from the scratch file as they send it and hold no part buffers at all.
@@ -56,21 +56,21 @@ class TransferBudget:
         return max(MIN_STREAM_CHUNK_BYTES, min(MAX_STREAM_CHUNK_BYTES, chunk))
 
     def range_bytes(self) -> int:
-        """The size of one ranged GET: 8 MiB (1 MiB on a budget under 32 MiB). Measured on loopback,
+        """The size of one ranged GET: 8 MiB (less on a budget under 128 MiB, 1 MiB at least). Measured on loopback,
         8 MiB ranges, 8 per file, beat 16 MiB x 16 (which faults in fresh memory at each range) by 2x.
 
         Example:
-            >>> TransferBudget(256 * MiB).range_bytes() // MiB, TransferBudget(8 * MiB).range_bytes() // MiB
+            >>> TransferBudget(128 * MiB).range_bytes() // MiB, TransferBudget(8 * MiB).range_bytes() // MiB
             (8, 1)
         """
-        return max(MIN_STREAM_CHUNK_BYTES, min(RANGE_BYTES, self.buffer_bytes // 32))
+        return max(MIN_STREAM_CHUNK_BYTES, min(RANGE_BYTES, self.buffer_bytes // 16))
 
     def range_permits(self) -> int:
         """How many ranges all ranged pulls together may hold, in flight or waiting for the hash (at least 2).
 
         Example:
-            >>> TransferBudget(256 * MiB).range_permits()
-            32
+            >>> TransferBudget(128 * MiB).range_permits()
+            16
         """
         return max(2, self.buffer_bytes // self.range_bytes())
 
