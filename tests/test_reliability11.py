@@ -24,7 +24,7 @@ import torch
 from spot_callbacks import CheckpointStore, RunLockedError, SpotConfig
 from spot_callbacks.cli import main as cli_main
 from spot_callbacks.engine import SpotEngine
-from spot_callbacks.errors import ForeignCheckpointError
+from spot_callbacks.errors import CorruptCheckpointError, ForeignCheckpointError, ManifestError
 from spot_callbacks.store.layout import MANIFEST_NAME, step_dirname
 from spot_callbacks.store.runlock import LOCK_NAME, RunLock
 from tests.helpers.faultfs import FaultyFileSystem
@@ -360,3 +360,98 @@ def test_a_run_killed_before_its_first_commit_is_an_interruption_in_report_and_a
     assert rows["interruptions"].strip().startswith("2 (2 resumed"), rows
     assert "in 3 runs" in rows["training time"], rows
     assert "up to 40.0 s estimated" in rows["lost work"], rows
+
+
+# ------------------------------------------------------------------ payload names a disk cannot hold
+
+
+def _rename_payload(root: Path, step: int, renames: dict[str, str]) -> None:
+    """What a writer of the bucket does: list payload names of its own (sizes and checksums kept)."""
+    path = root / step_dirname(step) / MANIFEST_NAME
+    doc = json.loads(path.read_text())
+    files = doc["files"]
+    for old, new in renames.items():
+        files[new] = files[old] if old in files else dict(next(iter(files.values())))
+    doc["files"] = files
+    path.write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize(
+    ("renames", "said"),
+    [
+        ({"state.ckpt": "state.ckpt/inner.bin"}, "both as a file and as the folder of"),  # together
+        ({"state.ckpt": "STATE.CKPT"}, "one file on a case-insensitive disk"),  # together, on some disks
+        ({"x": "p" * 300}, "over 255 bytes"),  # at all: one part past NAME_MAX
+        ({"x": "bad\x00name"}, "a control character"),  # at all
+    ],
+    ids=["file-and-folder", "case-only", "part-too-long", "nul"],
+)
+def test_payload_names_a_disk_cannot_hold_are_damage_and_latest_falls_back(
+    tmp_path: Path, caplog, renames: dict[str, str], said: str
+) -> None:
+    root = tmp_path / "store"
+    store = CheckpointStore(str(root))
+    _commit(store, 4, _payload(tmp_path))
+    _commit(store, 5, _payload(tmp_path))
+    _rename_payload(root, 5, renames)
+    with caplog.at_level(logging.WARNING, logger="spot_callbacks"):
+        assert store.latest().step == 4
+    lines = [r.getMessage() for r in caplog.records if step_dirname(5) in r.getMessage()]
+    assert any(said in line for line in lines), lines
+    assert (root / step_dirname(5)).is_dir()  # damaged, never deleted
+
+
+# ------------------------------------------------------------------ the manifest read again by a pull
+
+
+def _after_the_first_read(store: CheckpointStore, monkeypatch, change) -> None:  # noqa: ANN001
+    """Another writer changes the store between the pull's first manifest read and its second."""
+    real_read = store.read_manifest
+
+    def read_then_change(step: int) -> Any:
+        info = real_read(step)
+        change()
+        return info
+
+    monkeypatch.setattr(store, "read_manifest", read_then_change)
+
+
+def test_a_manifest_replaced_during_a_pull_is_never_written_into_the_pulled_folder(
+    tmp_path: Path, monkeypatch
+) -> None:
+    root = tmp_path / "store"
+    store = CheckpointStore(str(root))
+    _commit(store, 5, _payload(tmp_path))
+    manifest = root / step_dirname(5) / MANIFEST_NAME
+    doc = json.loads(manifest.read_text())
+    doc["created"] = "2030-01-01T00:00:00+00:00"  # the same files, another commit
+    _after_the_first_read(store, monkeypatch, lambda: manifest.write_text(json.dumps(doc)))
+    with pytest.raises(CorruptCheckpointError, match="changed during the pull"):
+        store.pull(5, tmp_path / "pulled")
+    assert not (tmp_path / "pulled").exists()
+
+
+def test_the_pulls_second_manifest_read_is_bounded(tmp_path: Path, monkeypatch) -> None:
+    root = tmp_path / "store"
+    store = CheckpointStore(str(root))
+    _commit(store, 5, _payload(tmp_path))
+    manifest = root / step_dirname(5) / MANIFEST_NAME
+    real_open, read_sizes = store.fs.open, []
+
+    def counting_open(path: str, mode: str = "rb", *args: Any, **kwargs: Any) -> Any:
+        handle = real_open(path, mode, *args, **kwargs)
+        if str(path).endswith(MANIFEST_NAME):
+            real_read = handle.read
+            handle.read = lambda n=-1: read_sizes.append(n) or real_read(n)
+        return handle
+
+    def grow() -> None:  # a 4 MB answer to the second read
+        manifest.write_bytes(manifest.read_bytes() + b" " * (4 * 1024 * 1024))
+        monkeypatch.setattr(store.fs, "open", counting_open)
+
+    monkeypatch.setenv("SPOT_MANIFEST_MAX_BYTES", "65536")
+    _after_the_first_read(store, monkeypatch, grow)
+    with pytest.raises(ManifestError, match="SPOT_MANIFEST_MAX_BYTES"):
+        store.pull(5, tmp_path / "pulled")
+    assert read_sizes == [65537]  # at most the limit and one byte, never the 4 MB answer
+    assert not (tmp_path / "pulled").exists()

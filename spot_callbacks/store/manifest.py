@@ -19,6 +19,8 @@ from spot_callbacks.store.checksums import CHECKSUM_ALGORITHM, FileDigest, check
 from spot_callbacks.store.layout import MANIFEST_NAME
 from spot_callbacks.store.manifest_limits import MAX_NAME_CHARS, ManifestLimits, load_bounded_json
 
+MAX_PART_BYTES = 255  # NAME_MAX of ext4, xfs, btrfs, APFS, NTFS: one path part, in bytes
+
 MANIFEST_FORMAT = "spot_callbacks.checkpoint"
 FORMAT_VERSION = 1
 REASONS = ("interval", "steps", "preemption", "exception", "end", "manual")
@@ -124,7 +126,44 @@ def check_payload_name(name: Any) -> str:
         raise ManifestError(
             f"payload name {name!r:.80} is not a plain relative path inside the checkpoint folder"
         )
+    if any(ord(char) < 32 or ord(char) == 127 for char in name) or any(
+        len(part.encode("utf-8", "surrogatepass")) > MAX_PART_BYTES for part in name.split("/")
+    ):
+        raise ManifestError(
+            f"payload name {name!r:.80} cannot be a file on a local disk (a control character, or a "
+            f"part over {MAX_PART_BYTES} bytes)"
+        )
     return name
+
+
+def check_names_fit_together(names: list[str], where: str) -> None:
+    """Refuse payload names one folder cannot hold together: a file that is also another file's
+    folder (``a`` and ``a/b``), or two names that differ only in case (one file on a
+    case-insensitive disk, so a pull would write one over the other).
+
+    Example:
+        >>> check_names_fit_together(["model/a.bin", "model"], "memory://run/step-000000001/manifest.json")
+        Traceback (most recent call last):
+        ...
+        spot_callbacks.errors.ManifestError: memory://run/step-000000001/manifest.json lists 'model' both as a file and as the folder of 'model/a.bin'; a disk cannot hold both
+    """
+    files = set(names)
+    for name in sorted(names):
+        parts = name.split("/")
+        for depth in range(1, len(parts)):
+            folder = "/".join(parts[:depth])
+            if folder in files:
+                raise ManifestError(
+                    f"{where} lists {folder!r:.80} both as a file and as the folder of {name!r:.80}; "
+                    "a disk cannot hold both"
+                )
+    folded: dict[str, str] = {}
+    for name in sorted(names):
+        other = folded.setdefault(name.casefold(), name)
+        if other != name:
+            raise ManifestError(
+                f"{where} lists {other!r:.80} and {name!r:.80}, one file on a case-insensitive disk"
+            )
 
 
 def parse_manifest(raw: bytes, step: int, url: str, limits: ManifestLimits | None = None) -> CheckpointInfo:
@@ -208,4 +247,5 @@ def _parse_files(files_doc: Any, where: str, limits: ManifestLimits) -> dict[str
             )
         files[name] = FileDigest(size, checksum)
     limits.check_total_size(sum(digest.size for digest in files.values()), where)
+    check_names_fit_together(list(files), where)
     return files

@@ -34,6 +34,7 @@ from spot_callbacks.errors import CorruptCheckpointError, ManifestError
 from spot_callbacks.store.checksums import CHECKSUM_ALGORITHM, FileDigest, digest_local_file
 from spot_callbacks.store.layout import MANIFEST_NAME, is_local_fs
 from spot_callbacks.store.manifest import CheckpointInfo, parse_manifest
+from spot_callbacks.store.manifest_limits import ManifestLimits
 from spot_callbacks.store.retry import UPLOAD_TIMEOUT_FIX, RetryPolicy, UploadTimeout
 
 if TYPE_CHECKING:
@@ -304,9 +305,30 @@ def pull_into(
     manifest = posixpath.join(folder, MANIFEST_NAME)
     with staged_folder(dest) as staging:
         run_parallel(fetch, list(info.files))
-        raw = retry.call(lambda: fs.cat_file(manifest), f"read {info.url}/{MANIFEST_NAME}")
-        (staging / MANIFEST_NAME).write_bytes(raw)
+        limits = ManifestLimits.from_env()
+        raw = retry.call(
+            lambda: _read_at_most(fs, manifest, limits.max_manifest_bytes + 1),
+            f"read {info.url}/{MANIFEST_NAME}",
+        )
+        (staging / MANIFEST_NAME).write_bytes(_same_manifest(raw, info, limits))
     return dest
+
+
+def _read_at_most(fs: Any, path: str, nbytes: int) -> bytes:
+    with fs.open(path, "rb") as handle:
+        return handle.read(nbytes)
+
+
+def _same_manifest(raw: bytes, info: CheckpointInfo, limits: ManifestLimits) -> bytes:
+    """The manifest a pull writes, read again after the files: bounded, parsed, and the one the
+    files were verified against (the store may have changed since), else the pull is damaged."""
+    again = parse_manifest(raw, info.step, info.url, limits)
+    if again.files != info.files or again.created != info.created:
+        raise CorruptCheckpointError(
+            f"{info.url}/{MANIFEST_NAME} changed during the pull (another commit of step {info.step}?): "
+            "the files fetched were checked against the manifest read before; not kept"
+        )
+    return raw
 
 
 @contextlib.contextmanager
