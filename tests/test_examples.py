@@ -111,7 +111,9 @@ def test_lightning_cli_example_resumes_when_the_same_command_runs_again(tmp_path
     store = CheckpointStore(str(tmp_path / "spot_runs" / "lightning-cli"))
     runs = run_on_two_fresh_machines(command, tmp_path, cwd=tmp_path)
     [end] = store.committed()
-    assert end.reason == "end" and (tmp_path / "spot_runs" / "lightning-cli" / "logs" / "config.yaml").is_file()
+    assert (
+        end.reason == "end" and (tmp_path / "spot_runs" / "lightning-cli" / "logs" / "config.yaml").is_file()
+    )
     assert not (tmp_path / "config.yaml").exists()  # nothing written into the working directory
     assert "resuming from" not in runs[0].stderr
     assert f"resuming from {end.url} (step {end.step}, end)" in runs[1].stderr, runs[1].stderr[-4000:]

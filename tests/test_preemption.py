@@ -32,8 +32,8 @@ from spot_callbacks import CheckpointStore, SpotConfig
 from spot_callbacks.engine import SpotEngine
 from spot_callbacks.hf import SpotCheckpointCallback
 from spot_callbacks.lightning import SpotCheckpoint
-from spot_callbacks.preemption import PreemptionWatcher
 from spot_callbacks.persist import Persister, PersistJob, plan_emergency
+from spot_callbacks.preemption import PreemptionWatcher
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO_ROOT / "tests" / "scripts"

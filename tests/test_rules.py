@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from spot_callbacks.preemption import Notice, PreemptionWatcher
+from spot_callbacks.preemption.emergency import EXIT_MARGIN_S, Emergency, time_left_s
 from spot_callbacks.resume import move_aside_uncommitted
 from spot_callbacks.trigger import rules
-from spot_callbacks.preemption.emergency import EXIT_MARGIN_S, Emergency, time_left_s
 
 QUIET = {"notice": None, "hint": None, "interval_due": False, "steps_due": False}
 

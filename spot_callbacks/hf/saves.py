@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import spot_callbacks.hf._compat as compat
+from spot_callbacks._dist import gather_from_ranks, is_writer
 from spot_callbacks.data_position import DataPosition, warn_if_changed
 from spot_callbacks.preemption import PREEMPTED_EXIT_CODE, Notice
-from spot_callbacks._dist import gather_from_ranks, is_writer
 
 log = logging.getLogger("spot_callbacks")
 
