@@ -20,7 +20,8 @@ from spot_callbacks.accounting.throughput import log_slow_pull
 from spot_callbacks.persist.dcp_safety import check_sharded_folder
 from spot_callbacks.progress import reporting_on_a_terminal
 from spot_callbacks.store import CheckpointInfo, CheckpointStore
-from spot_callbacks.store.commit import DAMAGE_ERRORS, damaged_message, lineage_of, resume_order
+from spot_callbacks.store.checkpoint_store import walk_down
+from spot_callbacks.store.commit import DAMAGE_ERRORS, lineage_of, resume_order
 
 log = logging.getLogger("spot_callbacks")
 
@@ -53,9 +54,10 @@ def pull_newest_valid(
         >>> pull_newest_valid(CheckpointStore(tempfile.mkdtemp()), lambda step: Path(tempfile.mkdtemp())) is None
         True
     """
-    # One listing, and each candidate judged once: linear in the damaged checkpoints skipped.
-    ordered = resume_order(store.committed())
-    for candidate in reversed(ordered):
+    # One listing, manifests read a batch at a time from the top, each candidate judged once:
+    # linear in the damaged checkpoints skipped, bounded by them whatever the store holds.
+
+    def problem_of(candidate: CheckpointInfo) -> str | None:
         problem = store.damage(candidate)
         if problem is None:
             try:
@@ -65,11 +67,12 @@ def pull_newest_valid(
                     check(folder_for(candidate.step), candidate)
             except DAMAGE_ERRORS as err:  # deleted since listed, or unloadable: damage, not the user's error
                 problem = str(err) or type(err).__name__
-        if problem is None:
-            say_lineage(store, candidate, ordered)
-            return candidate
-        store.warn_once(candidate.step, damaged_message(candidate.url, problem))
-    return None
+        return problem
+
+    found, seen = walk_down(store, problem_of)
+    if found is not None:
+        say_lineage(store, found, resume_order(seen))
+    return found
 
 
 def say_lineage(store: CheckpointStore, resumed: CheckpointInfo, ordered: list[CheckpointInfo]) -> None:

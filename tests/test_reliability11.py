@@ -236,6 +236,25 @@ def test_latest_on_2000_step_folders_reads_a_bounded_number_of_manifests(tmp_pat
     assert counting.manifests_read <= 2 * LATEST_BATCH
 
 
+def test_a_resume_past_damage_on_2000_step_folders_reads_a_bounded_number_of_manifests(
+    tmp_path: Path,
+) -> None:
+    from spot_callbacks.resume import pull_newest_valid
+    from spot_callbacks.store.checkpoint_store import LATEST_BATCH
+
+    root, store = _many_steps(tmp_path, 2000)
+    for step in range(1950, 2000):  # the newest 50 damaged: the resume falls back past them
+        os.remove(root / step_dirname(step) / "state.ckpt")
+    counting = CountingFileSystem(store.fs)
+    store.fs = counting
+    pulled = tmp_path / "pulled"
+    found = pull_newest_valid(store, lambda step: pulled / step_dirname(step))
+    assert found is not None and found.step == 1949
+    assert (pulled / step_dirname(1949) / "state.ckpt").is_file()
+    # Two pulls' second reads aside, the manifests of one batch: not all 2,000 (before: every one).
+    assert counting.manifests_read <= LATEST_BATCH + 2
+
+
 # ------------------------------------------------------------------ run-lock clocks
 
 

@@ -582,26 +582,39 @@ def _read_manifests(
 
 
 def _walk_down(store: CheckpointStore) -> CheckpointInfo | None:
-    """:meth:`CheckpointStore.latest`: one listing, then the manifests from the highest step down,
-    :data:`LATEST_BATCH` at a time, until the newest valid checkpoint of the current lineage."""
+    """:meth:`CheckpointStore.latest`: the newest checkpoint of :func:`walk_down` whose sizes match."""
+    return walk_down(store, store.damage)[0]
+
+
+def walk_down(
+    store: CheckpointStore, problem_of: Callable[[CheckpointInfo], str | None]
+) -> tuple[CheckpointInfo | None, list[CheckpointInfo]]:
+    """The newest checkpoint ``problem_of`` finds nothing wrong with (``None``: a problem, said once
+    as damage), and the checkpoints read on the way, oldest first.
+
+    One listing, then the manifests from the highest step down, :data:`LATEST_BATCH` at a time: the
+    current lineage (of the newest commit read so far) from its highest step down, and only when
+    none of it is valid another lineage's, highest first (``commit.resume_order``). Each checkpoint
+    is judged once, so a resume that pulls each candidate to judge it pulls none twice.
+    """
     steps = sorted(store.step_folders(), reverse=True)
     folders = {step: store.step_path(step) for step in steps}
     seen: list[CheckpointInfo] = []  # oldest first
-    damage: dict[int, str | None] = {}
+    judged: dict[int, str | None] = {}
 
-    def problem_of(info: CheckpointInfo) -> str | None:
-        if info.step not in damage:
-            damage[info.step] = store.damage(info)
-            if damage[info.step] is not None:
-                store.warn_once(info.step, protocol.damaged_message(info.url, damage[info.step]))
-        return damage[info.step]
+    def valid(info: CheckpointInfo) -> bool:
+        if info.step not in judged:
+            judged[info.step] = problem_of(info)
+            if judged[info.step] is not None:
+                store.warn_once(info.step, protocol.damaged_message(info.url, judged[info.step]))
+        return judged[info.step] is None
 
     for start in range(0, len(steps), LATEST_BATCH):
         batch = {step: folders[step] for step in steps[start : start + LATEST_BATCH]}
         seen = store._infos(store.verdicts_of(batch)) + seen
         lineage = protocol.current_lineage(seen)
         for info in reversed(seen):
-            if protocol.lineage_of(info) == lineage and problem_of(info) is None:
-                return info
-    # None of the current lineage is valid: another lineage's, highest first (resume_order).
-    return next((info for info in reversed(protocol.resume_order(seen)) if problem_of(info) is None), None)
+            if protocol.lineage_of(info) == lineage and valid(info):
+                return info, seen
+    found = next((info for info in reversed(protocol.resume_order(seen)) if valid(info)), None)
+    return found, seen
