@@ -62,14 +62,16 @@ class NodeFolderPersister(RankGroupPersister[FolderJob]):
         >>> dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
         >>> folder = Path(tempfile.mkdtemp()) / "checkpoint-3"; folder.mkdir()
         >>> _ = (folder / "rng_state_0.pth").write_bytes(b"rng")
+        >>> _ = (folder / "trainer_state.json").write_text("{}")  # an HF checkpoint has one
         >>> store = CheckpointStore("memory://doc-folders/run")
         >>> persister = NodeFolderPersister(store)
-        >>> persister.submit(persister.job(3, "steps", "hf", folder, lists_folder=True, owns_folder=False))
-        >>> persister.wait_for_step(3, timeout=60), sorted(store.latest().files)
-        (True, ['rng_state_0.pth'])
-        >>> persister.close()
-        True
-        >>> dist.destroy_process_group()
+        >>> try:
+        ...     persister.submit(persister.job(3, "steps", "hf", folder, lists_folder=True, owns_folder=False))
+        ...     print(persister.wait_for_step(3, timeout=60), sorted(store.latest().files))
+        ... finally:
+        ...     _ = persister.close()
+        ...     dist.destroy_process_group()  # whatever happened: later doctests in this process start their own
+        True ['rng_state_0.pth', 'trainer_state.json']
     """
 
     def __init__(self, store: CheckpointStore, keep_last: int = 3) -> None:
