@@ -18,10 +18,11 @@ from pathlib import Path
 from spot_callbacks._dist import barrier, broadcast_object
 from spot_callbacks.accounting.throughput import log_slow_pull
 from spot_callbacks.persist.dcp_safety import check_sharded_folder
-from spot_callbacks.progress import reporting_on_a_terminal
+from spot_callbacks.progress import showing_progress
 from spot_callbacks.store import CheckpointInfo, CheckpointStore
 from spot_callbacks.store.checkpoint_store import walk_down
 from spot_callbacks.store.commit import DAMAGE_ERRORS, lineage_of, resume_order
+from spot_callbacks.store.meter import TransferMeter
 
 log = logging.getLogger("spot_callbacks")
 
@@ -157,10 +158,12 @@ def pull_latest(
 
 
 def pull_showing_progress(store: CheckpointStore, info: CheckpointInfo, folder: Path) -> Path:
-    """``store.pull`` of ``info`` into ``folder``, with the bars of ``spot-callbacks pull`` while it runs
-    when stderr is a terminal (a log file gets the slow-pull line, see :func:`pull_latest`)."""
-    with reporting_on_a_terminal(store, info, transient=True):
-        return store.pull(info.step, folder)
+    """``store.pull`` of ``info`` into ``folder``, showing its progress: the bars of ``spot-callbacks pull``
+    when stderr is a terminal, else a log line every ``$SPOT_PROGRESS_EVERY_S`` (and the slow-pull
+    line at the end, see :func:`pull_latest`)."""
+    meter = TransferMeter("pull")
+    with showing_progress(meter, f"pulling {info.url}", to_log=True, transient=True):
+        return store.pull(info.step, folder, meter=meter)
 
 
 def move_aside_uncommitted(

@@ -249,6 +249,11 @@ TRANSFER_BUFFER_MB = Knob(
     "MiB of payload the data plane holds in memory at once, all files together (at least 4)",
 )  # fmt: skip
 
+PROGRESS_EVERY_S = Knob(
+    "SPOT_PROGRESS_EVERY_S", 10.0, seconds,
+    "how often a transfer not shown on a terminal (a log, a pipe) gets a line with its bytes, rate and ETA",
+)  # fmt: skip
+
 KNOBS: dict[str, Knob[Any]] = {knob.name: knob for knob in list(globals().values()) if isinstance(knob, Knob)}
 
 

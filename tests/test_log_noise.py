@@ -127,6 +127,9 @@ class SlowUpload:
     def idle(self) -> bool:
         return time.monotonic() >= self.ends
 
+    def upload_meter(self, step: int | None = None) -> None:
+        return None  # nothing tells how far it got
+
     def wait(self, timeout: float | None = None) -> bool:
         left = self.ends - time.monotonic()
         if timeout is not None and left > timeout:

@@ -62,10 +62,11 @@ from spot_callbacks.errors import (
 )
 from spot_callbacks.persist.scratch import scratch_base
 from spot_callbacks.persist.scratch_folders import delete_scratch_folder, list_scratch
-from spot_callbacks.progress import is_terminal, reporting_on_a_terminal, reporting_pull
+from spot_callbacks.progress import is_terminal, showing_progress
 from spot_callbacks.store import CheckpointInfo, CheckpointStore
 from spot_callbacks.store.commit import Verdict, resume_order
 from spot_callbacks.store.diagnosis import diagnose
+from spot_callbacks.store.meter import TransferMeter
 from spot_callbacks.store.layout import list_folder
 from spot_callbacks.store.preflight import probe_readable
 from spot_callbacks.store.pull_dest import check_pull_dest
@@ -438,9 +439,10 @@ def _cmd_verify(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
     if args.shallow:
         with busy(f"checking the sizes of {info.url} ({human_size(info.size_bytes)})"):
             store.verify(info.step, deep=False)
-    else:  # every byte is read: on a terminal, the bars of a pull; piped, stderr stays for errors
-        with reporting_on_a_terminal(store, info, verb="verified"):
-            store.verify(info.step, deep=True)
+    else:  # every byte is read: on a terminal, the bars of a pull; piped, a line every ~10 s on stderr
+        meter = TransferMeter("verify")
+        with showing_progress(meter, f"verify {info.url}", verb="verified"):
+            store.verify(info.step, deep=True, meter=meter)
     file_count = len(info.files)
     print(
         f"OK step {info.step}: {file_count} file{'' if file_count == 1 else 's'}, "
@@ -461,8 +463,9 @@ def _cmd_pull(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
     check_pull_dest(
         store.url, store.committed_at, None, dest, force=args.force
     )  # stricter than the library: DEST is the user's
-    with reporting_pull(store, info):
-        pulled = store.pull(step, dest, force=True)  # links, files and the working directory stay refused
+    meter = TransferMeter("pull")
+    with showing_progress(meter, f"pull {info.url}", verb="pulled"):
+        pulled = store.pull(step, dest, force=True, meter=meter)  # links, files and the cwd stay refused
     log.info("%s: pulled step %d from %s", PROG, step, store.url)
     print(pulled.resolve())
     return EXIT_OK

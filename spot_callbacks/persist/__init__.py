@@ -23,6 +23,7 @@ from spot_callbacks.persist.emergency import EmergencyPlan, plan_emergency
 from spot_callbacks.persist.pipeline import Persister, PersistJob
 from spot_callbacks.persist.scratch import default_scratch_root, folder_bytes, private_scratch_root
 from spot_callbacks.persist.tracking import PersistRecord, StepTracker
+from spot_callbacks.store.meter import TransferMeter
 
 JobT_contra = TypeVar("JobT_contra", contravariant=True)
 
@@ -57,6 +58,8 @@ class CheckpointPersister(Protocol[JobT_contra]):
     def wait_for_step(self, step: int, timeout: float | None = None) -> bool: ...
 
     def wait(self, timeout: float | None = None) -> bool: ...
+
+    def upload_meter(self, step: int | None = None) -> TransferMeter | None: ...
 
     def unsettled_steps(self) -> list[int]: ...
 

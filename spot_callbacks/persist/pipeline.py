@@ -283,16 +283,18 @@ class Persister(StepTracker):
     def _upload(self, job: PersistJob) -> None:
         queued_s = time.monotonic() - job.submitted_at
         started = time.perf_counter()
-        info = self.store.write_checkpoint(
-            job.step,
-            job.local_dir,
-            reason=job.reason,
-            framework=job.framework,
-            epoch=job.epoch,
-            digests=job.digests,
-            metrics=job.metrics,
-            extra=job.extra,
-        )
+        with self._metering(job.step) as meter:
+            info = self.store.write_checkpoint(
+                job.step,
+                job.local_dir,
+                reason=job.reason,
+                framework=job.framework,
+                epoch=job.epoch,
+                digests=job.digests,
+                metrics=job.metrics,
+                extra=job.extra,
+                meter=meter,
+            )
         upload_s = time.perf_counter() - started
         record = PersistRecord(info, job.write_s, upload_s, info.size_bytes, queued_s)
         newest = self._record_commit(job.step, record)

@@ -266,7 +266,8 @@ class RankGroupPersister(StepTracker, ABC, Generic[JobT]):
         if stale_error is not None or list_error is not None:
             return ("failed", stale_error or list_error)
         try:
-            return ("ok", self.store.upload_files(step, job.local_dir, names))
+            with self._metering(step) as meter:
+                return ("ok", self.store.upload_files(step, job.local_dir, names, meter=meter))
         except Exception as err:  # noqa: BLE001 - reported to rank 0, which decides for all
             return ("failed", f"rank {self.rank}: {type(err).__name__}: {err} ({where_this_rank_runs()})")
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -15,6 +16,7 @@ from typing import Any, Literal
 from spot_callbacks.errors import PersistError
 from spot_callbacks.preemption.exit_guard import guard
 from spot_callbacks.store import CheckpointInfo
+from spot_callbacks.store.meter import TransferMeter
 
 log = logging.getLogger("spot_callbacks")
 
@@ -102,7 +104,29 @@ class StepTracker(ABC):
         self._busy_writing: Any = None
         self._busy_uploading: CheckpointJob | None = None
         self._closed = False
+        self._meters: dict[int, TransferMeter] = {}  # step -> its upload's meter, while it uploads
         guard(self)  # the process never exits while a worker is inside torch.save
+
+    def upload_meter(self, step: int | None = None) -> TransferMeter | None:
+        """The meter of this process's upload of ``step`` (``None``: the newest upload running) while it
+        runs; None before it starts and after."""
+        with self._cond:
+            if step is None:
+                return self._meters[max(self._meters)] if self._meters else None
+            return self._meters.get(step)
+
+    @contextlib.contextmanager
+    def _metering(self, step: int) -> Iterator[TransferMeter]:
+        """A meter for the upload of ``step`` in the block, seen by :meth:`upload_meter` while it runs."""
+        meter = TransferMeter("upload")
+        with self._cond:
+            self._meters[step] = meter
+        try:
+            yield meter
+        finally:
+            with self._cond:
+                if self._meters.get(step) is meter:
+                    del self._meters[step]
 
     def _idle(self) -> bool:
         """Lock held: nothing queued, writing or uploading."""

@@ -8,7 +8,9 @@ checkpoint goes ahead of older uploads) and says how it went, once.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
 import time
 from datetime import datetime, timezone
 from typing import Any, Protocol
@@ -16,6 +18,8 @@ from typing import Any, Protocol
 from spot_callbacks.preemption.notice import PREEMPTED_EXIT_CODE, Notice
 from spot_callbacks.preemption.signals import GRACE_SIGNALS, signal_grace_s
 from spot_callbacks.preemption.watcher import PreemptionWatcher
+from spot_callbacks.progress import is_terminal, progress_every_s, progress_line, showing_progress
+from spot_callbacks.store.meter import TransferMeter
 
 log = logging.getLogger("spot_callbacks")
 
@@ -29,6 +33,7 @@ class Waitable(Protocol):
     def expedite(self, step: int, deadline: float) -> None: ...
     def wait_for_step(self, step: int, timeout: float | None = None) -> bool: ...
     def wait(self, timeout: float | None = None) -> bool: ...
+    def upload_meter(self, step: int | None = None) -> TransferMeter | None: ...
     @property
     def idle(self) -> bool: ...
 
@@ -36,7 +41,6 @@ class Waitable(Protocol):
 # How often the wait at the end of training looks for a notice that arrived meanwhile.
 NOTICE_CHECK_S = 0.2
 SAY_WAIT_AFTER_S = 2.0  # the end-of-fit wait is said only once it lasts this long
-STILL_WAITING_EVERY_S = 10.0  # then a line this often, so a log shows it is alive
 
 
 def time_left_s(notice: Notice | None, timeout: float | None = None) -> float | None:
@@ -127,7 +131,9 @@ class Emergency:
                 "spot_callbacks: waiting for the emergency checkpoint of step %d to commit (%s)", step,
                 f"at most {timeout:.1f}s" if timeout is not None else "no deadline; Ctrl-C again stops at once",
             )  # fmt: skip
-        committed = persister.wait_for_step(step, timeout=timeout)
+        shown = say and step not in self._said_steps and timeout != 0
+        with _upload_progress(persister, step, f"emergency checkpoint of step {step}", shown):
+            committed = persister.wait_for_step(step, timeout=timeout)
         if say and step not in self._said_steps:
             self._said_steps.add(step)
             earlier = getattr(persister, "last_committed", None)
@@ -149,37 +155,10 @@ class Emergency:
             return True
         started = time.monotonic()
         ends = None if timeout is None else started + timeout
-        said_at: float | None = None  # a wait shorter than SAY_WAIT_AFTER_S is not news
-        finished = False
-        while self.watcher.notice is None and not finished:
-            left = None if ends is None else ends - time.monotonic()
-            finished = persister.wait(
-                timeout=NOTICE_CHECK_S if left is None else max(min(left, NOTICE_CHECK_S), 0)
-            )
-            if not finished and left is not None and left <= NOTICE_CHECK_S:
-                return False
-            now = time.monotonic()
-            if finished or not say or self.watcher.notice is not None:
-                continue
-            if said_at is None and now - started >= SAY_WAIT_AFTER_S:
-                said_at = now
-                limit = (
-                    f"at most {timeout:.0f}s"
-                    if timeout is not None
-                    else "no limit but the store's upload timeouts"
-                )
-                log.info(
-                    "spot_callbacks: waiting for the upload of the checkpoint of step %s to commit (%s); a "
-                    "preemption notice or Ctrl-C meanwhile makes it an emergency with that notice's deadline",
-                    step, limit,
-                )  # fmt: skip
-            elif said_at is not None and now - said_at >= STILL_WAITING_EVERY_S:
-                said_at = now
-                log.info(
-                    "spot_callbacks: still waiting for the upload of step %s (%.0fs so far)",
-                    step,
-                    now - started,
-                )
+        with contextlib.ExitStack() as bars:  # on a terminal, once the wait is said: the upload's bars
+            finished = self._wait_for_uploads(persister, step, timeout, say, bars)
+        if finished is None:  # the time ran out
+            return False
         notice = self.watcher.notice
         if notice is None:
             return True
@@ -198,6 +177,52 @@ class Emergency:
             return persister.wait(timeout=wait_s)
         self.wait_for_checkpoint(persister, step, notice, wait_s, say)
         return persister.wait(timeout=0)
+
+    def _wait_for_uploads(
+        self,
+        persister: Waitable,
+        step: int | None,
+        timeout: float | None,
+        say: bool,
+        bars: contextlib.ExitStack,
+    ) -> bool | None:
+        """Wait for every upload until a notice arrives: True once done, False at a notice, None when
+        ``timeout`` ran out. ``say``: after :data:`SAY_WAIT_AFTER_S`, what is waited for, then its progress
+        (bars on a terminal, else a line every ``$SPOT_PROGRESS_EVERY_S``)."""
+        started = time.monotonic()
+        ends = None if timeout is None else started + timeout
+        said_at: float | None = None  # a wait shorter than SAY_WAIT_AFTER_S is not news
+        on_terminal = is_terminal(sys.stderr)
+        while self.watcher.notice is None:
+            left = None if ends is None else ends - time.monotonic()
+            if persister.wait(timeout=NOTICE_CHECK_S if left is None else max(min(left, NOTICE_CHECK_S), 0)):
+                return True
+            if left is not None and left <= NOTICE_CHECK_S:
+                return None
+            now = time.monotonic()
+            if not say or self.watcher.notice is not None:
+                continue
+            if said_at is None and now - started >= SAY_WAIT_AFTER_S:
+                said_at = now
+                limit = (
+                    f"at most {timeout:.0f}s"
+                    if timeout is not None
+                    else "no limit but the store's upload timeouts"
+                )
+                log.info(
+                    "spot_callbacks: waiting for the upload of the checkpoint of step %s to commit (%s)%s; a "
+                    "preemption notice or Ctrl-C meanwhile makes it an emergency with that notice's deadline",
+                    step, limit, _upload_state(persister),
+                )  # fmt: skip
+                if on_terminal:
+                    bars.enter_context(_upload_progress(persister, None, f"uploading step {step}", True))
+            elif said_at is not None and not on_terminal and now - said_at >= progress_every_s():
+                said_at = now
+                log.info(
+                    "spot_callbacks: still waiting for the upload of step %s (%.0fs so far)%s",
+                    step, now - started, _upload_state(persister),
+                )  # fmt: skip
+        return False
 
     def exit_if_noticed_at_exit(self) -> None:
         """A notice came while the last uploads finished: the run stops as preempted (``SystemExit(143)``),
@@ -221,6 +246,22 @@ class Emergency:
         if step is not None and persister.wait_for_step(step, timeout=0):
             return 0.0
         return time_left_s(notice)
+
+
+def _upload_state(persister: Waitable) -> str:
+    """How far the upload in flight got, for a line about waiting on it ("" when none is moving)."""
+    meter = persister.upload_meter()
+    reading = None if meter is None else meter.reading()
+    return f": {progress_line(reading)}" if reading is not None and reading.total_bytes else ""
+
+
+def _upload_progress(
+    persister: Waitable, step: int | None, label: str, shown: bool
+) -> contextlib.AbstractContextManager[None]:
+    """The progress of the upload of ``step`` (None: the newest in flight) while a wait runs, if ``shown``."""
+    if not shown:
+        return contextlib.nullcontext()
+    return showing_progress(lambda: persister.upload_meter(step), label, to_log=True, transient=True)
 
 
 def warn_if_grace_too_short(sources: list[str]) -> None:

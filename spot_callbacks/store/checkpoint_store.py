@@ -39,6 +39,7 @@ from spot_callbacks.store.manifest import (
     parse_manifest,
 )
 from spot_callbacks.store.manifest_limits import ManifestLimits
+from spot_callbacks.store.meter import TransferMeter
 from spot_callbacks.store.pull_dest import check_pull_dest
 from spot_callbacks.store.retry import RetryPolicy, UploadTimeout
 
@@ -286,16 +287,17 @@ class CheckpointStore:
                 ) is not None:
                     raise CorruptCheckpointError(f"{info.url}/{name}: {stray}")
 
-    def verify(self, step: int, deep: bool = True) -> bool:
+    def verify(self, step: int, deep: bool = True, *, meter: TransferMeter | None = None) -> bool:
         """True when the checkpoint is committed and intact; otherwise an exception saying what is wrong.
 
         ``deep`` (the default) reads every payload byte and compares checksums; ``deep=False``
-        checks existence and sizes only.
+        checks existence and sizes only. ``meter`` is told the bytes read (see :mod:`~spot_callbacks.progress`).
         """
         info = self.read_manifest(step)
         self.check_sizes(info)
         if deep:
-            transfer.verify_checksums(self.payload_plane(), self.retry, info, self.step_path(step))
+            plane = self.payload_plane()
+            transfer.verify_checksums(plane, self.retry, info, self.step_path(step), meter)
         return True
 
     def warn_once(self, step: int, message: str) -> None:
@@ -305,7 +307,14 @@ class CheckpointStore:
             log.warning(message)
 
     # ---------------------------------------------------------------- pulling
-    def pull(self, step: int | None, dest: str | os.PathLike[str], *, force: bool = False) -> Path:
+    def pull(
+        self,
+        step: int | None,
+        dest: str | os.PathLike[str],
+        *,
+        force: bool = False,
+        meter: TransferMeter | None = None,
+    ) -> Path:
         """Download a committed checkpoint into the local folder ``dest`` and verify it; return ``dest``.
 
         ``step=None`` pulls :meth:`latest`. Files are fetched in parallel into a hidden sibling
@@ -313,7 +322,8 @@ class CheckpointStore:
         never leaves a folder that looks complete. When ``dest`` already holds this checkpoint
         (same manifest, files verified) nothing is downloaded. A ``dest`` that holds anything but
         this run's checkpoint files is refused (:class:`UnsafeDestinationError`) unless ``force``;
-        a symbolic link, a file and the current directory (or above) always are.
+        a symbolic link, a file and the current directory (or above) always are. ``meter`` is
+        told the bytes as they arrive (see :mod:`~spot_callbacks.progress`).
         """
         if step is None:
             info = self.latest()
@@ -327,7 +337,7 @@ class CheckpointStore:
             return target
         check_pull_dest(self.url, self.committed_at, info, target, force=force)
         return transfer.pull_into(
-            self.fs, self.payload_plane(), self.retry, info, self.step_path(info.step), target
+            self.fs, self.payload_plane(), self.retry, info, self.step_path(info.step), target, meter
         )
 
     def committed_at(self, step: int) -> CheckpointInfo | None:
@@ -351,16 +361,18 @@ class CheckpointStore:
         if self._delete(step):
             log.info("spot_callbacks: replacing the existing checkpoint %s", self.step_url(step))
 
-    def upload_file(self, local_path: str | os.PathLike[str], step: int, name: str) -> None:
+    def upload_file(
+        self, local_path: str | os.PathLike[str], step: int, name: str, meter: TransferMeter | None = None
+    ) -> None:
         """Upload one payload file into the folder of ``step`` (multipart through the backend).
 
         An attempt still running after :attr:`upload_timeout` allows for its size is abandoned
-        and retried like a failed one.
+        and retried like a failed one. ``meter`` is told the bytes sent.
         """
         remote = posixpath.join(self.step_path(step), check_payload_name(name))
         what = f"upload {self.step_url(step)}/{name}"
-        plane = self.payload_plane()
-        transfer.upload_file(plane, self.retry, self.upload_timeout, os.fspath(local_path), remote, what)
+        plane, source = self.payload_plane(), os.fspath(local_path)
+        transfer.upload_file(plane, self.retry, self.upload_timeout, source, remote, what, meter, name)
 
     def upload_files(
         self,
@@ -368,16 +380,19 @@ class CheckpointStore:
         folder: str | os.PathLike[str],
         names: list[str],
         digests: dict[str, FileDigest] | None = None,
+        meter: TransferMeter | None = None,
     ) -> dict[str, FileDigest]:
         """Upload ``names`` (relative to ``folder``) into the folder of ``step`` in parallel; return their digests.
 
         Digests known from writing the files are reused, the others are computed while the upload
         runs. Nothing is committed: :meth:`commit` does that once every file of the checkpoint
-        (from every rank, for a sharded one) is durable.
+        (from every rank, for a sharded one) is durable. ``meter`` is told the bytes sent.
         """
+        meter = meter or TransferMeter("upload")
+        meter.expect({name: (Path(folder) / name).stat().st_size for name in names})
 
         def upload(local: Path, name: str) -> None:
-            self.upload_file(local, step, name)
+            self.upload_file(local, step, name, meter)
 
         return transfer.upload_with_digests(upload, Path(folder), names, digests)
 
@@ -428,19 +443,20 @@ class CheckpointStore:
         digests: dict[str, FileDigest] | None = None,
         metrics: dict[str, Any] | None = None,
         extra: dict[str, Any] | None = None,
+        meter: TransferMeter | None = None,
     ) -> CheckpointInfo:
         """Upload every file of a local folder as checkpoint ``step`` and commit it (synchronously).
 
         Files are uploaded in parallel; ``digests`` known from writing them are reused,
-        the others are computed while the upload runs. The background :class:`Persister`
-        calls this; use it directly for a blocking save.
+        the others are computed while the upload runs; ``meter`` is told the bytes sent. The
+        background :class:`Persister` calls this; use it directly for a blocking save.
         """
         names = layout.local_payload_names(Path(folder))
         if not names:
             raise CheckpointError(f"{folder} holds no files to checkpoint")
         upload_started = time.perf_counter()
         self.clear_stale_step(step)
-        files = self.upload_files(step, folder, names, digests)
+        files = self.upload_files(step, folder, names, digests, meter)
         # Known only now, and recorded with the rest: the manifest is the run's cost record (ledger.py).
         metrics = {**(metrics or {}), "upload_s": round(time.perf_counter() - upload_started, 6)}
         manifest = new_manifest(

@@ -44,6 +44,7 @@ from spot_callbacks.store.clients.base import (
     Unsupported,
 )
 from spot_callbacks.store.layout import fs_protocols, is_local_fs
+from spot_callbacks.store.meter import Moved, ignore_moved
 from spot_callbacks.store.transfer import put_file
 
 log = logging.getLogger("spot_callbacks")
@@ -105,20 +106,61 @@ class FsspecPlane:
     def serves(self, fs: Any) -> bool:
         return fs is self._fs
 
-    def upload(self, local_path: str, remote_path: str) -> None:
-        put_file(self._fs, local_path, remote_path)
+    def upload(self, local_path: str, remote_path: str, moved: Moved = ignore_moved) -> None:
+        put_file(self._fs, local_path, remote_path, fsspec_callback(moved))
 
     def download(
-        self, remote_path: str, local_path: str, timeout_s: float | None, expected_size: int | None = None
+        self,
+        remote_path: str,
+        local_path: str,
+        timeout_s: float | None,
+        expected_size: int | None = None,
+        moved: Moved = ignore_moved,
     ) -> FileDigest:
-        self._fs.get_file(remote_path, local_path)
+        self._fs.get_file(remote_path, local_path, callback=fsspec_callback(moved))
         return digest_local_file(local_path)
 
     def digest(
-        self, remote_path: str, timeout_s: float | None, expected_size: int | None = None
+        self,
+        remote_path: str,
+        timeout_s: float | None,
+        expected_size: int | None = None,
+        moved: Moved = ignore_moved,
     ) -> FileDigest:
         with self._fs.open(remote_path, "rb") as handle:
-            return digest_chunks(read_blocks(handle))
+            return digest_chunks(_told(read_blocks(handle), moved))
+
+
+def fsspec_callback(moved: Moved) -> Any:
+    """An fsspec ``callback`` telling ``moved`` the bytes of each update (backends that copy locally
+    tell none: the store counts the file whole when it lands).
+
+    Example:
+        >>> told = []
+        >>> callback = fsspec_callback(told.append)
+        >>> callback.set_size(10); callback.relative_update(4); callback.absolute_update(10); told
+        [4, 6]
+    """
+    from fsspec.callbacks import DEFAULT_CALLBACK, Callback
+
+    if moved is ignore_moved:
+        return DEFAULT_CALLBACK
+
+    class _Told(Callback):  # type: ignore[misc] - fsspec is untyped
+        reported = 0
+
+        def call(self, *args: Any, **kwargs: Any) -> None:
+            delta, self.reported = self.value - self.reported, self.value
+            if delta:
+                moved(delta)
+
+    return _Told()
+
+
+def _told(blocks: Any, moved: Moved) -> Any:
+    for block in blocks:
+        moved(len(block))
+        yield block
 
 
 def select_data_plane(fs: Any, environ: Mapping[str, str] | None = None) -> DataPlane:

@@ -35,6 +35,7 @@ from spot_callbacks.store.checksums import CHECKSUM_ALGORITHM, FileDigest, diges
 from spot_callbacks.store.layout import MANIFEST_NAME, is_local_fs
 from spot_callbacks.store.manifest import CheckpointInfo, parse_manifest
 from spot_callbacks.store.manifest_limits import ManifestLimits
+from spot_callbacks.store.meter import TransferMeter
 from spot_callbacks.store.retry import UPLOAD_TIMEOUT_FIX, RetryPolicy, UploadTimeout
 
 if TYPE_CHECKING:
@@ -65,12 +66,14 @@ def call_in_time(retry: RetryPolicy, fn: Callable[[], T], timeout_s: float | Non
 
 
 # ----------------------------------------------------------------- writing
-def put_file(fs: Any, source: str, remote: str) -> None:
-    """Upload a local file to ``remote``; on the local disk, atomically (copy beside, fsync, rename)."""
+def put_file(fs: Any, source: str, remote: str, callback: Any = None) -> None:
+    """Upload a local file to ``remote``; on the local disk, atomically (copy beside, fsync, rename).
+    ``callback``: fsspec's, told the bytes sent where the backend tells them."""
+    told = {} if callback is None else {"callback": callback}
     if is_local_fs(fs):
-        _replace_atomically(remote, ".part", lambda partial, handle: fs.put_file(source, partial))
+        _replace_atomically(remote, ".part", lambda partial, handle: fs.put_file(source, partial, **told))
     else:
-        fs.put_file(source, remote)
+        fs.put_file(source, remote, **told)
 
 
 def put_bytes(fs: Any, path: str, raw: bytes) -> None:
@@ -154,16 +157,25 @@ def _replace_atomically(path: str, suffix: str, write: Callable[[str, BinaryIO],
 
 
 def upload_file(
-    plane: DataPlane, retry: RetryPolicy, upload_timeout: UploadTimeout, source: str, remote: str, what: str
+    plane: DataPlane,
+    retry: RetryPolicy,
+    upload_timeout: UploadTimeout,
+    source: str,
+    remote: str,
+    what: str,
+    meter: TransferMeter | None = None,
+    name: str = "",
 ) -> None:
     """Upload one file through the data ``plane``, each attempt abandoned after what ``upload_timeout``
-    allows for its size."""
+    allows for its size; ``meter`` is told its bytes as ``name``."""
     timeout_s = upload_timeout.seconds_for(os.path.getsize(source))
+    meter = meter or TransferMeter()
     # An abandoned attempt may wake up and finish after its retry did. It writes the same bytes
     # (scratch files are never rewritten in place) whole: an object PUT (a multipart upload's
     # completion included) replaces the object at once, and locally put_file renames a finished
     # copy. So a late write is harmless.
-    call_in_time(retry, lambda: plane.upload(source, remote), timeout_s, what)
+    call_in_time(retry, lambda: plane.upload(source, remote, moved=meter.attempt(name)), timeout_s, what)
+    meter.file_done(name)
 
 
 MAPPED_WINDOW_BYTES = 16 * 1024 * 1024
@@ -249,16 +261,24 @@ def file_sizes(fs: Any, retry: RetryPolicy, folder: str, what: str) -> dict[str,
     return {posixpath.relpath(path, folder): entry.get("size") for path, entry in listing.items()}
 
 
-def verify_checksums(plane: DataPlane, retry: RetryPolicy, info: CheckpointInfo, folder: str) -> None:
+def verify_checksums(
+    plane: DataPlane,
+    retry: RetryPolicy,
+    info: CheckpointInfo,
+    folder: str,
+    meter: TransferMeter | None = None,
+) -> None:
     """Read every payload byte of ``info`` (in ``folder``) through the data ``plane`` and raise unless
-    each checksum matches."""
+    each checksum matches; ``meter`` is told the bytes read."""
+    meter = meter or TransferMeter("verify")
+    meter.expect({name: digest.size for name, digest in info.files.items()})
 
     def check(name: str) -> None:
         expected = info.files[name]
         timeout_s = retry.timeout_for(expected.size)
         remote = posixpath.join(folder, name)
         actual = retry.call(
-            lambda: plane.digest(remote, timeout_s, expected.size),
+            lambda: plane.digest(remote, timeout_s, expected.size, moved=meter.attempt(name)),
             f"read {info.url}/{name}",
             timeout_s=timeout_s,
         )
@@ -267,22 +287,33 @@ def verify_checksums(plane: DataPlane, retry: RetryPolicy, info: CheckpointInfo,
                 f"{info.url}/{name} does not match its manifest: checksum {actual.checksum} "
                 f"({actual.size} bytes), expected {expected.checksum} ({expected.size} bytes)"
             )
+        meter.file_done(name)
 
     run_parallel(check, list(info.files))
 
 
 def pull_into(
-    fs: Any, plane: DataPlane, retry: RetryPolicy, info: CheckpointInfo, folder: str, dest: Path
+    fs: Any,
+    plane: DataPlane,
+    retry: RetryPolicy,
+    info: CheckpointInfo,
+    folder: str,
+    dest: Path,
+    meter: TransferMeter | None = None,
 ) -> Path:
     """Download checkpoint ``info`` (in ``folder``) into ``dest``, verifying every file; return ``dest``.
 
     Payload files come through the data ``plane`` (checksummed as they arrive where it streams),
     the manifest through ``fs``. A ``dest`` that already holds this checkpoint is kept as it is;
     otherwise the files arrive in a hidden sibling folder renamed to ``dest`` only once complete,
-    so an interrupted pull never leaves a folder that looks complete.
+    so an interrupted pull never leaves a folder that looks complete. ``meter`` is told the bytes.
     """
+    meter = meter or TransferMeter("pull")
+    meter.expect({name: digest.size for name, digest in info.files.items()})
     if local_copy_matches(info, dest):
         log.info("spot_callbacks: %s already holds %s; not downloading", dest, info.url)
+        for name in info.files:
+            meter.file_done(name)
         return dest
 
     def fetch(name: str) -> None:
@@ -292,7 +323,7 @@ def pull_into(
         expected = info.files[name]
         timeout_s = retry.timeout_for(expected.size)
         actual = retry.call(
-            lambda: plane.download(remote, str(local), timeout_s, expected.size),
+            lambda: plane.download(remote, str(local), timeout_s, expected.size, moved=meter.attempt(name)),
             f"download {info.url}/{name}",
             timeout_s=timeout_s,
         )
@@ -301,6 +332,7 @@ def pull_into(
                 f"{info.url}/{name} downloaded as {actual.size} bytes with checksum {actual.checksum}; "
                 f"the manifest says {expected.size} bytes, {expected.checksum}"
             )
+        meter.file_done(name)
 
     manifest = posixpath.join(folder, MANIFEST_NAME)
     with staged_folder(dest) as staging:

@@ -11,6 +11,8 @@ import random
 import threading
 from typing import Any
 
+from spot_callbacks.store.meter import ignore_moved
+
 
 class FaultyPlane:
     """Delegates to ``inner`` (a data plane); uploads and downloads can fail or block on demand.
@@ -76,12 +78,12 @@ class FaultyPlane:
         self.gate.wait()
         return True
 
-    def upload(self, local_path: str, remote_path: str) -> None:
+    def upload(self, local_path: str, remote_path: str, moved: Any = ignore_moved) -> None:
         self._before("upload", remote_path, write=True)
         if not self._hold(remote_path):
-            return self.inner.upload(local_path, remote_path)
+            return self.inner.upload(local_path, remote_path, moved=moved)
         try:
-            return self.inner.upload(local_path, remote_path)
+            return self.inner.upload(local_path, remote_path, moved=moved)
         finally:
             with self._lock:
                 self._holding -= 1
@@ -89,11 +91,18 @@ class FaultyPlane:
                     self.held_writes_done.set()
 
     def download(
-        self, remote_path: str, local_path: str, timeout_s: float | None, expected_size: Any = None
+        self,
+        remote_path: str,
+        local_path: str,
+        timeout_s: float | None,
+        expected_size: Any = None,
+        moved: Any = ignore_moved,
     ) -> Any:
         self._before("download", remote_path, write=False)
-        return self.inner.download(remote_path, local_path, timeout_s, expected_size)
+        return self.inner.download(remote_path, local_path, timeout_s, expected_size, moved=moved)
 
-    def digest(self, remote_path: str, timeout_s: float | None, expected_size: Any = None) -> Any:
+    def digest(
+        self, remote_path: str, timeout_s: float | None, expected_size: Any = None, moved: Any = ignore_moved
+    ) -> Any:
         self._before("digest", remote_path, write=False)
-        return self.inner.digest(remote_path, timeout_s, expected_size)
+        return self.inner.digest(remote_path, timeout_s, expected_size, moved=moved)

@@ -96,13 +96,13 @@ def inject_upload_fault(setting: str) -> None:
         return
     original = CheckpointStore.upload_file
 
-    def upload_file(self, local_path, step, name):
+    def upload_file(self, local_path, step, name, *rest):
         if dist.get_rank() == int(fault_rank) and step >= int(from_step):
             if action == "kill":
                 print(f"FAULT: rank {fault_rank} killed uploading {name} of step {step}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
             raise PermissionError(f"injected: access denied uploading {name}")
-        return original(self, local_path, step, name)
+        return original(self, local_path, step, name, *rest)
 
     CheckpointStore.upload_file = upload_file
 

@@ -100,7 +100,7 @@ def refuse_uploads() -> None:
     """Every upload of this process fails as a store denying access would (not retryable)."""
     from spot_callbacks.store import CheckpointStore
 
-    def refusing(self, local_path, step, name):  # noqa: ANN001, ANN202
+    def refusing(self, local_path, step, name, *rest):  # noqa: ANN001, ANN002, ANN202
         raise PermissionError(f"injected: access denied uploading {name}")
 
     CheckpointStore.upload_file = refusing
@@ -113,8 +113,8 @@ def record_uploads() -> list[str]:
     uploaded: list[str] = []
     upload_file = CheckpointStore.upload_file
 
-    def recording(self, local_path, step, name):  # noqa: ANN001, ANN202
-        upload_file(self, local_path, step, name)
+    def recording(self, local_path, step, name, *rest):  # noqa: ANN001, ANN002, ANN202
+        upload_file(self, local_path, step, name, *rest)
         uploaded.append(f"{step}/{name}")
 
     CheckpointStore.upload_file = recording

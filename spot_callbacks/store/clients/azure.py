@@ -24,6 +24,7 @@ from spot_callbacks.store.clients.obstores import (
     retry_config,
     translated,
 )
+from spot_callbacks.store.meter import Moved, ignore_moved
 
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 60.0
@@ -57,7 +58,9 @@ class AzurePlane:
     def serves(self, fs: Any) -> bool:
         return fs is self._fs
 
-    def upload(self, local_path: str, remote_path: str) -> None:
+    def upload(self, local_path: str, remote_path: str, moved: Moved = ignore_moved) -> None:
+        # obstore reads the file itself (in Rust) and tells no progress: the store counts the file
+        # whole when it lands.
         import obstore
 
         container, key = self._split(remote_path)
@@ -72,18 +75,27 @@ class AzurePlane:
             raise translated(err, f"az://{container}/{key}") from err
 
     def download(
-        self, remote_path: str, local_path: str, timeout_s: float | None, expected_size: int | None = None
+        self,
+        remote_path: str,
+        local_path: str,
+        timeout_s: float | None,
+        expected_size: int | None = None,
+        moved: Moved = ignore_moved,
     ) -> FileDigest:
         container, key = self._split(remote_path)
         store, url = self._store(container), f"az://{container}/{key}"
-        return self._reader.download(store, key, url, local_path, timeout_s, expected_size)
+        return self._reader.download(store, key, url, local_path, timeout_s, expected_size, moved)
 
     def digest(
-        self, remote_path: str, timeout_s: float | None, expected_size: int | None = None
+        self,
+        remote_path: str,
+        timeout_s: float | None,
+        expected_size: int | None = None,
+        moved: Moved = ignore_moved,
     ) -> FileDigest:
         container, key = self._split(remote_path)
         return self._reader.digest(
-            self._store(container), key, f"az://{container}/{key}", timeout_s, expected_size
+            self._store(container), key, f"az://{container}/{key}", timeout_s, expected_size, moved
         )
 
     def _split(self, remote_path: str) -> tuple[str, str]:

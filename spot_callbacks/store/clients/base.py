@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 from spot_callbacks.errors import SpotError
 from spot_callbacks.store.checksums import FileDigest
+from spot_callbacks.store.meter import Moved, ignore_moved
 
 MiB = 1024 * 1024
 DEFAULT_BUFFER_BYTES = 128 * MiB
@@ -89,21 +90,33 @@ class DataPlane(Protocol):
         """True when this plane moves the bytes of ``fs`` (the filesystem it was built from)."""
         ...
 
-    def upload(self, local_path: str, remote_path: str) -> None:
-        """Put the local file at ``remote_path`` whole (an object PUT replaces the object at once)."""
+    def upload(self, local_path: str, remote_path: str, moved: Moved = ignore_moved) -> None:
+        """Put the local file at ``remote_path`` whole (an object PUT replaces the object at once).
+
+        ``moved`` is told the bytes sent as they go, as often as the client says (perhaps never:
+        the store counts a file whole once its call returns)."""
         ...
 
     def download(
-        self, remote_path: str, local_path: str, timeout_s: float | None, expected_size: int | None = None
+        self,
+        remote_path: str,
+        local_path: str,
+        timeout_s: float | None,
+        expected_size: int | None = None,
+        moved: Moved = ignore_moved,
     ) -> FileDigest:
         """Write ``remote_path`` to ``local_path`` whole or not at all; return the digest of what arrived.
 
         ``expected_size`` (the manifest's) only chooses how to fetch (one stream or ranges); the
-        digest is of the object as it is."""
+        digest is of the object as it is. ``moved``: the bytes arrived, as they arrive."""
         ...
 
     def digest(
-        self, remote_path: str, timeout_s: float | None, expected_size: int | None = None
+        self,
+        remote_path: str,
+        timeout_s: float | None,
+        expected_size: int | None = None,
+        moved: Moved = ignore_moved,
     ) -> FileDigest:
         """Read every byte of ``remote_path`` and return its digest (nothing is written)."""
         ...

@@ -19,6 +19,7 @@ from spot_callbacks.store.checksums import FileDigest
 from spot_callbacks.store.clients.base import TransferBudget
 from spot_callbacks.store.clients.ranged import ranged_digest, ranged_to_file
 from spot_callbacks.store.clients.streams import Deadline, digest_stream, stream_to_file
+from spot_callbacks.store.meter import Moved, ignore_moved
 
 OBSTORE_PACKAGE = "obstore"
 # object_store's own retries run inside one attempt of the store's RetryPolicy: keep them few.
@@ -52,28 +53,36 @@ class ObstoreReader:
         local_path: str,
         timeout_s: float | None,
         expected_size: int | None,
+        moved: Moved = ignore_moved,
     ) -> FileDigest:
         what, deadline = f"download {url}", Deadline(timeout_s)
         if self.ranged(expected_size):
             fetch = functools.partial(get_range, store, key, url=url)
             return ranged_to_file(
                 fetch, object_size(store, key, url), local_path, chunk=self._budget.range_bytes(),
-                permits=self._permits, pool=self._ranges(), deadline=deadline, what=what,
+                permits=self._permits, pool=self._ranges(), deadline=deadline, what=what, moved=moved,
             )  # fmt: skip
         chunks = get_chunks(store, key, self._budget.stream_chunk_bytes(), url)
-        return stream_to_file(chunks, local_path, deadline, what)
+        return stream_to_file(chunks, local_path, deadline, what, moved)
 
     def digest(
-        self, store: Any, key: str, url: str, timeout_s: float | None, expected_size: int | None
+        self,
+        store: Any,
+        key: str,
+        url: str,
+        timeout_s: float | None,
+        expected_size: int | None,
+        moved: Moved = ignore_moved,
     ) -> FileDigest:
         what, deadline = f"read {url}", Deadline(timeout_s)
         if self.ranged(expected_size):
             fetch = functools.partial(get_range, store, key, url=url)
             return ranged_digest(
                 fetch, object_size(store, key, url), chunk=self._budget.range_bytes(),
-                permits=self._permits, pool=self._ranges(), deadline=deadline, what=what,
+                permits=self._permits, pool=self._ranges(), deadline=deadline, what=what, moved=moved,
             )  # fmt: skip
-        return digest_stream(get_chunks(store, key, self._budget.stream_chunk_bytes(), url), deadline, what)
+        chunks = get_chunks(store, key, self._budget.stream_chunk_bytes(), url)
+        return digest_stream(chunks, deadline, what, moved)
 
     def ranged(self, expected_size: int | None) -> bool:
         return expected_size is not None and expected_size >= 2 * self._budget.range_bytes()

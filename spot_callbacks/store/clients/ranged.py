@@ -23,6 +23,7 @@ import xxhash
 
 from spot_callbacks.store.checksums import CHECKSUM_ALGORITHM, FileDigest
 from spot_callbacks.store.clients.streams import Deadline
+from spot_callbacks.store.meter import Moved, ignore_moved
 from spot_callbacks.store.transfer import open_new_temporary
 
 FetchRange = Callable[[int, int], Any]  # (start, end exclusive) -> bytes-like
@@ -40,6 +41,7 @@ def ranged_to_file(
     pool: Executor,
     deadline: Deadline,
     what: str,
+    moved: Moved = ignore_moved,
 ) -> FileDigest:
     """Write the object of ``total`` bytes to ``local_path`` through a new temporary beside it,
     renamed once complete; nothing is left on failure. ``permits`` (one per ``chunk`` of the
@@ -63,7 +65,7 @@ def ranged_to_file(
             os.ftruncate(descriptor, total)
             digest = _fetch_in_order(
                 fetch, total, chunk, permits, pool, deadline, what,
-                lambda offset, view: _pwrite(descriptor, view, offset),
+                lambda offset, view: _pwrite(descriptor, view, offset), moved,
             )  # fmt: skip
         os.replace(partial, local_path)
     except BaseException:
@@ -82,9 +84,10 @@ def ranged_digest(
     pool: Executor,
     deadline: Deadline,
     what: str,
+    moved: Moved = ignore_moved,
 ) -> FileDigest:
     """The digest of the object of ``total`` bytes, read as ranges (a verify: nothing is written)."""
-    return _fetch_in_order(fetch, total, chunk, permits, pool, deadline, what, None)
+    return _fetch_in_order(fetch, total, chunk, permits, pool, deadline, what, None, moved)
 
 
 def _fetch_in_order(
@@ -96,6 +99,7 @@ def _fetch_in_order(
     deadline: Deadline,
     what: str,
     write: Callable[[int, memoryview], None] | None,
+    moved: Moved,
 ) -> FileDigest:
     hasher = xxhash.xxh3_64()
     spans = [(start, min(start + chunk, total)) for start in range(0, total, chunk)]
@@ -132,6 +136,7 @@ def _fetch_in_order(
                     )
                 if write is not None:
                     write(start, view)
+                moved(view.nbytes)
                 arrived[start] = view
     finally:
         for future in in_flight:

@@ -35,6 +35,7 @@ from spot_callbacks.store.clients.obstores import (
     retry_config,
 )
 from spot_callbacks.store.clients.streams import Deadline, digest_stream
+from spot_callbacks.store.meter import Moved, ignore_moved
 from spot_callbacks.store.transfer import digest_mapped
 
 # What boto3.session.Session(...).client("s3", ...) takes besides config: s3fs passes client_kwargs there.
@@ -112,37 +113,50 @@ class S3Plane:
         return fs is self._fs
 
     # ------------------------------------------------------------------ transfers
-    def upload(self, local_path: str, remote_path: str) -> None:
+    def upload(self, local_path: str, remote_path: str, moved: Moved = ignore_moved) -> None:
         bucket, key = self._split(remote_path)
         with _boto_errors():
-            self._transfers().upload(local_path, bucket, key, extra_args=dict(self._upload_args)).result()
+            self._transfers().upload(
+                local_path, bucket, key, extra_args=dict(self._upload_args), subscribers=_told(moved)
+            ).result()
 
     def download(
-        self, remote_path: str, local_path: str, timeout_s: float | None, expected_size: int | None = None
+        self,
+        remote_path: str,
+        local_path: str,
+        timeout_s: float | None,
+        expected_size: int | None = None,
+        moved: Moved = ignore_moved,
     ) -> FileDigest:
         bucket, key = self._split(remote_path)
         if self.pull_with == "obstore":
             store = self._obstore(bucket)
             return self._reader.download(
-                store, key, f"s3://{bucket}/{key}", local_path, timeout_s, expected_size
+                store, key, f"s3://{bucket}/{key}", local_path, timeout_s, expected_size, moved
             )
         with _boto_errors():
             # s3transfer writes ranged GETs out of order into a temporary it renames: hash after.
-            self._transfers().download(bucket, key, local_path, extra_args=dict(self._read_args)).result()
+            self._transfers().download(
+                bucket, key, local_path, extra_args=dict(self._read_args), subscribers=_told(moved)
+            ).result()
         return digest_mapped(local_path)
 
     def digest(
-        self, remote_path: str, timeout_s: float | None, expected_size: int | None = None
+        self,
+        remote_path: str,
+        timeout_s: float | None,
+        expected_size: int | None = None,
+        moved: Moved = ignore_moved,
     ) -> FileDigest:
         bucket, key = self._split(remote_path)
         url = f"s3://{bucket}/{key}"
         if self.pull_with == "obstore":
-            return self._reader.digest(self._obstore(bucket), key, url, timeout_s, expected_size)
+            return self._reader.digest(self._obstore(bucket), key, url, timeout_s, expected_size, moved)
         with _boto_errors():
             body = self._boto()[1].get_object(Bucket=bucket, Key=key, **self._read_args)["Body"]
             with body:
                 chunks = body.iter_chunks(self._budget.stream_chunk_bytes())
-                return digest_stream(chunks, Deadline(timeout_s), f"read {url}")
+                return digest_stream(chunks, Deadline(timeout_s), f"read {url}", moved)
 
     # ------------------------------------------------------------------ clients
     def _split(self, remote_path: str) -> tuple[str, str]:
@@ -182,6 +196,19 @@ class S3Plane:
             with self._lock:
                 store = self._obstores.setdefault(bucket, store)
         return store
+
+
+def _told(moved: Moved) -> list[Any]:
+    """s3transfer's subscribers telling ``moved`` the bytes of each read (none when nobody watches)."""
+    if moved is ignore_moved:
+        return []
+    from s3transfer.subscribers import BaseSubscriber
+
+    class _Progress(BaseSubscriber):  # type: ignore[misc] - s3transfer is untyped
+        def on_progress(self, future: Any, bytes_transferred: int, **kwargs: Any) -> None:
+            moved(bytes_transferred)
+
+    return [_Progress()]
 
 
 # ---------------------------------------------------------------------- s3fs's options, read once

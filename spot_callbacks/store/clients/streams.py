@@ -17,6 +17,7 @@ import xxhash
 
 from spot_callbacks.errors import AttemptTimeoutError
 from spot_callbacks.store.checksums import CHECKSUM_ALGORITHM, FileDigest
+from spot_callbacks.store.meter import Moved, ignore_moved
 from spot_callbacks.store.transfer import open_new_temporary
 
 
@@ -40,7 +41,9 @@ class Deadline:
             raise AttemptTimeoutError(f"{what} ran past its {self.timeout_s:.1f}s attempt timeout; stopped")
 
 
-def stream_to_file(chunks: Iterable[Any], local_path: str, deadline: Deadline, what: str) -> FileDigest:
+def stream_to_file(
+    chunks: Iterable[Any], local_path: str, deadline: Deadline, what: str, moved: Moved = ignore_moved
+) -> FileDigest:
     """Write ``chunks`` (bytes-like) to ``local_path`` through a new temporary beside it, hashing each
     chunk as it is written; rename when the stream ends. Nothing is left behind on failure.
 
@@ -55,7 +58,7 @@ def stream_to_file(chunks: Iterable[Any], local_path: str, deadline: Deadline, w
     partial, handle = open_new_temporary(folder or ".", base, ".part")
     try:
         with handle:
-            digest = _hash_chunks(chunks, deadline, what, handle.write)
+            digest = _hash_chunks(chunks, deadline, what, handle.write, moved)
         os.replace(partial, local_path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -64,17 +67,21 @@ def stream_to_file(chunks: Iterable[Any], local_path: str, deadline: Deadline, w
     return digest
 
 
-def digest_stream(chunks: Iterable[Any], deadline: Deadline, what: str) -> FileDigest:
+def digest_stream(
+    chunks: Iterable[Any], deadline: Deadline, what: str, moved: Moved = ignore_moved
+) -> FileDigest:
     """The digest of every byte in ``chunks`` (a verify's read: nothing is kept).
 
     Example:
         >>> digest_stream([b"hello"], Deadline(None), "read").size
         5
     """
-    return _hash_chunks(chunks, deadline, what, None)
+    return _hash_chunks(chunks, deadline, what, None, moved)
 
 
-def _hash_chunks(chunks: Iterable[Any], deadline: Deadline, what: str, write: Any) -> FileDigest:
+def _hash_chunks(
+    chunks: Iterable[Any], deadline: Deadline, what: str, write: Any, moved: Moved
+) -> FileDigest:
     hasher, size = xxhash.xxh3_64(), 0
     for chunk in chunks:
         view = memoryview(chunk).cast("B")
@@ -82,5 +89,6 @@ def _hash_chunks(chunks: Iterable[Any], deadline: Deadline, what: str, write: An
         if write is not None:
             write(view)
         size += view.nbytes
+        moved(view.nbytes)
         deadline.check(what)
     return FileDigest(size, f"{CHECKSUM_ALGORITHM}:{hasher.hexdigest()}")
