@@ -291,13 +291,12 @@ class CheckpointStore:
         """True when the checkpoint is committed and intact; otherwise an exception saying what is wrong.
 
         ``deep`` (the default) reads every payload byte and compares checksums; ``deep=False``
-        checks existence and sizes only. ``meter`` is told the bytes read (see :mod:`~spot_callbacks.progress`).
+        checks existence and sizes only. ``meter`` is told the bytes read.
         """
         info = self.read_manifest(step)
         self.check_sizes(info)
         if deep:
-            plane = self.payload_plane()
-            transfer.verify_checksums(plane, self.retry, info, self.step_path(step), meter)
+            transfer.verify_checksums(self.payload_plane(), self.retry, info, self.step_path(step), meter)
         return True
 
     def warn_once(self, step: int, message: str) -> None:
@@ -322,8 +321,7 @@ class CheckpointStore:
         never leaves a folder that looks complete. When ``dest`` already holds this checkpoint
         (same manifest, files verified) nothing is downloaded. A ``dest`` that holds anything but
         this run's checkpoint files is refused (:class:`UnsafeDestinationError`) unless ``force``;
-        a symbolic link, a file and the current directory (or above) always are. ``meter`` is
-        told the bytes as they arrive (see :mod:`~spot_callbacks.progress`).
+        a symbolic link, a file and the current directory (or above) always are. ``meter``: the bytes.
         """
         if step is None:
             info = self.latest()
@@ -389,12 +387,11 @@ class CheckpointStore:
         (from every rank, for a sharded one) is durable. ``meter`` is told the bytes sent.
         """
         meter = meter or TransferMeter("upload")
-        meter.expect({name: (Path(folder) / name).stat().st_size for name in names})
 
         def upload(local: Path, name: str) -> None:
             self.upload_file(local, step, name, meter)
 
-        return transfer.upload_with_digests(upload, Path(folder), names, digests)
+        return transfer.upload_with_digests(upload, Path(folder), names, digests, meter)
 
     def commit(self, manifest: dict[str, Any]) -> CheckpointInfo:
         """Write the manifest, which makes the checkpoint visible; every payload file must be durable.
@@ -448,7 +445,7 @@ class CheckpointStore:
         """Upload every file of a local folder as checkpoint ``step`` and commit it (synchronously).
 
         Files are uploaded in parallel; ``digests`` known from writing them are reused,
-        the others are computed while the upload runs; ``meter`` is told the bytes sent. The
+        the others are computed while the upload runs (``meter``: the bytes sent). The
         background :class:`Persister` calls this; use it directly for a blocking save.
         """
         names = layout.local_payload_names(Path(folder))

@@ -211,11 +211,15 @@ def upload_with_digests(
     folder: Path,
     names: list[str],
     digests: dict[str, FileDigest] | None = None,
+    meter: TransferMeter | None = None,
 ) -> dict[str, FileDigest]:
     """``upload(folder / name, name)`` for every name in parallel; return every file's digest.
 
-    Digests known from writing the files are reused, the others are computed while the upload runs.
+    Digests known from writing the files are reused, the others are computed while the upload runs;
+    ``meter`` learns the files' sizes (``upload`` tells it the bytes).
     """
+    if meter is not None:
+        meter.expect({name: (folder / name).stat().st_size for name in names})
     known = dict(digests or {})
 
     def upload_one(name: str) -> tuple[str, FileDigest]:
