@@ -211,8 +211,10 @@ def test_prune_keeps_the_newest_and_deletes_manifest_first(store, tmp_path):
     deleted_order = []
     real_rm = store.fs.rm
 
-    def recording_rm(path, *args, **kwargs):
-        deleted_order.append(posixpath.relpath(path, store.root))
+    def recording_rm(path, *args, **kwargs):  # retention deletes in bulk: a list of paths per call
+        deleted_order.extend(
+            posixpath.relpath(p, store.root) for p in ([path] if isinstance(path, str) else path)
+        )
         return real_rm(path, *args, **kwargs)
 
     store.fs.rm = recording_rm
@@ -221,7 +223,10 @@ def test_prune_keeps_the_newest_and_deletes_manifest_first(store, tmp_path):
     finally:
         del store.fs.rm
     manifest_1 = f"{step_dirname(1)}/{MANIFEST_NAME}"
-    assert deleted_order[0] == manifest_1 and step_dirname(1) in deleted_order[1:]
+    payload_1 = [
+        i for i, path in enumerate(deleted_order) if path.startswith(step_dirname(1)) and path != manifest_1
+    ]
+    assert deleted_order[0] == manifest_1 and payload_1 and min(payload_1) > 0
     assert [i.step for i in store.committed()] == [3, 4]
     assert set(store.step_folders()) == {3, 4}
     assert store.prune(keep_last=0) == []
@@ -242,18 +247,18 @@ def test_prune_never_deletes_the_newest_valid_checkpoint(store, tmp_path):
 def test_prune_racing_a_commit_never_touches_the_new_checkpoint(store, tmp_path):
     for step in (1, 2):
         commit_step(store, tmp_path, step)
-    real_committed = store.committed
+    real_step_folders = store.step_folders
 
     def listing_then_concurrent_commit():
-        seen = real_committed()
+        seen = real_step_folders()
         commit_step(store, tmp_path, 3)  # another writer commits right after prune listed
         return seen
 
-    store.committed = listing_then_concurrent_commit
+    store.step_folders = listing_then_concurrent_commit
     try:
         assert store.prune(keep_last=1) == [1]
     finally:
-        del store.committed
+        del store.step_folders
     assert [i.step for i in store.committed()] == [2, 3]
     assert store.latest().step == 3 and store.verify(3)
 
@@ -327,7 +332,7 @@ KILL_CHILD = textwrap.dedent(
     url, options, src = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3])
     store = CheckpointStore(url, storage_options=options)
     real_upload = store.upload_file
-    def upload_then_hang(local, step, name, *rest):
+    def upload_then_hang(local, step, name):
         if name == "b.bin":
             store.fs.makedirs(store.step_path(step), exist_ok=True)
             with store.fs.open(store.step_path(step) + "/b.bin", "wb") as out:
@@ -335,7 +340,7 @@ KILL_CHILD = textwrap.dedent(
                 out.flush()
                 print("MID-UPLOAD", flush=True)
                 sys.stdin.read()  # the parent kills us here, mid-transfer
-        return real_upload(local, step, name, *rest)
+        return real_upload(local, step, name)
     store.upload_file = upload_then_hang
     persister = Persister(store, keep_last=1)
     persister.submit(PersistJob(step=2, reason="interval", framework="test", local_dir=src, owns_local_dir=False))
@@ -387,8 +392,8 @@ def test_payload_lands_uncommitted_and_the_manifest_is_written_last(store, tmp_p
     seen_during_upload = []
     real_upload = store.upload_file
 
-    def upload_and_look(local, step, name, *rest):
-        real_upload(local, step, name, *rest)
+    def upload_and_look(local, step, name):
+        real_upload(local, step, name)
         seen_during_upload.append([info.step for info in store.committed()])
 
     store.upload_file = upload_and_look
@@ -442,13 +447,12 @@ def test_settle_commit_prunes_after_a_commit_but_never_for_an_emergency(store, t
     assert [i.step for i in store.committed()] == [1, 2, 3]  # an emergency spends nothing on deletes
     assert any("step 3 committed" in r.message and "after its deadline" in r.message for r in caplog.records)
 
-    real_delete = store.delete
-    store.delete = lambda step: (_ for _ in ()).throw(ConnectionError("store unreachable"))
+    store.step_folders = lambda: (_ for _ in ()).throw(ConnectionError("store unreachable"))
     try:
         with caplog.at_level(logging.WARNING, logger="spot_callbacks"):
             store.settle_commit(infos[-1], keep_last=1, deadline=None)  # never fails the commit
     finally:
-        store.delete = real_delete
+        del store.step_folders
     assert any("retention in" in r.message and "store unreachable" in r.message for r in caplog.records)
     store.settle_commit(infos[-1], keep_last=1, deadline=None)
     assert [i.step for i in store.committed()] == [3]

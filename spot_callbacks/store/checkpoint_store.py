@@ -19,6 +19,7 @@ from typing import Any
 import spot_callbacks.store.commit as protocol
 import spot_callbacks.store.dataplane as dataplane
 import spot_callbacks.store.layout as layout
+import spot_callbacks.store.retention as retention
 import spot_callbacks.store.transfer as transfer
 from spot_callbacks.errors import (
     CheckpointError,
@@ -90,6 +91,7 @@ class CheckpointStore:
         self.retry = retry or RetryPolicy()
         self.upload_timeout = upload_timeout or UploadTimeout.from_env()
         self._warned: set[tuple[int, str]] = set()
+        self.retention_memory = retention.RetentionMemory()
 
     # ----------------------------------------------------------------- layout
     @property
@@ -514,38 +516,17 @@ class CheckpointStore:
         commit's). Damaged checkpoints are neither counted nor deleted, another lineage's are never
         touched, nor are the ``protected`` steps (see ``commit.retention_victims``). Only checkpoints this call saw
         committed are touched, so a commit racing the prune is safe. A checkpoint the store would
-        not (wholly) delete is logged with what stayed and not returned.
+        not (wholly) delete is logged with what stayed and not returned. What it costs, and what
+        this store remembers between calls to bound it: :mod:`~spot_callbacks.store.retention`.
         """
-        if keep_last < 0:
-            raise ValueError(f"keep_last={keep_last!r} must be >= 0")
-        if keep_last == 0:
-            return []
-        seen = self.committed()  # a checkpoint committed after this listing is never touched
-        if len(seen) <= keep_last:
-            return []
-        chosen = protocol.current_lineage(seen) if lineage == FOLLOWED_LINEAGE else lineage
-        damaged = lambda info: self.damage(info) is not None  # noqa: E731
-        deleted = []
-        for info in protocol.retention_victims(seen, keep_last, damaged, chosen, protected):
-            try:
-                self.delete(info.step)
-            except DeleteIncompleteError as err:
-                log.warning(
-                    "spot_callbacks: retention could not delete %s (keep_last=%d): %s",
-                    info.url,
-                    keep_last,
-                    err,
-                )
-                continue
-            log.info("spot_callbacks: retention deleted %s (keep_last=%d)", info.url, keep_last)
-            deleted.append(info.step)
-        return deleted
+        return retention.prune(self, keep_last, lineage, protected, FOLLOWED_LINEAGE)
 
     def settle_commit(self, info: CheckpointInfo, keep_last: int, deadline: float | None) -> None:
         """What follows a commit: a late emergency is said, and retention runs unless it was an emergency.
 
         Retention failing never fails the commit; it is retried after the next one.
         """
+        self.retention_memory.forget(info.step)  # read again: what retention remembers of it is older
         if not protocol.retention_follows(deadline):
             if deadline is not None and time.time() > deadline:
                 log.warning(
