@@ -133,7 +133,14 @@ def staging_blocker(trainer: transformers.Trainer | None) -> str | None:
         (transformers.utils.is_sagemaker_mp_enabled(), "SageMaker model parallelism saves partial state"),
         (args.push_to_hub, "push_to_hub=True pushes from the Trainer's own save"),
         (trainer.hp_search_backend is not None, "a hyperparameter search names its own run folders"),
-        (_is_peft_model(unwrapped), "a PEFT model saves its adapters only"),
+        (
+            _is_peft_model(unwrapped) and type(unwrapped).__name__ == "PeftMixedModel",
+            "peft cannot save a PeftMixedModel (its save_pretrained raises NotImplementedError)",
+        ),
+        (
+            _is_peft_model(unwrapped) and trainer.is_fsdp_enabled,
+            "PEFT under FSDP: accelerate saves the adapters' shards (adapter_only), which are not staged",
+        ),
     ]
     reason = next((why for blocked, why in reasons if blocked), None)
     if reason is None and (device := _unstaged_rng_device()) is not None:

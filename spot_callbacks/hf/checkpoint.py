@@ -8,7 +8,8 @@ listed after this one sets are final only then) and the step's logging is done,
 the Trainer saves or evaluates at that step after all, :meth:`StagedSaves.drop` frees the snapshot
 and the Trainer's own folder is persisted (two writers never meet in one ``checkpoint-N``). The
 persister's writer thread writes the files ``Trainer._save_checkpoint`` would
-(``model.safetensors`` through ``save_pretrained(state_dict=...)``, ``optimizer.pt``,
+(``model.safetensors`` through ``save_pretrained(state_dict=...)``, a PEFT model's adapters as
+its ``save_pretrained`` writes them (:mod:`spot_callbacks.hf.adapters`), ``optimizer.pt``,
 ``scheduler.pt``, ``scaler.pt``, ``rng_state[_{rank}].pth``, ``trainer_state.json``,
 ``training_args.bin``, the processing class) into a hidden folder renamed to ``checkpoint-N`` when
 complete; the existing pipeline uploads and commits it.
@@ -39,6 +40,7 @@ import torch
 import transformers
 
 import spot_callbacks.hf._compat as compat
+import spot_callbacks.hf.adapters as adapters
 import spot_callbacks.hf.fsdp as fsdp
 import spot_callbacks.settings as settings
 from spot_callbacks._dist import is_writer
@@ -96,6 +98,7 @@ class StagedSaves:
             False  # FSDP SHARDED_STATE_DICT: the model and optimizer are every rank's DTensor shards
         )
         self.submitted_steps: list[int] = []  # of this train(), in order
+        self.adapters: adapters.AdapterSnapshot | None = None  # a PEFT model: its adapters are the model
         self.pending: StagedCheckpoint | None = None
         self._said: set[str] = set()
 
@@ -114,6 +117,8 @@ class StagedSaves:
         if reason is None and fsdp_on:
             reason = fsdp.fsdp_blocker(trainer)
         self.sharded = fsdp_on and reason is None
+        peft_model = adapters.peft_model_of(trainer) if trainer is not None else None
+        self.adapters = adapters.AdapterSnapshot(peft_model) if peft_model is not None else None
         # An FSDP run's folders hold every rank's files even when the Trainer writes them.
         self.every_rank = fsdp_on or spans_nodes
         if reason is None and save_path_setting() == TRAINER:
@@ -158,9 +163,9 @@ class StagedSaves:
         staged, layouts = None, None
         if self.every_rank:
             layouts = {}
-            staged = staging.stage(rank_state(trainer, self.sharded, layouts))
+            staged = staging.stage(rank_state(trainer, self.sharded, layouts, self.adapters))
         elif is_writer():
-            staged = staging.stage(rank_state(trainer, sharded=False, layouts={}))
+            staged = staging.stage(rank_state(trainer, sharded=False, layouts={}, peft=self.adapters))
         elif not trainer.args.save_only_model:
             # A few KB: this rank's file goes into the folder now, before the writer rank submits.
             folder = partial_folder(compat.checkpoint_dir(trainer.args.output_dir, request.step))
@@ -203,14 +208,16 @@ class StagedSaves:
         stall_s = pending.blocked_s + time.perf_counter() - started
 
         def write(target: Path) -> dict[str, FileDigest]:
-            write_checkpoint_folder(trainer, pending.staged, trainer_state, target)
+            write_checkpoint_folder(trainer, pending.staged, trainer_state, target, self.adapters)
             return {}  # the pipeline checksums the folder as it uploads it
 
         on_written = pending.staged.release if pending.staged is not None else None
         if self.every_rank:
 
             def write_own(target: Path, group: Any) -> list[str]:
-                return write_rank_files(trainer, pending, trainer_state, target, group, self.sharded)
+                return write_rank_files(
+                    trainer, pending, trainer_state, target, group, self.sharded, self.adapters
+                )
 
             persisted = writer.save_rank_files(
                 step, pending.epoch, folder, reason, write_own, stall_s=stall_s, owns_folder=self.owns_folders,
@@ -232,14 +239,18 @@ def partial_folder(folder: Path) -> Path:
 
 
 def write_checkpoint_folder(
-    trainer: transformers.Trainer, staged: StagedState, trainer_state: Any, folder: Path
+    trainer: transformers.Trainer,
+    staged: StagedState,
+    trainer_state: Any,
+    folder: Path,
+    peft: adapters.AdapterSnapshot | None = None,
 ) -> None:
     """Write the staged checkpoint as ``Trainer._save_checkpoint`` lays it out, then rename it to ``folder``."""
     staged.wait_copied()
     partial = partial_folder(folder)
     partial.mkdir(parents=True, exist_ok=True)
     try:
-        _write_files(trainer, staged.state, trainer_state, partial)
+        _write_files(trainer, staged.state, trainer_state, partial, peft=peft)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)  # a failed write must not keep the disk full
         raise
@@ -249,13 +260,17 @@ def write_checkpoint_folder(
 
 
 def rank_state(
-    trainer: transformers.Trainer, sharded: bool, layouts: dict[tuple[Any, ...], Any]
+    trainer: transformers.Trainer,
+    sharded: bool,
+    layouts: dict[tuple[Any, ...], Any],
+    peft: adapters.AdapterSnapshot | None = None,
 ) -> dict[str, Any]:
     """What this rank writes of ``checkpoint-N``, to stage: as ``Trainer._save_checkpoint`` chooses it.
 
     ``sharded``: this rank's DTensor shards of model and optimizer, their layouts into ``layouts``.
     Otherwise the model and optimizer state where ``args.should_save`` (rank 0, or every node's main
-    process with ``save_on_each_node``). Scheduler and scaler where ``should_save``, the RNG streams
+    process with ``save_on_each_node``); of a PEFT model (``peft``) the adapters ``save_pretrained``
+    writes. Scheduler and scaler where ``should_save``, the RNG streams
     everywhere; with ``save_only_model`` the model only.
     """
     args = trainer.args
@@ -266,7 +281,7 @@ def rank_state(
         state["model"] = fsdp.local_shards(model, layouts, ("model",))
         state["optimizer"] = fsdp.local_shards(optimizer, layouts, ("optimizer",))
     elif args.should_save:
-        state["model"] = trainer.model.state_dict()
+        state["model"] = peft.state() if peft is not None else trainer.model.state_dict()
         if not only_model:
             state["optimizer"] = trainer.optimizer.state_dict()
     if args.should_save and not only_model:
@@ -285,6 +300,7 @@ def write_rank_files(
     folder: Path,
     group: Any,
     sharded: bool,
+    peft: adapters.AdapterSnapshot | None = None,
 ) -> list[str]:
     """This rank's files of ``checkpoint-N``, written from its staged state (every rank at once); their names.
 
@@ -306,7 +322,9 @@ def write_rank_files(
             for name, key in ((fsdp.FSDP_MODEL_DIR, "model"), (fsdp.FSDP_OPTIMIZER_DIR, "optimizer")):
                 names += fsdp.write_dcp_folder(name, key, state[key], layouts, partial, group.group)
         group.agree(
-            lambda: names.extend(_write_own_files(trainer, state, trainer_state, partial, set(names), sharded)),
+            lambda: names.extend(
+                _write_own_files(trainer, state, trainer_state, partial, set(names), sharded, peft)
+            ),
             "write its files", partial, step,
         )  # fmt: skip
         group.agree(lambda: _publish(partial, folder) if node_main else None, "rename", partial, step)
@@ -340,6 +358,7 @@ def _write_own_files(
     partial: Path,
     written: set[str],
     sharded: bool,
+    peft: adapters.AdapterSnapshot | None = None,
 ) -> list[str]:
     """Write this rank's non-DCP files into ``partial``; the names of the files this rank wrote there."""
     args = trainer.args
@@ -347,7 +366,7 @@ def _write_own_files(
         torch.save(state["rng"], partial / compat.rng_state_name(args))
     if not args.should_save:
         return [compat.rng_state_name(args)] if "rng" in state else []
-    _write_files(trainer, {**state, "rng": None}, trainer_state, partial, sharded)
+    _write_files(trainer, {**state, "rng": None}, trainer_state, partial, sharded, peft)
     rank = str(args.process_index)
     own = []
     for path in sorted(partial.rglob("*")):
@@ -364,12 +383,16 @@ def _write_files(
     trainer_state: Any,
     partial: Path,
     sharded: bool = False,
+    peft: adapters.AdapterSnapshot | None = None,
 ) -> None:
     """The files ``Trainer._save_checkpoint`` writes from the staged ``state`` (its absent or ``None``
     entries are not written: ``save_only_model``). ``sharded``: FSDP's ``save_model`` writes nothing,
-    the model and optimizer are the DCP folders."""
+    the model and optimizer are the DCP folders; ``peft``: the model is its staged adapters."""
     if not sharded:
-        compat.save_model_weights(trainer, state["model"], partial)
+        if peft is not None:
+            peft.write(state["model"], partial)
+        else:
+            compat.save_model_weights(trainer, state["model"], partial)
         processing_class = compat.processing_class_of(trainer)
         if processing_class is not None:
             processing_class.save_pretrained(partial)
