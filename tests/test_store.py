@@ -332,7 +332,7 @@ KILL_CHILD = textwrap.dedent(
     url, options, src = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3])
     store = CheckpointStore(url, storage_options=options)
     real_upload = store.upload_file
-    def upload_then_hang(local, step, name):
+    def upload_then_hang(local, step, name, *rest):
         if name == "b.bin":
             store.fs.makedirs(store.step_path(step), exist_ok=True)
             with store.fs.open(store.step_path(step) + "/b.bin", "wb") as out:
@@ -340,7 +340,7 @@ KILL_CHILD = textwrap.dedent(
                 out.flush()
                 print("MID-UPLOAD", flush=True)
                 sys.stdin.read()  # the parent kills us here, mid-transfer
-        return real_upload(local, step, name)
+        return real_upload(local, step, name, *rest)
     store.upload_file = upload_then_hang
     persister = Persister(store, keep_last=1)
     persister.submit(PersistJob(step=2, reason="interval", framework="test", local_dir=src, owns_local_dir=False))
@@ -392,8 +392,8 @@ def test_payload_lands_uncommitted_and_the_manifest_is_written_last(store, tmp_p
     seen_during_upload = []
     real_upload = store.upload_file
 
-    def upload_and_look(local, step, name):
-        real_upload(local, step, name)
+    def upload_and_look(local, step, name, *rest):
+        real_upload(local, step, name, *rest)
         seen_during_upload.append([info.step for info in store.committed()])
 
     store.upload_file = upload_and_look
