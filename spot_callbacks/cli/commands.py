@@ -10,6 +10,7 @@ clean this machine's scratch folders.
     spot-callbacks scratch --clean --older-than 7d
     spot-callbacks plan --work-hours 200 --spot-price 1.2 --on-demand-price 3.9 \\
         --interruptions-per-hour 0.1 --checkpoint-seconds 30 --resume-seconds 300 --plot plan.png
+    spot-callbacks plan --from s3://bucket/runs/exp1 --work-hours 200 --spot-price 1.2 --on-demand-price 3.9
 
 Credentials come from the environment, as fsspec reads them (``AWS_*``,
 ``GOOGLE_APPLICATION_CREDENTIALS``, ``AZURE_STORAGE_*``), or from ``--storage-options JSON``
@@ -40,6 +41,7 @@ import fsspec
 from spot_callbacks import __version__
 from spot_callbacks._format import human_size, printable
 from spot_callbacks.accounting.costs import plan_job
+from spot_callbacks.accounting.plan_inputs import plan_inputs, shown_rate, shown_seconds
 from spot_callbacks.accounting.report import (
     RESUME_HEADERS,
     RunHistory,
@@ -100,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
+        if hasattr(args, "check_usage"):  # what argparse cannot say alone (`plan`: flags or --from)
+            args.check_usage(args)
     except SystemExit as stop:  # --help, --version and usage errors: argparse has printed them
         return stop.code if isinstance(stop.code, int) else (EXIT_OK if stop.code is None else EXIT_USAGE)
 
@@ -197,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_plan_command(commands: Any) -> None:
-    """``plan``: the one command that reads no store, so it takes no URL."""
+    """``plan``: reads no store unless ``--from DIRPATH`` takes its inputs from a run, so it takes no URL."""
     plan_help = (
         "expected cost and time of a job on spot and on demand, the optimal checkpoint interval "
         "and the break-even interruption rate (Daly's model; see spot_callbacks.accounting.costs)"
@@ -212,20 +216,43 @@ def _add_plan_command(commands: Any) -> None:
         "--on-demand-price", type=_price, required=True, metavar="Q", help="on-demand price per hour"
     )
     plan.add_argument(
-        "--interruptions-per-hour", type=_non_negative, required=True, metavar="RATE",
-        help="expected interruptions per hour of spot time (0.05 = one a day)",
+        "--from", dest="url", default="", metavar="DIRPATH",
+        help="take the checkpoint cost, the resume cost and the interruption rate from this run's ledger "
+        "(what `report DIRPATH` measures); the three flags below override it",
     )  # fmt: skip
     plan.add_argument(
-        "--checkpoint-seconds", type=_positive_duration, required=True, metavar="DELTA",
-        help="seconds training is blocked per checkpoint (stall plus slowdown; `report` measures it)",
+        "--interruptions-per-hour", type=_non_negative, metavar="RATE",
+        help="expected interruptions per hour of spot time (0.05 = one a day); required without --from",
     )  # fmt: skip
     plan.add_argument(
-        "--resume-seconds", type=_duration, required=True, metavar="R",
-        help="seconds from an interruption to training again: new machine, pull, load",
+        "--checkpoint-seconds", type=_positive_duration, metavar="DELTA",
+        help="seconds training is blocked per checkpoint (stall plus slowdown; `report` measures it); "
+        "required without --from",
+    )  # fmt: skip
+    plan.add_argument(
+        "--resume-seconds", type=_duration, metavar="R",
+        help="seconds from an interruption to training again: new machine, pull, load; required without --from",
     )  # fmt: skip
     plan.add_argument("--plot", metavar="PNG", help="also write a plot of expected cost against the interval")
     _add_global_options(plan, suppress_defaults=True)
-    plan.set_defaults(run=_cmd_plan)
+
+    def check_usage(args: argparse.Namespace) -> None:
+        missing = [flag for flag, dest, _, _ in _PLAN_INPUTS if getattr(args, dest) is None]
+        if missing and not args.url:
+            plan.error(
+                f"the following arguments are required: {', '.join(missing)} "
+                "(or --from DIRPATH, to take them from a run's ledger)"
+            )
+
+    plan.set_defaults(run=_cmd_plan, check_usage=check_usage)
+
+
+# The inputs `plan --from` measures: flag, argument name, PlanInputs field, what it is in the output.
+_PLAN_INPUTS = (
+    ("--checkpoint-seconds", "checkpoint_seconds", "checkpoint_s", "checkpoint cost"),
+    ("--resume-seconds", "resume_seconds", "resume_s", "resume cost"),
+    ("--interruptions-per-hour", "interruptions_per_hour", "interruptions_per_hour", "interruption rate"),
+)
 
 
 def _add_scratch_command(commands: Any) -> None:
@@ -550,12 +577,13 @@ def _cmd_report(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
 
 
 def _cmd_plan(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
+    inputs, rows = _plan_inputs(args, storage_options)
     plan = plan_job(
         work_hours=args.work_hours, spot_price=args.spot_price, on_demand_price=args.on_demand_price,
-        interruptions_per_hour=args.interruptions_per_hour, checkpoint_s=args.checkpoint_seconds,
-        resume_s=args.resume_seconds,
+        interruptions_per_hour=inputs["interruptions_per_hour"], checkpoint_s=inputs["checkpoint_seconds"],
+        resume_s=inputs["resume_seconds"],
     )  # fmt: skip
-    rows = plan_rows(plan)
+    rows.extend(plan_rows(plan))
     if args.plot:
         path = Path(args.plot).expanduser()
         try:
@@ -571,14 +599,57 @@ def _cmd_plan(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
         return EXIT_OK
     from rich import box
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(show_header=False, box=box.SIMPLE)
     table.add_column(style="bold", no_wrap=True)
     table.add_column(overflow="fold")
     for label, value in rows:
-        table.add_row(label, value)
+        table.add_row(Text(printable(label)), Text(printable(value)))
     console.print(table)
     return EXIT_OK
+
+
+def _plan_inputs(
+    args: argparse.Namespace, storage_options: dict[str, Any]
+) -> tuple[dict[str, float], list[tuple[str, str]]]:
+    """The planner's three inputs (by argument name) and, with ``--from``, one row each saying where it came
+    from: given on the command line, or measured by the run (read as ``report`` reads it)."""
+    given = {dest: getattr(args, dest) for _, dest, _, _ in _PLAN_INPUTS if getattr(args, dest) is not None}
+    if not args.url:
+        return given, []
+    store = _open_store(args.url, storage_options)
+    committed_checkpoints = store.committed()
+    if not committed_checkpoints:
+        raise CliError(
+            f"no committed checkpoints in {store.url}, so no ledger to plan from: --from needs a run that "
+            f"committed a checkpoint (`{PROG} ls` shows what is there), or pass --checkpoint-seconds, "
+            "--resume-seconds and --interruptions-per-hour without --from"
+        )
+    lineage, notes = newest_valid_lineage(store, committed_checkpoints)
+    for note in notes:
+        print(printable(note.replace("this report follows", "this plan follows")))
+    measured = plan_inputs(RunHistory.from_checkpoints(store.url, lineage))
+    values = dict(given)
+    rows: list[tuple[str, str]] = []
+    lacking: list[str] = []
+    for flag, dest, field_name, label in _PLAN_INPUTS:
+        shown = shown_rate if dest == "interruptions_per_hour" else shown_seconds
+        found = getattr(measured, field_name)
+        if dest in given:
+            what = f"{shown(given[dest])}, given ({flag})"
+            if found is not None:
+                what += f"; the run measured {shown(found.value)}"
+        elif found is not None:
+            values[dest] = found.value
+            what = f"{shown(found.value)}, from the run: {found.how}"
+        else:
+            lacking.append(f"the {label} ({measured.lacking[flag]}): pass {flag}")
+            continue
+        rows.append((label, what))
+    if lacking:
+        raise CliError(f"the ledger of {store.url} lacks " + "; ".join(lacking))
+    return values, rows
 
 
 SCRATCH_HEADERS = ("FOLDER", "DIRPATH", "SIZE", "LAST USE (UTC)", "HELD BY")
