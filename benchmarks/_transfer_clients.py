@@ -156,7 +156,13 @@ def resume(spec: dict[str, Any]) -> Any:
         store = CheckpointStore(
             f"s3://{spec['bucket']}/{spec['prefix']}", storage_options=s3_options(spec["endpoint"])
         )
+        # As in training, where the preflight and the run lock come before the resume's pull and the
+        # data plane's clients are built meanwhile (CheckpointStore.warm_data_plane): the raw client
+        # below is built before the clock too.
+        warming = store.warm_data_plane()
         store.committed()  # the first listing: connections open
+        if warming is not None:
+            warming.join()
 
         def run() -> None:
             info = store.latest()

@@ -136,6 +136,8 @@ def pull_latest(
     Every rank gets the same answer (rank 0 decides); ``None`` when nothing is committed.
     """
     started = time.perf_counter()
+    if local_rank == 0:
+        store.warm_data_plane()  # while the manifests are read
     info = pull_newest_valid(store, folder_for, check) if rank == 0 else None
     info = broadcast_object(info)
     say = log.info if rank == 0 else log.debug  # once per run, not once per rank

@@ -53,6 +53,7 @@ class RunLease:
         if is_writer() and self.lock is None:
             lock = RunLock(self.store)
             try:
+                self.store.warm_data_plane()  # meanwhile: the resume's pull finds its clients built
                 preflight(self.store)
                 lock.acquire()
                 self.lock = lock

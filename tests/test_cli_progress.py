@@ -74,8 +74,13 @@ def progress_bytes(lines: list[str], label: str) -> list[float]:
 
 
 def s3_store_through(proxy_url: str, server, tmp_path: Path, name: str) -> CheckpointStore:
+    """A store on moto behind the throttling proxy, its clients built (as training's preflight does)."""
     options = {**server.storage_options, "endpoint_url": proxy_url}
-    return CheckpointStore(f"s3://{server.bucket}/{name}-{tmp_path.name}", storage_options=options)
+    store = CheckpointStore(f"s3://{server.bucket}/{name}-{tmp_path.name}", storage_options=options)
+    warming = store.warm_data_plane()
+    assert warming is not None
+    warming.join(timeout=60)
+    return store
 
 
 # ----------------------------------------------------------------- the CLI, piped

@@ -53,6 +53,29 @@ def payload_folder(tmp_path: Path, sizes: dict[str, int], seed: int = 0) -> dict
 
 
 # ------------------------------------------------------------------ which client, from which options
+def test_warming_builds_the_clients_a_pull_then_uses_and_nothing_for_a_replaced_filesystem(
+    s3_server, tmp_path
+):
+    store = CheckpointStore(
+        s3_url(s3_server, tmp_path, "warm"), storage_options=dict(s3_server.storage_options)
+    )
+    plane = store.data_plane
+    assert isinstance(plane, S3Plane) and plane._manager is None and not plane._obstores  # nothing built yet
+    warming = store.warm_data_plane()
+    assert warming is not None
+    warming.join(timeout=60)
+    built = (plane._manager, dict(plane._obstores))
+    assert built[0] is not None and list(built[1]) == [s3_server.bucket]
+    payload_folder(tmp_path, {"state.pt": 3 * MiB})
+    store.write_checkpoint(1, tmp_path / "src", reason="manual", framework="test")
+    store.pull(1, tmp_path / "pulled")
+    assert (plane._manager, plane._obstores) == built  # the pull found them, built nothing again
+
+    wrapped = CheckpointStore(str(tmp_path / "local"))
+    wrapped.fs = FaultyFileSystem(wrapped.fs)
+    assert wrapped.warm_data_plane() is None  # a replaced filesystem keeps every byte: nothing to warm
+
+
 def test_an_s3_store_moves_payload_through_boto3_up_and_obstore_down_and_says_so_once(
     s3_server, tmp_path, caplog
 ):

@@ -68,8 +68,8 @@ from spot_callbacks.progress import is_terminal, showing_progress
 from spot_callbacks.store import CheckpointInfo, CheckpointStore
 from spot_callbacks.store.commit import Verdict, resume_order
 from spot_callbacks.store.diagnosis import diagnose
-from spot_callbacks.store.meter import TransferMeter
 from spot_callbacks.store.layout import list_folder
+from spot_callbacks.store.meter import TransferMeter
 from spot_callbacks.store.preflight import probe_readable
 from spot_callbacks.store.pull_dest import check_pull_dest
 from spot_callbacks.store.retry import call_with_timeout
@@ -454,7 +454,7 @@ def newest_valid_lineage(
 
 
 def _cmd_verify(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
-    store = _open_store(args.url, storage_options)
+    store = _open_store(args.url, storage_options, warm=not args.shallow)
     if args.step is None:
         committed_checkpoints = store.committed()
         if not committed_checkpoints:
@@ -479,7 +479,7 @@ def _cmd_verify(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
 
 
 def _cmd_pull(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
-    store = _open_store(args.url, storage_options)
+    store = _open_store(args.url, storage_options, warm=True)
     info = store.latest() if args.step is None else store.read_manifest(args.step)
     if info is None:
         raise CheckpointNotFoundError(
@@ -767,8 +767,9 @@ def size_problems(store: CheckpointStore, infos: list[CheckpointInfo]) -> dict[i
         return dict(zip((info.step for info in infos), pool.map(check, infos), strict=True))
 
 
-def _open_store(url: str, storage_options: dict[str, Any]) -> CheckpointStore:
+def _open_store(url: str, storage_options: dict[str, Any], warm: bool = False) -> CheckpointStore:
     """The store of ``url``, proven readable within training's preflight bounds, with something in it.
+    ``warm``: build the payload clients meanwhile (a command that moves payload bytes).
 
     A store that cannot be read raises one line with the cause and the fix (no backend retries or
     tracebacks); a missing bucket, a missing folder and an empty prefix (a typo: an object store
@@ -780,6 +781,8 @@ def _open_store(url: str, storage_options: dict[str, Any]) -> CheckpointStore:
         raise
     except Exception as err:  # a backend that refuses its options as it is built
         raise CliError(f"cannot open {url}: {describe_error(err, verbose=True, url=url)}") from err
+    if warm:
+        store.warm_data_plane()
     if not probe_readable(store):
         raise CliError(f"nothing is stored under {store.url}{_nearby_names(store)}")
     return store

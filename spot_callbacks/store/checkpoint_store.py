@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import posixpath
+import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -122,6 +123,10 @@ class CheckpointStore:
         plane = dataplane.plane_for(self.data_plane, self.fs)
         dataplane.announce(self.url, plane)
         return plane
+
+    def warm_data_plane(self) -> threading.Thread | None:
+        """Build the payload clients in a thread now (:func:`dataplane.warm_in_background`); join it to wait."""
+        return dataplane.warm_in_background(self.data_plane, self.fs, self.root)
 
     # ---------------------------------------------------------------- reading
     def step_folders(self) -> dict[int, str]:

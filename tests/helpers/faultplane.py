@@ -78,6 +78,9 @@ class FaultyPlane:
         self.gate.wait()
         return True
 
+    def warm(self, remote_path: str) -> None:
+        self.inner.warm(remote_path)
+
     def upload(self, local_path: str, remote_path: str, moved: Any = ignore_moved) -> None:
         self._before("upload", remote_path, write=True)
         if not self._hold(remote_path):

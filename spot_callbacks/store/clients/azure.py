@@ -58,6 +58,9 @@ class AzurePlane:
     def serves(self, fs: Any) -> bool:
         return fs is self._fs
 
+    def warm(self, remote_path: str) -> None:
+        self._store(self._split(remote_path)[0])
+
     def upload(self, local_path: str, remote_path: str, moved: Moved = ignore_moved) -> None:
         # obstore reads the file itself (in Rust) and tells no progress: the store counts the file
         # whole when it lands.

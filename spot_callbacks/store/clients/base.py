@@ -90,6 +90,11 @@ class DataPlane(Protocol):
         """True when this plane moves the bytes of ``fs`` (the filesystem it was built from)."""
         ...
 
+    def warm(self, remote_path: str) -> None:
+        """Build the clients for the bucket of ``remote_path`` now (imports, credentials, its region),
+        so the first transfer does not wait for them; a failure is left for that transfer to tell."""
+        ...
+
     def upload(self, local_path: str, remote_path: str, moved: Moved = ignore_moved) -> None:
         """Put the local file at ``remote_path`` whole (an object PUT replaces the object at once).
 

@@ -112,6 +112,12 @@ class S3Plane:
     def serves(self, fs: Any) -> bool:
         return fs is self._fs
 
+    def warm(self, remote_path: str) -> None:
+        bucket, _key = self._split(remote_path)
+        self._transfers()
+        if self.pull_with == "obstore":
+            self._obstore(bucket)
+
     # ------------------------------------------------------------------ transfers
     def upload(self, local_path: str, remote_path: str, moved: Moved = ignore_moved) -> None:
         bucket, key = self._split(remote_path)
