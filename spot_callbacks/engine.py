@@ -103,7 +103,8 @@ class SpotEngine:
         self._first_boundary = True
         self.resumed: ResumeInfo | None = None
         self._resume_recorded = False
-        self.watch = PersistWatch(self.store)  # the staleness alarm and region check, fed at each step
+        # The staleness alarm and region check, fed at each step; its advice on "auto" asks the trigger.
+        self.watch = PersistWatch(self.store, self.trigger.auto_choice)
 
     # ----------------------------------------------------------- ranks
     @property

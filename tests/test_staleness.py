@@ -33,11 +33,13 @@ class Clock:
         return self.now
 
 
-def engine_with_clock(tmp_path: Path) -> tuple[SpotEngine, FaultyFileSystem, Clock]:
+def engine_with_clock(
+    tmp_path: Path, interval: float | str = INTERVAL_S
+) -> tuple[SpotEngine, FaultyFileSystem, Clock]:
     config = SpotConfig(
         dirpath=str(tmp_path / "run"),
         scratch_dir=str(tmp_path / "scratch"),
-        interval=INTERVAL_S,
+        interval=interval,
         preemption=[],
     )
     engine = SpotEngine(config, framework="test")
@@ -194,6 +196,65 @@ def test_checkpoints_dropped_for_newer_ones_mean_uploads_are_too_slow_said_once_
         "raise the interval or use interval='auto'" in drops[0] and "the upload of step 1 has run" in drops[0]
     )
     assert "interval" not in drops[1]  # the advice once, not per drop
+
+
+@pytest.mark.parametrize("interval", [INTERVAL_S, "auto"])
+def test_slow_uploads_advice_fits_the_interval_setting_and_never_says_use_auto_when_auto_is_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, interval: float | str
+) -> None:
+    """Issue 23: with interval='auto' already on, the warning said "raise the interval or use
+    interval='auto'". It must say what auto chose and what does lengthen it."""
+    caplog.set_level(logging.WARNING, logger="spot_callbacks")
+    engine, faulty, clock = engine_with_clock(tmp_path, interval)
+    engine.start()
+    save(engine, 1)  # a cheap checkpoint: "auto" measures its cost and goes to its floor
+    assert engine.wait_for_commit(timeout=30)
+    engine.decide(2)
+    assert engine.trigger.interval_s == INTERVAL_S
+    faulty.gate = threading.Event()
+    try:
+        save(engine, 3)
+        assert faulty.held.wait(timeout=30)  # step 3 uploads, held at the gate
+        engine.decide(4)
+        clock.now += 2 * INTERVAL_S + 30
+        engine.decide(5)
+    finally:
+        faulty.gate.set()
+        engine.finish()
+    [warning] = stale_warnings(caplog)
+    assert "uploads take 2.5 min, longer than the interval 1.0 min: " in warning
+    assert "the upload of step 3 has run for 2.5 min" in warning
+    if interval == "auto":
+        assert "use interval='auto'" not in warning
+        assert (
+            "interval='auto' chose 1.0 min, its floor (Daly's optimum is shorter), from a checkpoint cost of "
+            in warning
+        )
+        assert "0.1 interruptions/h from 0 interruptions in 0.0 h of this run" in warning
+        assert "slow uploads do not lengthen it" in warning
+        assert (
+            "set a fixed interval instead of 'auto' (e.g. interval='4min', 1.5x the measured persist time)"
+            in (warning)
+        )
+        assert "a lower interruptions_per_hour" in warning
+    else:
+        assert "raise the interval or use interval='auto' (e.g. interval='4min', 1.5x" in warning
+        assert "chose" not in warning
+
+
+def test_failing_uploads_with_interval_auto_say_keep_auto_not_a_fixed_interval() -> None:
+    clock = Clock()
+    chose = "interval='auto' chose 1.0 min, its floor (...)"
+    failure = PersistError(3, "s3://bucket/run/step-000000003", PermissionError("denied"), None)
+    warnings = {}
+    for setting, auto_choice in (("fixed", None), ("auto", lambda: chose)):
+        monitor = StalenessMonitor("s3://bucket/run", clock=clock)
+        monitor.start()
+        clock.now += 2 * INTERVAL_S
+        warnings[setting] = monitor.observe([], [failure], None, INTERVAL_S, auto_choice=auto_choice)
+    assert "uploads are failing" in warnings["auto"] and "keep interval='auto'" in warnings["auto"]
+    assert "suggested interval" not in warnings["auto"]
+    assert "suggested interval='60s'" in warnings["fixed"] and "'auto'" not in warnings["fixed"]
 
 
 def test_the_lightning_adapter_logs_the_persist_lag_at_each_checkpoint(tmp_path: Path) -> None:

@@ -7,9 +7,10 @@ episode (until a checkpoint commits again) says which, with the evidence and an 
 would keep up. The verdict reads what is in flight: an upload that has run longer than the
 interval, a persist time over it, or a checkpoint dropped because a newer one came before it
 could upload all mean "uploads take X, longer than the interval Y: raise the interval or use
-interval='auto'". While an upload is in flight and none of these holds yet, the alarm waits for
-it (it commits, or outruns the interval): an upload on its way is never called "checkpoints are
-not being taken".
+interval='auto'"; when "auto" is on already, the warning says what it chose and why slow uploads
+do not lengthen it (a fixed interval, a lower ``interruptions_per_hour`` or a faster store do).
+While an upload is in flight and none of these holds yet, the alarm waits for it (it commits, or
+outruns the interval): an upload on its way is never called "checkpoints are not being taken".
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ class StalenessMonitor:
         self._dropped = 0  # checkpoints the persister dropped for a newer one, so far
         self._dropped_at_commit = 0  # ... when the episode began
         self._warned = False
+        self._auto_choice: Callable[[], str | None] | None = None
 
     def start(self) -> None:
         """Training starts (again): the lag counts from now; time outside training is no lag."""
@@ -105,6 +107,7 @@ class StalenessMonitor:
         in_flight_step: int | None,
         interval_s: float | None,
         dropped: int = 0,
+        auto_choice: Callable[[], str | None] | None = None,
     ) -> str | None:
         """Take in the persister's state; log and return the warning when one is due (else None).
 
@@ -112,7 +115,11 @@ class StalenessMonitor:
         the persist failures so far. ``in_flight_step``: the step uploading now. ``interval_s``:
         the checkpoint interval now (None: no time interval, no alarm). ``dropped``: checkpoints
         the persister dropped so far because a newer one came before they could upload.
+        ``auto_choice``: with ``interval="auto"``, what it chose and why
+        (:meth:`~spot_callbacks.trigger.CheckpointTrigger.auto_choice`), asked only for a warning:
+        the advice is then about "auto", never "use interval='auto'".
         """
+        self._auto_choice = auto_choice
         now = self.clock()
         if self._since is None:
             self._since = now
@@ -154,15 +161,7 @@ class StalenessMonitor:
         )
         failure = failures[-1] if failures else None
         if failure is not None and (self._newest_step is None or failure.step > self._newest_step):
-            persist = self._persist_s
-            suggestion = suggested_interval_s(persist, interval_s)
-            fits = (
-                f"the interval suits the last measured persist time ({format_seconds(persist)}); keep "
-                f"interval={duration_setting(suggestion)!r}"
-                if persist is not None and suggestion == interval_s
-                else f"suggested interval={duration_setting(suggestion)!r}"
-                + (f" ({PERSIST_HEADROOM:g}x the measured persist time)" if persist is not None else "")
-            )
+            fits = self._interval_fits(self._persist_s, interval_s)
             return (
                 f"{head}: uploads are failing. Last error: {failure}. Fix the storage problem it names; "
                 f"{fits}. Training goes on; {resume_point}"
@@ -211,12 +210,44 @@ class StalenessMonitor:
         example = ""
         if slower:
             suggestion = suggested_interval_s(persist, interval_s)
-            example = f"e.g. interval={duration_setting(suggestion)!r}, {PERSIST_HEADROOM:g}x the measured persist time; "
+            example = f"e.g. interval={duration_setting(suggestion)!r}, {PERSIST_HEADROOM:g}x the measured persist time"
+        auto = self._auto()
+        if auto is None:
+            advice = (
+                f"raise the interval or use interval='auto' ({example + '; ' if example else ''}a faster or "
+                "closer store helps too)"
+            )
+        else:  # "auto" is on already: it sizes the interval by the stall, never by the upload beside it
+            advice = (
+                f"{auto}. 'auto' sizes the interval by what a checkpoint blocks training, not by how long its "
+                "upload runs beside it, so slow uploads do not lengthen it: set a fixed interval instead of "
+                f"'auto' ({example or 'longer than an upload takes'}), pass a lower interruptions_per_hour if "
+                "interruptions are rarer than that (auto's interval grows as the rate falls), or make uploads "
+                "faster (a faster or closer store)"
+            )
         return (
-            f"{head}: uploads {took} the interval {format_seconds(interval_s)}: raise the interval or use "
-            f"interval='auto' ({example}a faster or closer store helps too). Evidence: "
+            f"{head}: uploads {took} the interval {format_seconds(interval_s)}: {advice}. Evidence: "
             f"{'; '.join(evidence)}. Newer checkpoints replace queued ones before they commit; {resume_point}"
         )
+
+    def _interval_fits(self, persist: float | None, interval_s: float) -> str:
+        """Whether the interval suits the last persist time, said for a fixed interval or for "auto"."""
+        suggestion = suggested_interval_s(persist, interval_s)
+        auto = self._auto_choice is not None and self._auto() is not None
+        setting = repr(duration_setting(suggestion))
+        if persist is not None and suggestion == interval_s:
+            keep = "'auto'" if auto else setting
+            return f"the interval suits the last measured persist time ({format_seconds(persist)}); keep interval={keep}"
+        if persist is None:
+            return "keep interval='auto'" if auto else f"suggested interval={setting}"
+        fits = f"suggested interval={setting} ({PERSIST_HEADROOM:g}x the measured persist time)"
+        return fits + (
+            " instead of 'auto', which does not lengthen the interval for slow uploads" if auto else ""
+        )
+
+    def _auto(self) -> str | None:
+        """What interval="auto" chose, or None when the interval is not "auto"."""
+        return self._auto_choice() if self._auto_choice is not None else None
 
 
 __all__ = ["StalenessMonitor", "duration_setting", "suggested_interval_s"]

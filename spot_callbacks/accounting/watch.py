@@ -7,7 +7,7 @@ judged once the first sizes and speeds are known).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from spot_callbacks.accounting.region import RegionCheck
@@ -25,8 +25,9 @@ class PersistWatch:
         True
     """
 
-    def __init__(self, store: CheckpointStore) -> None:
+    def __init__(self, store: CheckpointStore, auto_choice: Callable[[], str | None] | None = None) -> None:
         self.store = store
+        self.auto_choice = auto_choice  # with interval="auto": what it chose, for the staleness advice
         self.staleness = StalenessMonitor(store.url)
         self.region_check: RegionCheck | None = None  # the writer's, from start()
 
@@ -44,6 +45,7 @@ class PersistWatch:
             persister.in_flight_step if persister is not None else None,
             interval_s,
             getattr(persister, "dropped_for_newer", 0),
+            self.auto_choice,
         )
         if self.region_check is not None:
             size = records[-1].bytes if records else resumed.info.size_bytes if resumed else None

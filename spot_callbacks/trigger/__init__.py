@@ -109,6 +109,37 @@ class CheckpointTrigger:
             interval += f" (auto, for {rate:.3g} interruptions/h)"
         return interval
 
+    def auto_choice(self) -> str | None:
+        """What ``interval="auto"`` chose and from what, for advice that fits it; ``None`` when not "auto".
+
+        Example:
+            >>> trigger = CheckpointTrigger(None, None, auto=True, interruptions_per_hour=0.1)
+            >>> trigger.mark_checkpoint(cost_s=0.25)
+            >>> print(trigger.auto_choice())  # doctest: +ELLIPSIS
+            interval='auto' chose 2.2 min (Daly's optimum) from a checkpoint cost of 0.25 s (...) and 0.1 interruptions/h from interruptions_per_hour
+            >>> CheckpointTrigger(60, None).auto_choice() is None
+            True
+        """
+        if not self.auto:
+            return None
+        rate, rate_source = self.interruption_rate()
+        rate_text = f"{rate:.3g} interruptions/h from {rate_source}"
+        if not self._checkpoint_costs_s:
+            return (
+                f"interval='auto' is at its starting {format_seconds(self.interval_s)} until a checkpoint's "
+                f"cost is measured ({rate_text})"
+            )
+        inputs = (
+            f"from a checkpoint cost of {format_seconds(statistics.median(self._checkpoint_costs_s))} (what a "
+            f"checkpoint blocks training, median of {len(self._checkpoint_costs_s)}) and {rate_text}"
+        )
+        chose = f"interval='auto' chose {format_seconds(self.interval_s)}"
+        if self.interval_s is not None and self.interval_s <= AUTO_MIN_INTERVAL_S:
+            return f"{chose}, its floor (Daly's optimum is shorter), {inputs}"
+        if self.interval_s is not None and self.interval_s >= AUTO_MAX_INTERVAL_S:
+            return f"{chose}, its ceiling (Daly's optimum is longer), {inputs}"
+        return f"{chose} (Daly's optimum) {inputs}"
+
     def _retune(self) -> None:
         if not self._checkpoint_costs_s:
             return
