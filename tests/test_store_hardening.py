@@ -105,6 +105,41 @@ def test_a_run_whose_lock_was_taken_over_finds_out_at_its_next_heartbeat(tmp_pat
     assert json.loads(Path(lock.path).read_text())["run_id"] == "f" * 32  # not ours: left alone
 
 
+class WatchedTakeOver(RunLock):
+    """A run taking the lock over that lets the lock's owner read it just before each of its writes
+    (``_claim``, ``_write``): the moments a take-over could show the owner no lock at all."""
+
+    def __init__(self, store: CheckpointStore, owner: RunLock) -> None:
+        super().__init__(store, stale_s=owner.stale_s)
+        self.owner = owner
+        self.owner_read: list[Any] = []
+
+    def _claim(self) -> bool:
+        self.owner_read.append(self.owner.holder())
+        return super()._claim()
+
+    def _write(self) -> None:
+        self.owner_read.append(self.owner.holder())
+        super()._write()
+
+
+def test_a_forced_take_over_replaces_the_lock_in_place_and_its_owner_is_told_who(tmp_path, monkeypatch):
+    store = local_store(tmp_path / "run")
+    lost = threading.Event()
+    owner = RunLock(store, stale_s=0.4, on_lost=lambda reason: lost.set())
+    owner.acquire()
+    monkeypatch.setenv("SPOT_FORCE_LOCK", "1")
+    taker = WatchedTakeOver(local_store(tmp_path / "run"), owner)
+    taker.acquire()
+    # Before: renamed aside, then created: the owner's heartbeat could read "deleted" in between.
+    assert taker.owner_read and None not in taker.owner_read, taker.owner_read
+    assert lost.wait(30) and owner.lost
+    assert f"run {taker.run_id[:8]}" in owner.lost_reason and "deleted" not in owner.lost_reason
+    owner.release()
+    taker.release()
+    assert not Path(taker.path).exists()
+
+
 # ------------------------------------------------------------------ 10: a lost answer to the manifest PUT
 class LostAnswerFileSystem(FaultyFileSystem):
     """Writes the manifest, then raises as if the answer never came back."""

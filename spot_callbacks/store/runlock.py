@@ -11,9 +11,10 @@ takes over any lock.
 
 On the local disk (and a shared one) the lock is created atomically: a fully written temporary is
 hard-linked to the lock's name, which fails when a lock is there, so of runs that start at once
-exactly one takes it; a stale lock is taken over by renaming it aside first (only one rename of a
-file succeeds) and checking that what was renamed is the lock judged stale. Object stores have no
-compare-and-swap: two runs that start within the same second or so can both read "no lock" and
+exactly one takes it; a stale lock is taken over by overwriting it in one rename, only if it is
+still the lock judged stale, with every lock writer of the folder excluded meanwhile (``flock``):
+the lock never disappears, so its old owner learns which run took it. Object stores have no
+compare-and-swap (a take-over is one put there too): two runs that start within the same second or so can both read "no lock" and
 both write one; the lock is read back after writing, which catches most of those races.
 
 Hosts' clocks disagree, so no heartbeat value decides alone. A lock is judged stale by the age
@@ -33,6 +34,7 @@ engine stops checkpointing into that ``dirpath`` and says so.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -41,7 +43,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from typing import Any
 
@@ -302,27 +304,37 @@ class RunLock:
         return True
 
     def _take_over(self, judged: dict[str, Any]) -> bool:
-        """Replace the lock ``judged`` free; False when another run replaced it first."""
+        """Replace the lock ``judged`` free by ours in one write (the lock never disappears, so its
+        old owner's heartbeat reads who took it over); False when another run replaced it first."""
         if not is_local_fs(self.store.fs) or judged.get("run_id") == self.run_id:
             self._write()
             return True
-        aside = f"{self.path}.{self.run_id}.stale"
+        with self._local_writers_excluded():
+            current = self.holder()
+            if current is None:  # released since we judged it: create it, as where there was none
+                return self._claim()
+            if current != judged:  # another run's lock, or its owner's heartbeat, since we judged
+                return False
+            self._write()  # written beside and renamed over: the old record is replaced in one step
+        return True
+
+    @contextlib.contextmanager
+    def _local_writers_excluded(self) -> Iterator[None]:
+        """On the local disk, one lock writer of this run folder at a time (a take-over, a heartbeat,
+        a release: each reads the lock, then writes it only if it is still what it read). ``flock`` on
+        the run folder: released when its process dies, so a killed run never holds it. A filesystem
+        without ``flock`` (some network mounts) goes without, and the read-back after a take-over
+        still catches most races, as on object stores."""
+        if not is_local_fs(self.store.fs):
+            yield
+            return
+        folder = os.open(os.path.dirname(self.path), os.O_RDONLY)
         try:
-            os.rename(self.path, aside)  # of several runs taking over, one rename succeeds
-        except FileNotFoundError:
-            return self._claim()
-        try:
-            with open(aside, "rb") as handle:
-                moved = json.loads(handle.read())
-        except ValueError:
-            moved = None
-        if moved != judged:  # another run's fresh lock, created after we judged: put it back
-            with contextlib.suppress(FileExistsError):
-                os.link(aside, self.path)
-            os.remove(aside)
-            return False
-        os.remove(aside)
-        return self._claim()
+            with contextlib.suppress(OSError):
+                fcntl.flock(folder, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(folder)  # releases the flock
 
     def release(self, timeout_s: float | None = RELEASE_TIMEOUT_S) -> None:
         """Stop the heartbeat and delete the lock if it is still ours, within ``timeout_s``.
@@ -350,9 +362,10 @@ class RunLock:
 
     def _delete_if_ours(self) -> None:
         try:
-            doc = self.holder()
-            if doc is not None and doc.get("run_id") == self.run_id:
-                self.store.retry.call(lambda: self.store.fs.rm(self.path), f"delete {self.url}")
+            with self._local_writers_excluded():
+                doc = self.holder()
+                if doc is not None and doc.get("run_id") == self.run_id:
+                    self.store.retry.call(lambda: self.store.fs.rm(self.path), f"delete {self.url}")
         except Exception as err:  # noqa: BLE001 - a lock left behind goes stale; never fail the run for it
             log.warning("spot_callbacks: could not release the run lock %s: %s", self.url, err)
 
@@ -367,11 +380,14 @@ class RunLock:
     def _beat(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
             try:
-                doc = self.holder()
-                if doc is None or doc.get("run_id") != self.run_id:
+                with self._local_writers_excluded():
+                    doc = self.holder()
+                    ours = doc is not None and doc.get("run_id") == self.run_id
+                    if ours:
+                        self._write()
+                if not ours:
                     self._lose(doc)
                     return
-                self._write()
             except Exception as err:  # noqa: BLE001 - the next beat tries again
                 log.warning("spot_callbacks: could not refresh the run lock %s: %s", self.url, err)
 
