@@ -1,4 +1,4 @@
-"""Hugging Face under accelerate's FSDP2 plugin: each rank stages its own shards, writes the Trainer's DCP folders.
+"""Hugging Face under accelerate's FSDP plugin: each rank stages its own shards, writes the Trainer's DCP folders.
 
 What ``Trainer._save_checkpoint`` writes under FSDP with ``SHARDED_STATE_DICT`` (transformers 5.24,
 accelerate 1.15): ``save_model`` writes nothing (no ``model.safetensors``, no ``training_args.bin``);
@@ -18,10 +18,18 @@ process groups: ``DeviceMesh(..., _init_backend=False)``, private in torch 2.13)
 on the persister's own gloo group with the planner accelerate uses: DCP plans from global
 tensors, so ``.metadata`` describes them as in the Trainer's own save and accelerate's
 ``load_fsdp_model`` / ``load_fsdp_optimizer`` load (and reshard) the folder unchanged.
+
+FSDP1 (``fsdp_version=1``): accelerate takes ``model.state_dict()`` and ``FSDP.optim_state_dict``
+under ``FSDP.state_dict_type(SHARDED_STATE_DICT)``, whose values are ``ShardedTensor`` (each
+parameter's dim-0 chunk of this rank, cut from the all-gathered flat parameter: a collective at the
+step, in the Trainer's save as here). Their local shards are staged with a
+:class:`ShardedTensorLayout`, and rebuilt over the buffers with the same global metadata.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +58,19 @@ class ShardLayout:
     stride: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class ShardedTensorLayout:
+    """FSDP1's ``ShardedTensor``: its global metadata and this rank's shards' (placed on CPU), to rebuild it.
+
+    Example:
+        >>> ShardedTensorLayout(metadata=None, local=()).local
+        ()
+    """
+
+    metadata: Any  # ShardedTensorMetadata: every rank's shards (offsets, sizes), the tensor's properties
+    local: tuple[Any, ...]  # ShardMetadata of this rank's local shards, in order
+
+
 def fsdp_blocker(trainer: Any) -> str | None:
     """Why this FSDP Trainer's checkpoint is written by the Trainer, or ``None`` when it is staged."""
     from torch.distributed.fsdp import StateDictType
@@ -63,8 +84,6 @@ def fsdp_blocker(trainer: Any) -> str | None:
         )
     if kind != StateDictType.SHARDED_STATE_DICT:
         return f"FSDP with {getattr(kind, 'name', kind)} is not staged (SHARDED_STATE_DICT is)"
-    if getattr(plugin, "fsdp_version", 1) != 2:
-        return "FSDP1 keeps ShardedTensor state that is not staged (fsdp_config version: 2 is)"
     return None
 
 
@@ -80,10 +99,32 @@ def model_and_optimizer_shards(trainer: Any) -> tuple[dict[str, Any], dict[str, 
         get_optimizer_state_dict,
     )
 
+    plugin = trainer.accelerator.state.fsdp_plugin
+    if getattr(plugin, "fsdp_version", 1) == 1:
+        return _fsdp1_shards(trainer.model, trainer.optimizer, plugin)
     options = StateDictOptions(full_state_dict=False, cpu_offload=False)
     model = get_model_state_dict(trainer.model, options=options)
     optimizer = get_optimizer_state_dict(trainer.model, trainer.optimizer, options=options)
     return model, optimizer
+
+
+def _fsdp1_shards(model: Any, optimizer: Any, plugin: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """FSDP1, as accelerate's savers take them: ``model.state_dict()`` and ``FSDP.optim_state_dict`` under
+    ``FSDP.state_dict_type(SHARDED_STATE_DICT)`` with the plugin's configs, less the CPU offload.
+
+    Collective on the training group: FSDP1 all-gathers each flat parameter and cuts every
+    parameter's own shard from it (``ShardedTensor`` values), as in the Trainer's save.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictType
+
+    configs = [plugin.state_dict_config, plugin.optim_state_dict_config]
+    configs = [
+        dataclasses.replace(config, offload_to_cpu=False) if config is not None else None
+        for config in configs
+    ]
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, *configs):
+        return model.state_dict(), FSDP.optim_state_dict(model, optimizer)
 
 
 class _CpuMeshes:
@@ -115,6 +156,7 @@ def local_shards(state: Any, layouts: dict[tuple[Any, ...], ShardLayout], path: 
         >>> local_shards({"w": torch.ones(2), "step": 3}, layouts), layouts
         ({'w': tensor([1., 1.]), 'step': 3}, {})
     """
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
     from torch.distributed.tensor import DTensor
 
     if isinstance(state, DTensor):
@@ -122,27 +164,49 @@ def local_shards(state: Any, layouts: dict[tuple[Any, ...], ShardLayout], path: 
             _MESHES.of(state.device_mesh), tuple(state.placements), state.shape, tuple(state.stride())
         )
         return state.to_local()
-    if type(state) is dict:
-        return {key: local_shards(value, layouts, (*path, key)) for key, value in state.items()}
+    if isinstance(state, ShardedTensor):
+        shards = state.local_shards()
+        metadata = copy.copy(state.metadata())
+        metadata.shards_metadata = [_on_cpu(shard) for shard in metadata.shards_metadata]
+        layouts[path] = ShardedTensorLayout(metadata, tuple(_on_cpu(shard.metadata) for shard in shards))
+        return [shard.tensor for shard in shards]
+    if isinstance(state, dict):  # dict, and the OrderedDict of an FSDP1 model.state_dict()
+        copied = {key: local_shards(value, layouts, (*path, key)) for key, value in state.items()}
+        return copied if type(state) is dict else type(state)(copied)
     if type(state) is list:
         return [local_shards(value, layouts, (*path, index)) for index, value in enumerate(state)]
     return state
 
 
-def as_global(state: Any, layouts: dict[tuple[Any, ...], ShardLayout], path: tuple[Any, ...] = ()) -> Any:
-    """Inverse of :func:`local_shards` over staged buffers: DTensors on CPU meshes, no data copied."""
+def as_global(state: Any, layouts: dict[tuple[Any, ...], Any], path: tuple[Any, ...] = ()) -> Any:
+    """Inverse of :func:`local_shards` over staged buffers: DTensors on CPU meshes, FSDP1's
+    ``ShardedTensor`` of the same global metadata; no data copied."""
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensorBase
     from torch.distributed.tensor import DTensor
 
     layout = layouts.get(path)
-    if layout is not None:
+    if isinstance(layout, ShardLayout):
         return DTensor.from_local(
             state, layout.mesh, layout.placements, run_check=False, shape=layout.shape, stride=layout.stride
         )
-    if type(state) is dict:
-        return {key: as_global(value, layouts, (*path, key)) for key, value in state.items()}
+    if isinstance(layout, ShardedTensorLayout):
+        shards = [Shard(tensor, metadata) for tensor, metadata in zip(state, layout.local, strict=True)]
+        # The base class's constructor (a ShardedTensor all the same): it keeps the training run's
+        # tensor properties, which DCP writes into .metadata, where the subclass's would check them
+        # against the staged buffers (pinned on CUDA) and need a process group.
+        return ShardedTensorBase._init_from_local_shards_and_global_metadata(shards, layout.metadata)
+    if isinstance(state, dict):
+        copied = {key: as_global(value, layouts, (*path, key)) for key, value in state.items()}
+        return copied if type(state) is dict else type(state)(copied)
     if type(state) is list:
         return [as_global(value, layouts, (*path, index)) for index, value in enumerate(state)]
     return state
+
+
+def _on_cpu(shard: Any) -> Any:
+    """A ``ShardMetadata`` placed on the same rank's CPU (where the staged shard lives)."""
+    placement = f"rank:{shard.placement.rank()}/cpu"
+    return dataclasses.replace(shard, placement=placement)
 
 
 def write_dcp_folder(

@@ -1,4 +1,6 @@
-"""hf_run.py's Trainer run under accelerate's FSDP2 plugin with SHARDED_STATE_DICT (run under torchrun).
+"""hf_run.py's Trainer run under accelerate's FSDP plugin with SHARDED_STATE_DICT (run under torchrun).
+
+FSDP2 unless ``--fsdp-version 1``.
 
 ``--resume-from`` resumes from a local ``checkpoint-N`` folder (without ``--dirpath``: the Trainer
 alone loads it, as a user would); ``--output-dir`` may contain ``{node}`` (torchrun's GROUP_RANK).
@@ -43,6 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--resume-from", default=None, help="a local checkpoint-N folder to resume from")
     parser.add_argument("--state-dict-type", default="SHARDED_STATE_DICT")
+    parser.add_argument("--fsdp-version", type=int, default=2, help="accelerate's FSDP plugin: 1 or 2")
     return parser.parse_args(argv)
 
 
@@ -59,6 +62,30 @@ def enable_fsdp_on_cpu() -> None:
             self.fsdp_plugin = fsdp_plugin
 
     accelerate.state.AcceleratorState.__init__ = init
+
+
+def fsdp1_on_cpu(version: int) -> dict[str, str]:
+    """What FSDP1 needs to run on CPU (nothing for FSDP2); its ``fsdp_config`` entries.
+
+    accelerate's plugin with ``sync_module_states`` (on by default) looks for an accelerator device
+    and raises on CPU: every rank builds the same seeded model, so there is nothing to sync. And
+    accelerate passes its device as ``device_id``, ``cpu:0`` on a CPU box, which torch 2.13's FSDP1
+    compares with its compute device ``cpu`` (``torch.cpu.current_device()``) and refuses
+    ("Inconsistent compute device"); without a ``device_id`` it refuses CPU outright. Only the
+    index is dropped: ``device_id=torch.device("cpu")``.
+    """
+    if version != 1:
+        return {}
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    original_init = FullyShardedDataParallel.__init__
+
+    def init(self, module, *args, device_id=None, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        on_cpu = device_id is not None and torch.device(device_id).type == "cpu"
+        original_init(self, module, *args, device_id=torch.device("cpu") if on_cpu else device_id, **kwargs)
+
+    FullyShardedDataParallel.__init__ = init
+    return {"sync_module_states": "false"}
 
 
 def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -83,8 +110,8 @@ def main() -> int:
         learning_rate=5e-3, lr_scheduler_type="linear", warmup_steps=3, seed=args.seed, data_seed=7,
         save_strategy="no", logging_steps=5, report_to=[], use_cpu=True, dataloader_num_workers=0,
         disable_tqdm=True, fsdp=True,
-        fsdp_config={"version": 2, "state_dict_type": args.state_dict_type,
-                     "transformer_layer_cls_to_wrap": ["GPT2Block"]},
+        fsdp_config={"version": args.fsdp_version, "state_dict_type": args.state_dict_type,
+                     "transformer_layer_cls_to_wrap": ["GPT2Block"], **fsdp1_on_cpu(args.fsdp_version)},
     )  # fmt: skip
     callbacks: list = [hf_run.RecordSaves()]
     spot = None
