@@ -35,6 +35,7 @@ from spot_callbacks.accounting.clock import RunAccounts
 from spot_callbacks.errors import PersistError
 from spot_callbacks.persist import CheckpointPersister, Persister, PersistJob, PersistRecord
 from spot_callbacks.persist.folders import NodeFolderPersister
+from spot_callbacks.persist.pipeline import SLOW_UPLOAD_FIX_AUTO
 from spot_callbacks.persist.scratch import discard_copies_older_than
 from spot_callbacks.persist.sharded import ShardedPersister
 from spot_callbacks.preemption import Notice
@@ -230,6 +231,8 @@ class CheckpointWriter:
         if self.persister is None:
             persister = kind.make(self.store, self.scratch_root, self.keep_last)
             self.persister, self.persister_kind = persister, kind
+            if isinstance(persister, Persister) and self.trigger.auto:
+                persister.slow_upload_fix = SLOW_UPLOAD_FIX_AUTO
             adopt = getattr(persister, "adopt_local_copy", None)
             if self._adopted_copy is not None and adopt is not None and local_rank() == 0:
                 adopt(self._adopted_copy)

@@ -198,6 +198,31 @@ def test_checkpoints_dropped_for_newer_ones_mean_uploads_are_too_slow_said_once_
     assert "interval" not in drops[1]  # the advice once, not per drop
 
 
+def test_a_drop_for_a_newer_checkpoint_with_interval_auto_never_says_use_auto(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="spot_callbacks")
+    engine, faulty, _clock = engine_with_clock(tmp_path, "auto")
+    engine.start()
+    faulty.gate = threading.Event()
+    try:
+        save(engine, 1)
+        assert faulty.held.wait(timeout=30)  # step 1 uploads, held at the gate
+        save(engine, 2)
+        save(engine, 3)  # 2 was queued: dropped for 3
+        persister = engine.saves.persister
+        assert persister is not None and not persister.wait_for_step(2, timeout=30)
+    finally:
+        faulty.gate.set()
+        engine.finish()
+    [drop] = [r.getMessage() for r in caplog.records if "before upload: step" in r.getMessage()]
+    assert "use interval='auto'" not in drop
+    assert drop.endswith(
+        "interval='auto' sizes the interval by the training stall, not the upload: set a fixed interval "
+        "above the upload time, or a faster store"
+    ), drop
+
+
 @pytest.mark.parametrize("interval", [INTERVAL_S, "auto"])
 def test_slow_uploads_advice_fits_the_interval_setting_and_never_says_use_auto_when_auto_is_on(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, interval: float | str

@@ -51,6 +51,13 @@ class PersistJob(CheckpointJob):
     digests: dict[str, FileDigest] = field(default_factory=dict)
 
 
+SLOW_UPLOAD_FIX = "raise the interval or use interval='auto'"
+SLOW_UPLOAD_FIX_AUTO = (
+    "interval='auto' sizes the interval by the training stall, not the upload: set a fixed interval "
+    "above the upload time, or a faster store"
+)
+
+
 class Persister(StepTracker):
     """Makes checkpoint folders durable in a :class:`CheckpointStore`, off the training loop (one writer).
 
@@ -97,6 +104,7 @@ class Persister(StepTracker):
         self._busy_bytes = 0
         self._urgent: PersistJob | None = None  # the emergency checkpoint, until it settles
         self.dropped_for_newer = 0  # checkpoints dropped because a newer one came before they uploaded
+        self.slow_upload_fix = SLOW_UPLOAD_FIX  # what the first drop advises (the engine's, with interval='auto')
         self._alongside: dict[int, threading.Thread] = {}  # step -> emergency upload beside the uploader
         self._kept = NewestCommittedFolder()
         self._writer = threading.Thread(target=self._write_loop, name="spot-writer", daemon=True)
@@ -191,10 +199,7 @@ class Persister(StepTracker):
                     if busy is not None
                     else ""
                 )
-                advice = (
-                    f"; uploads take longer than the interval between checkpoints{running}: raise the "
-                    "interval or use interval='auto'"
-                )
+                advice = f"; uploads take longer than the interval between checkpoints{running}: {self.slow_upload_fix}"
             self._drop(dropped, f"step {job.step} is newer{advice}")
 
     def _drop(self, job: PersistJob, why: str) -> None:
