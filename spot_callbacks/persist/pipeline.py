@@ -104,7 +104,7 @@ class Persister(StepTracker):
         self._busy_bytes = 0
         self._urgent: PersistJob | None = None  # the emergency checkpoint, until it settles
         self.dropped_for_newer = 0  # checkpoints dropped because a newer one came before they uploaded
-        self.slow_upload_fix = SLOW_UPLOAD_FIX  # what the first drop advises (the engine's, with interval='auto')
+        self.slow_upload_fix = SLOW_UPLOAD_FIX  # the first drop's advice (the engine sets auto's)
         self._alongside: dict[int, threading.Thread] = {}  # step -> emergency upload beside the uploader
         self._kept = NewestCommittedFolder()
         self._writer = threading.Thread(target=self._write_loop, name="spot-writer", daemon=True)
