@@ -76,7 +76,9 @@ def short_label(label: str) -> str:
         >>> short_label("pull s3://bucket/runs/demo/step-000000040")
         'pull step-000000040'
     """
-    return " ".join(word.rstrip("/").rsplit("/", 1)[-1] if "://" in word else word for word in label.split(" "))
+    return " ".join(
+        word.rstrip("/").rsplit("/", 1)[-1] if "://" in word else word for word in label.split(" ")
+    )
 
 
 def _as_source(meter: TransferMeter | MeterSource) -> MeterSource:
