@@ -168,28 +168,30 @@ def test_staged_fsdp_checkpoint_is_the_trainers_folder_commits_on_sigterm_and_re
 
 
 @pytest.mark.slow
-def test_fsdp1_sharded_checkpoint_is_staged_as_the_trainers_folder_and_resumes_bit_identically(
-    tmp_path: Path,
+@pytest.mark.parametrize("variant", ["fsdp1", "fsdp2-lora"])
+def test_fsdp1_and_lora_checkpoints_are_staged_as_the_trainers_folder_and_resume_from_it(
+    variant: str, tmp_path: Path
 ) -> None:
     # FSDP1's sharded state is ShardedTensor (each parameter's dim-0 chunk, cut from the gathered
-    # flat parameter): staged as its local shards, rebuilt over the staged buffers for DCP.
-    fsdp1 = ("--fsdp-version", 1, "--max-steps", 10, "--every-n-steps", 5)
+    # flat parameter): staged as its local shards, rebuilt over the staged buffers for DCP. A PEFT
+    # model under FSDP2: the model folder holds the active adapter's DTensor shards (adapter_only).
+    if variant == "fsdp2-lora":
+        pytest.importorskip("peft")
+    kind = ("--fsdp-version", 1) if variant == "fsdp1" else ("--lora",)
+    run = (*kind, "--max-steps", 10)
     reference = CheckpointStore(os.fspath(tmp_path / "reference-store"))
     _, log = train(
-        tmp_path,
-        "baseline",
-        2,
-        *fsdp1,
-        "--dirpath",
-        reference.url,
-        expect_rc=0,
+        tmp_path, "baseline", 2, *run, "--every-n-steps", 5, "--dirpath", reference.url, expect_rc=0,
         env={"SPOT_HF_SAVE": "trainer"},
-    )
+    )  # fmt: skip
     assert "the Trainer writes each checkpoint" in log and STAGED_LINE not in log
     store = CheckpointStore(os.fspath(tmp_path / "store"))
-    results, log = train(tmp_path, "staged", 2, *fsdp1, "--dirpath", store.url, expect_rc=0)
+    results, log = train(
+        tmp_path, "staged", 2, *run, "--every-n-steps", 5, "--dirpath", store.url, expect_rc=0
+    )
     assert log.count(STAGED_LINE) == 1, log[-4000:]
-    assert [result["wrapped"] for result in results] == ["FullyShardedDataParallel"] * 2  # FSDP1's own
+    wrapper = "FullyShardedDataParallel" if variant == "fsdp1" else "FSDPPeftModel"
+    assert [result["wrapped"] for result in results] == [wrapper] * 2
     assert [(c.step, store.read_manifest(c.step).extra["hf_save"]) for c in store.committed()] == [
         (5, "staged"), (10, "staged"),
     ]  # fmt: skip
@@ -200,26 +202,25 @@ def test_fsdp1_sharded_checkpoint_is_staged_as_the_trainers_folder_and_resumes_b
         assert dcp_index(staged_5 / folder) == dcp_index(trainer_5 / folder), folder
         for shard in ("__0_0.distcp", "__1_0.distcp"):
             assert (staged_5 / folder / shard).read_bytes() == (trainer_5 / folder / shard).read_bytes()
+    if variant == "fsdp2-lora":  # the model folder is the adapter's: LoRA tensors only
+        assert all("lora_" in key for key in dcp_index(staged_5 / "pytorch_model_fsdp_0")[0])
     for name in ("scheduler.pt", "rng_state_0.pth", "rng_state_1.pth"):
         assert (staged_5 / name).read_bytes() == (trainer_5 / name).read_bytes(), name
 
-    # Staging changed nothing in training; the Trainer alone resumes from the staged step 5 on 2
-    # processes exactly as from its own folder. (Not bit-identically to the uninterrupted run: on
-    # CPU, accelerate's FSDP1 resume from the Trainer's own folder differs from it too, without
-    # dropout as well: README, "What does not hold".)
+    # Staging changed nothing in training, and the Trainer alone resumes from the staged step 5 on
+    # 2 processes exactly as from its own folder: with LoRA under FSDP2 bit-identically to the
+    # uninterrupted run. (FSDP1's own resume on CPU is not: README, "What does not hold".)
     resumed = {}
     for name, folder in (("from-staged", staged_5), ("from-trainer", trainer_5)):
-        results, _ = train(
-            tmp_path, name, 2, "--fsdp-version", 1, "--max-steps", 10, "--resume-from", folder, expect_rc=0
-        )
+        results, _ = train(tmp_path, name, 2, *run, "--resume-from", folder, expect_rc=0)
         assert [result["global_step"] for result in results] == [10, 10]
         resumed[name] = [weights(tmp_path, name, rank) for rank in (0, 1)]
     for rank in (0, 1):
         baseline = weights(tmp_path, "baseline", rank)
         assert_same_weights(weights(tmp_path, "staged", rank), baseline, f"rank {rank}: staged run")
-        assert_same_weights(
-            resumed["from-staged"][rank], resumed["from-trainer"][rank], f"rank {rank}: resumed"
-        )
+        assert_same_weights(resumed["from-staged"][rank], resumed["from-trainer"][rank], f"rank {rank}")
+        if variant == "fsdp2-lora":
+            assert_same_weights(resumed["from-staged"][rank], baseline, f"rank {rank}: resumed")
 
 
 def test_full_state_dict_keeps_the_trainers_save_and_says_why() -> None:

@@ -138,8 +138,8 @@ def staging_blocker(trainer: transformers.Trainer | None) -> str | None:
             "peft cannot save a PeftMixedModel (its save_pretrained raises NotImplementedError)",
         ),
         (
-            _is_peft_model(unwrapped) and trainer.is_fsdp_enabled,
-            "PEFT under FSDP: accelerate saves the adapters' shards (adapter_only), which are not staged",
+            _is_peft_model(unwrapped) and trainer.is_fsdp_enabled and _fsdp_version(trainer) == 1,
+            "PEFT under FSDP1 is not staged (fsdp_config version: 2 is)",
         ),
     ]
     reason = next((why for blocked, why in reasons if blocked), None)
@@ -150,6 +150,17 @@ def staging_blocker(trainer: transformers.Trainer | None) -> str | None:
 
 def _is_peft_model(model: Any) -> bool:
     return type(model).__module__.startswith("peft.")
+
+
+def _fsdp_version(trainer: transformers.Trainer) -> int:
+    return getattr(trainer.accelerator.state.fsdp_plugin, "fsdp_version", 1)
+
+
+def fsdp_saves_adapters_only() -> bool:
+    """Whether the Trainer's FSDP save of a PEFT model holds its active adapter only
+    (``get_fsdp_ckpt_kwargs()`` in ``transformers.trainer``: ``adapter_only`` where accelerate takes it)."""
+    kwargs_of = getattr(transformers.trainer, "get_fsdp_ckpt_kwargs", dict)  # as the Trainer calls it
+    return bool(kwargs_of().get("adapter_only", False))
 
 
 def rng_states(args: Any) -> dict[str, Any]:

@@ -94,6 +94,18 @@ class AdapterSnapshot:
             state[name] = {"tensors": tensors, "config": config, "auto_mapping": auto_mapping}
         return state
 
+    def active_state(self) -> dict[str, Any]:
+        """The active adapter's state dict as accelerate's FSDP saver takes it (``adapter_only``):
+        DTensor values under FSDP2, for :func:`spot_callbacks.hf.fsdp.local_shards`."""
+        from peft import get_peft_model_state_dict
+
+        name = self.model.active_adapter
+        if self._with_embeddings is None:
+            self._with_embeddings = {name: self._saves_embeddings(name) for name in self.model.peft_config}
+        return get_peft_model_state_dict(
+            self.model, adapter_name=name, save_embedding_layers=self._with_embeddings[name]
+        )
+
     def _saves_embeddings(self, name: str) -> bool:
         """What ``save_embedding_layers="auto"`` decides for adapter ``name`` (asked once per ``train()``)."""
         from peft import get_peft_model_state_dict

@@ -118,6 +118,8 @@ class StagedSaves:
             reason = fsdp.fsdp_blocker(trainer)
         self.sharded = fsdp_on and reason is None
         peft_model = adapters.peft_model_of(trainer) if trainer is not None else None
+        if self.sharded and not compat.fsdp_saves_adapters_only():
+            peft_model = None  # the Trainer's FSDP save holds the whole model then
         self.adapters = adapters.AdapterSnapshot(peft_model) if peft_model is not None else None
         # An FSDP run's folders hold every rank's files even when the Trainer writes them.
         self.every_rank = fsdp_on or spans_nodes
@@ -277,7 +279,7 @@ def rank_state(
     only_model = bool(args.save_only_model)
     state: dict[str, Any] = {}
     if sharded:
-        model, optimizer = fsdp.model_and_optimizer_shards(trainer)
+        model, optimizer = fsdp.model_and_optimizer_shards(trainer, peft)
         state["model"] = fsdp.local_shards(model, layouts, ("model",))
         state["optimizer"] = fsdp.local_shards(optimizer, layouts, ("optimizer",))
     elif args.should_save:

@@ -87,8 +87,11 @@ def fsdp_blocker(trainer: Any) -> str | None:
     return None
 
 
-def model_and_optimizer_shards(trainer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+def model_and_optimizer_shards(trainer: Any, adapters: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """This rank's sharded model and optimizer state dicts, as accelerate's savers take them (DTensor values).
+
+    ``adapters``: a PEFT model's :class:`~spot_callbacks.hf.adapters.AdapterSnapshot`, whose active
+    adapter is the model state (``save_fsdp_model(adapter_only=True)``).
 
     ``cpu_offload`` stays off whatever the plugin says: the staging copies the shards to host memory
     once, and the bytes DCP writes are the same.
@@ -103,7 +106,10 @@ def model_and_optimizer_shards(trainer: Any) -> tuple[dict[str, Any], dict[str, 
     if getattr(plugin, "fsdp_version", 1) == 1:
         return _fsdp1_shards(trainer.model, trainer.optimizer, plugin)
     options = StateDictOptions(full_state_dict=False, cpu_offload=False)
-    model = get_model_state_dict(trainer.model, options=options)
+    if adapters is not None:
+        model = adapters.active_state()
+    else:
+        model = get_model_state_dict(trainer.model, options=options)
     optimizer = get_optimizer_state_dict(trainer.model, trainer.optimizer, options=options)
     return model, optimizer
 

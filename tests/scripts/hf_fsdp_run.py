@@ -46,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--resume-from", default=None, help="a local checkpoint-N folder to resume from")
     parser.add_argument("--state-dict-type", default="SHARDED_STATE_DICT")
     parser.add_argument("--fsdp-version", type=int, default=2, help="accelerate's FSDP plugin: 1 or 2")
+    parser.add_argument("--lora", action="store_true", help="train LoRA adapters (peft) on the frozen model")
     return parser.parse_args(argv)
 
 
@@ -105,6 +106,11 @@ def main() -> int:
         for module in model.modules():
             if isinstance(module, torch.nn.Dropout):
                 module.p = args.dropout
+    if args.lora:
+        import peft
+
+        torch.manual_seed(1)
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"]))
     training_args = transformers.TrainingArguments(
         output_dir=args.output_dir.format(node=os.environ.get("GROUP_RANK", "0")), max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
         learning_rate=5e-3, lr_scheduler_type="linear", warmup_steps=3, seed=args.seed, data_seed=7,
