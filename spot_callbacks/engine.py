@@ -387,9 +387,10 @@ class SpotEngine:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue the clock and the ledger: of this resume (recorded once), else of ``state``."""
-        if "trigger" in state:
-            self.trigger.load_state_dict(state["trigger"])
+        """Continue the clock and the ledger: of this resume (recorded once), else of ``state`` (checked)."""
+        state, trigger = _untrusted_state(state)
+        if trigger is not None:
+            self.trigger.load_state_dict(trigger)
         resumed = self.resumed
         if resumed is not None and not self._resume_recorded:
             self._resume_recorded = True
@@ -397,3 +398,18 @@ class SpotEngine:
         elif not self.accounts.load(state):
             return
         self.trigger.observe_interruptions(*self.accounts.interruption_history())
+
+
+def _untrusted_state(state: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """A checkpoint's engine state (from a store) and its trigger part: what is not a mapping is
+    ignored with a warning; each value inside is checked where it is read (trigger, accounts)."""
+    if not isinstance(state, dict):
+        log.warning("spot_callbacks: ignoring the checkpoint's spot_callbacks state: a %s, not a mapping",
+                    type(state).__name__)  # fmt: skip
+        return {}, None
+    trigger = state.get("trigger")
+    if trigger is not None and not isinstance(trigger, dict):
+        log.warning("spot_callbacks: ignoring the checkpoint's interval clock: a %s, not a mapping",
+                    type(trigger).__name__)  # fmt: skip
+        trigger = None
+    return state, trigger

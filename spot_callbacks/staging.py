@@ -357,8 +357,34 @@ def capture_rng_state() -> dict[str, Any]:
     return state
 
 
+def rng_state_problem(state: Any) -> str | None:
+    """Why :func:`restore_rng_state` would fail on ``state`` (from a checkpoint: untrusted), or
+    ``None``: each part is tried on a throwaway generator, so nothing global changes.
+
+    Example:
+        >>> rng_state_problem(capture_rng_state()) is None, rng_state_problem({"python": "x"})[:9]
+        (True, 'TypeError')
+    """
+    try:
+        py = state["python"]
+        random.Random().setstate((py["version"], tuple(int(v) for v in py["state"].tolist()), py["gauss"]))
+        npy = state["numpy"]
+        np.random.RandomState().set_state(
+            (npy["kind"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"], npy["gauss"])
+        )
+        torch.Generator().set_state(state["torch"])
+        cuda = state.get("cuda", [])
+        if not isinstance(cuda, (list, tuple)) or not all(
+            isinstance(item, torch.Tensor) and item.dtype == torch.uint8 and item.dim() == 1 for item in cuda
+        ):
+            raise TypeError("its CUDA states are not a list of byte tensors")
+    except Exception as err:  # noqa: BLE001 - whatever restoring it would raise
+        return f"{type(err).__name__}: {err}"[:300]
+    return None
+
+
 def restore_rng_state(state: dict[str, Any]) -> None:
-    """Inverse of :func:`capture_rng_state`."""
+    """Inverse of :func:`capture_rng_state` (a ``state`` from a store passed :func:`rng_state_problem`)."""
     py = state["python"]
     random.setstate((py["version"], tuple(int(v) for v in py["state"].tolist()), py["gauss"]))
     npy = state["numpy"]

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -212,11 +213,38 @@ def commit_as_step_5(run: Path, tmp_path: Path, payload: bytes) -> CheckpointSto
     return store
 
 
-@pytest.mark.parametrize("damage", ["truncated archive", "not a Lightning checkpoint", "decompression bomb"])
+def _spot_state_changed(run: Path, tmp_path: Path, change: Any) -> bytes:
+    """Step 4's state file with SpotCheckpoint's state changed: what a writer of the bucket commits."""
+    checkpoint = torch.load(state_path(run, 4), weights_only=True)
+    (key,) = [key for key in checkpoint["callbacks"] if key.startswith("SpotCheckpoint")]
+    checkpoint["callbacks"][key] = change(checkpoint["callbacks"][key])
+    torch.save(checkpoint, tmp_path / "changed.ckpt")
+    return (tmp_path / "changed.ckpt").read_bytes()
+
+
+# Odd values in SpotCheckpoint's own state: applied after Lightning loaded the weights, they crashed
+# the resume (a KeyError, random.setstate's TypeError) instead of falling back (issue 21 item 11).
+ODD_SPOT_STATES = {
+    "spot state not a mapping": (lambda state: [1, 2], "not a mapping"),
+    "no RNG states": (lambda state: {**state, "rng": []}, "rng is an empty list"),
+    "RNG state of strings": (
+        lambda state: {**state, "rng": [{"python": "x", "numpy": 1, "torch": "y"}]},
+        "rng[0]",
+    ),
+    "epoch RNG a huge number": (lambda state: {**state, "epoch_start_rng": [10**30]}, "epoch_start_rng[0]"),
+}
+
+
+@pytest.mark.parametrize(
+    "damage", ["truncated archive", "not a Lightning checkpoint", "decompression bomb", *ODD_SPOT_STATES]
+)
 def test_a_committed_payload_that_cannot_be_loaded_falls_back_to_the_previous_checkpoint(
     run, tmp_path, caplog, damage
 ):
-    if damage == "truncated archive":
+    if damage in ODD_SPOT_STATES:
+        change, expected = ODD_SPOT_STATES[damage]
+        payload = _spot_state_changed(run, tmp_path, change)
+    elif damage == "truncated archive":
         whole = state_path(run, 4).read_bytes()
         payload = whole[: len(whole) // 2]
         expected = "cannot be loaded"

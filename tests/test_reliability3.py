@@ -452,6 +452,12 @@ HOSTILE_HF = {
     "an unknown trainer_state key": _trainer_state(lambda doc: doc.update(surprise=1)),
     "deep nesting": _trainer_state(lambda doc: doc.update(log_history=[json.loads("[" * 200 + "]" * 200)])),
     "global_step 10**15": _trainer_state(lambda doc: doc.update(global_step=10**15)),
+    # Values of known keys that the Trainer uses unchecked (issue 21 item 11): each crashed train().
+    "log_history a string": _trainer_state(lambda doc: doc.update(log_history="x" * 1000)),
+    "logging_steps 0": _trainer_state(lambda doc: doc.update(logging_steps=0)),
+    "train_batch_size a string": _trainer_state(lambda doc: doc.update(train_batch_size="8")),
+    "total_flos a string": _trainer_state(lambda doc: doc.update(total_flos="1e400")),
+    "stateful_callbacks a list": _trainer_state(lambda doc: doc.update(stateful_callbacks=[1, 2])),
 }
 
 

@@ -19,8 +19,8 @@ from spot_callbacks.accounting.ledger import (
     DIED_UNCOMMITTED,
     RunLedger,
     SlowdownMeter,
-    finite_number,
     ledger_after_resume,
+    seconds_value,
 )
 from spot_callbacks.accounting.report import RunHistory, format_rows, history_rows
 
@@ -124,11 +124,11 @@ class RunAccounts:
 
     def load(self, state: dict[str, Any]) -> bool:
         """Continue the ledger and clock saved in ``state`` (untrusted: checked); False if it has none."""
-        ledger = RunLedger.from_json(state.get("ledger"))
+        ledger = RunLedger.from_json(state.get("ledger"), "the checkpoint's state")
         if ledger is None:
             return False
         self.ledger = ledger
-        self.start_clock(finite_number(state.get("train_s")) or ledger.train_s)
+        self.start_clock(seconds_value(state.get("train_s")) or ledger.train_s)
         return True
 
     def summary(self, store_url: str, records: Sequence[Any], interval_line: str) -> str:

@@ -28,6 +28,7 @@ Timestamps of two machines are compared, so clock skew enters downtime and the e
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 from collections import deque
@@ -39,6 +40,12 @@ EMERGENCY_REASONS = ("preemption", "exception")  # taken when the interruption c
 CONTINUATION_REASONS = ("end",)  # a finished run continued later: not an interruption
 LEDGER_VERSION = 1
 RECENT_RESUMES_KEPT = 20
+# The most a ledger value may say: seconds (about 3,000 years, Unix times included) and counts. A
+# value beyond, negative or not a number is no run's record (a bucket writer's): it is ignored.
+MAX_LEDGER_S = 1e11
+MAX_LEDGER_COUNT = 10**12
+
+log = logging.getLogger("spot_callbacks")
 
 
 class SlowdownMeter:
@@ -124,12 +131,28 @@ class ResumeRecord:
         }  # fmt: skip
 
     @classmethod
-    def from_json(cls, doc: dict[str, Any]) -> ResumeRecord:
-        downtime = doc.get("downtime_s")
+    def from_json(cls, doc: Any) -> ResumeRecord | None:
+        """The record ``doc`` (from a store: untrusted), or ``None`` when a field is not what a run
+        writes (a negative, huge or non-numeric number, a missing key, a reason over 64 characters)."""
+        if not isinstance(doc, dict):
+            return None
+        seconds = {
+            key: seconds_value(doc.get(key)) for key in ("resumed_at", "pull_s", "load_s", "lost_work_s")
+        }
+        downtime, step, reason = doc.get("downtime_s"), doc.get("from_step"), doc.get("from_reason")
+        measured = doc.get("lost_work_measured")
+        if (
+            None in seconds.values()
+            or (downtime is not None and seconds_value(downtime) is None)
+            or count_value(step) is None
+            or not isinstance(reason, str)
+            or len(reason) > 64
+            or not isinstance(measured, bool)
+        ):
+            return None
         return cls(
-            from_step=int(doc["from_step"]), from_reason=str(doc["from_reason"]),
-            resumed_at=float(doc["resumed_at"]), pull_s=float(doc["pull_s"]), load_s=float(doc["load_s"]),
-            lost_work_s=float(doc["lost_work_s"]), lost_work_measured=bool(doc["lost_work_measured"]),
+            from_step=int(step), from_reason=reason, resumed_at=seconds["resumed_at"], pull_s=seconds["pull_s"],
+            load_s=seconds["load_s"], lost_work_s=seconds["lost_work_s"], lost_work_measured=measured,
             downtime_s=None if downtime is None else float(downtime),
         )  # fmt: skip
 
@@ -265,24 +288,62 @@ class RunLedger:
         }  # fmt: skip
 
     @classmethod
-    def from_json(cls, doc: Any) -> RunLedger | None:
-        """The ledger in a manifest, or ``None`` when there is none or it cannot be read."""
+    def from_json(cls, doc: Any, where: str = "a checkpoint") -> RunLedger | None:
+        """The ledger in a manifest or a checkpoint's state, or ``None`` when there is none.
+
+        It comes from a store, so each value is checked: one that no run writes (negative, over
+        :data:`MAX_LEDGER_S` seconds or :data:`MAX_LEDGER_COUNT`, not a number, a resume record
+        that is not one) is ignored, its default kept, with one warning naming ``where`` and the keys.
+
+        Example:
+            >>> RunLedger.from_json({"version": 1, "stall_s": -1e300, "resumes": 2}).stall_s
+            0.0
+        """
         if not isinstance(doc, dict) or doc.get("version") != LEDGER_VERSION:
             return None
-        try:
-            return cls(
-                checkpoints={str(k): int(v) for k, v in dict(doc.get("checkpoints", {})).items()},
-                stall_s=float(doc.get("stall_s", 0.0)), slowdown_s=float(doc.get("slowdown_s", 0.0)),
-                train_s=float(doc.get("train_s", 0.0)), resumes=int(doc.get("resumes", 0)),
-                interruptions=int(doc.get("interruptions", 0)), pull_s=float(doc.get("pull_s", 0.0)),
-                load_s=float(doc.get("load_s", 0.0)),
-                lost_work_measured_s=float(doc.get("lost_work_measured_s", 0.0)),
-                lost_work_estimated_s=float(doc.get("lost_work_estimated_s", 0.0)),
-                downtime_s=float(doc.get("downtime_s", 0.0)), downtime_unknown=int(doc.get("downtime_unknown", 0)),
-                recent_resumes=tuple(ResumeRecord.from_json(r) for r in doc.get("recent_resumes", [])),
+        ignored: list[str] = []
+
+        def seconds(key: str) -> float:
+            value = seconds_value(doc.get(key, 0.0))
+            if value is None:
+                ignored.append(key)
+            return value or 0.0
+
+        def count(key: str) -> int:
+            value = count_value(doc.get(key, 0))
+            if value is None:
+                ignored.append(key)
+            return value or 0
+
+        counts = doc.get("checkpoints", {})
+        counts = counts if isinstance(counts, dict) else {None: counts}  # not a mapping: ignored whole
+        checkpoints = {
+            key: number
+            for key, value in counts.items()
+            if isinstance(key, str) and len(key) <= 64 and (number := count_value(value)) is not None
+        }
+        if len(checkpoints) < len(counts):
+            ignored.append("checkpoints")
+        records = doc.get("recent_resumes", [])
+        records = records[-RECENT_RESUMES_KEPT:] if isinstance(records, list) else [None]
+        resumes = tuple(record for record in map(ResumeRecord.from_json, records) if record is not None)
+        if len(resumes) < len(records):
+            ignored.append("recent_resumes")
+        ledger = cls(
+            checkpoints=checkpoints, stall_s=seconds("stall_s"), slowdown_s=seconds("slowdown_s"),
+            train_s=seconds("train_s"), resumes=count("resumes"), interruptions=count("interruptions"),
+            pull_s=seconds("pull_s"), load_s=seconds("load_s"),
+            lost_work_measured_s=seconds("lost_work_measured_s"),
+            lost_work_estimated_s=seconds("lost_work_estimated_s"),
+            downtime_s=seconds("downtime_s"), downtime_unknown=count("downtime_unknown"), recent_resumes=resumes,
+        )  # fmt: skip
+        if ignored:
+            log.warning(
+                "spot_callbacks: ignoring values of the run ledger in %s that no run writes (%s): "
+                "negative, too large or not numbers; the totals go on without them",
+                where, ", ".join(ignored),
             )  # fmt: skip
-        except (TypeError, ValueError, KeyError):
-            return None
+        return ledger
 
     @classmethod
     def from_manifests(cls, infos: Iterable[Any]) -> RunLedger:
@@ -323,9 +384,9 @@ def ledger_after_resume(
         (2, 2, 40.0)
     """
     metrics = info.metrics
-    ledger = RunLedger.from_json(info.extra.get("ledger")) or RunLedger(
-        train_s=finite_number(metrics.get("train_s")) or 0.0
-    )
+    ledger = RunLedger.from_json(
+        info.extra.get("ledger"), getattr(info, "url", "the checkpoint")
+    ) or RunLedger(train_s=finite_number(metrics.get("train_s")) or 0.0)
     persist_s = (finite_number(metrics.get("write_s")) or 0.0) + (
         finite_number(metrics.get("upload_s")) or 0.0
     )
@@ -347,6 +408,19 @@ def ledger_after_resume(
         lost_work_measured=False, downtime_s=max(resumed_at - beat, 0.0),
     )  # fmt: skip
     return ledger.add_resume(resumed(started, 0.0, 0.0)).add_resume(died)
+
+
+def seconds_value(value: Any) -> float | None:
+    """A ledger's seconds (or Unix time) as a float, or ``None`` unless finite and within 0..:data:`MAX_LEDGER_S`."""
+    number = finite_number(value)
+    return number if number is not None and 0.0 <= number <= MAX_LEDGER_S else None
+
+
+def count_value(value: Any) -> int | None:
+    """A ledger's count (or step) as an int, or ``None`` unless an integer within 0..:data:`MAX_LEDGER_COUNT`."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LEDGER_COUNT:
+        return None
+    return value
 
 
 def finite_number(value: Any) -> float | None:

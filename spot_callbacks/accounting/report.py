@@ -44,7 +44,7 @@ class RunHistory:
         if not infos:
             return cls(url, RunLedger(), infos)
         newest = max(infos, key=lambda info: (info.created, info.step))
-        ledger = RunLedger.from_json(newest.extra.get("ledger"))
+        ledger = RunLedger.from_json(newest.extra.get("ledger"), newest.url)
         if ledger is None:
             return cls(url, RunLedger.from_manifests(infos), infos, from_ledger=False)
         return cls(url, ledger, infos)

@@ -91,6 +91,63 @@ def _check_trainer_state(folder: Path, info: CheckpointInfo) -> None:
         )
     if step != info.step:
         raise _fault(info, TRAINER_STATE, f"says global_step {step} in the checkpoint of step {info.step}")
+    for key, value in doc.items():
+        expected = _STATE_VALUES.get(key)
+        if expected is not None and not expected[0](value):
+            raise _fault(info, TRAINER_STATE, f"has {key} {value!r:.40}, not {expected[1]}")
+    for name, saved in (doc.get("stateful_callbacks") or {}).items():
+        entries = saved if isinstance(saved, list) else [saved]
+        if not all(_callback_state(entry) for entry in entries):
+            raise _fault(
+                info, TRAINER_STATE, f"has stateful_callbacks[{name!r:.40}] that is not args and attributes"
+            )
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1e300
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_GLOBAL_STEP
+
+
+def _callback_state(entry: Any) -> bool:
+    """What the Trainer rebuilds a callback from (``type(callback)(**args)``, then ``setattr``)."""
+    return isinstance(entry, dict) and all(
+        isinstance(entry.get(part, {}), dict) and all(isinstance(key, str) for key in entry.get(part, {}))
+        for part in ("args", "attributes")
+    )
+
+
+# What the Trainer writes in each field of trainer_state.json, and what it uses without checking:
+# another type or value there crashes train() after the weights are loaded (log_history a string,
+# logging_steps 0 or a string, train_batch_size or total_flos a string, stateful_callbacks a list).
+_STATE_VALUES: dict[str, tuple[Any, str]] = {
+    **dict.fromkeys(("epoch", "total_flos"), (_number, "a number >= 0")),
+    **dict.fromkeys(("max_steps", "num_train_epochs", "num_input_tokens_seen"), (_count, "a count")),
+    **dict.fromkeys(
+        ("logging_steps", "eval_steps", "save_steps"), (lambda v: _number(v) and v > 0, "a number > 0")
+    ),
+    "train_batch_size": (lambda v: v is None or _count(v), "a count"),
+    "best_global_step": (lambda v: v is None or _count(v), "a step"),
+    "best_metric": (
+        lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)),
+        "a number",
+    ),
+    **dict.fromkeys(
+        ("best_model_checkpoint", "trial_name"), (lambda v: v is None or isinstance(v, str), "a string")
+    ),
+    **dict.fromkeys(
+        ("is_local_process_zero", "is_world_process_zero", "is_hyper_param_search"),
+        (lambda v: isinstance(v, bool), "true or false"),
+    ),
+    "trial_params": (lambda v: v is None or isinstance(v, dict), "an object"),
+    "log_history": (
+        lambda v: isinstance(v, list) and all(isinstance(row, dict) for row in v),
+        "a list of objects",
+    ),
+    "stateful_callbacks": (lambda v: v is None or isinstance(v, dict), "an object"),
+}
 
 
 def _check_weights(folder: Path, info: CheckpointInfo) -> None:

@@ -50,10 +50,13 @@ from spot_callbacks.staging import (
     capture_rng_state,
     check_archive_bounds,
     restore_rng_state,
+    rng_state_problem,
     unsafe_checkpoint_error,
 )
 from spot_callbacks.store import CheckpointInfo
 from spot_callbacks.store.layout import DCP_METADATA_FILE
+
+SHARDED_META_FILE = "meta.pt"  # Lightning's _METADATA_FILENAME beside a sharded checkpoint's DCP files
 
 log = logging.getLogger("spot_callbacks")
 
@@ -89,8 +92,13 @@ def check_loadable(local_dir: Path, info: CheckpointInfo) -> None:
     the real load, which says so (:func:`unsafe_checkpoint_error`).
     """
     path = local_dir / STATE_FILE
-    if (local_dir / DCP_METADATA_FILE).is_file() or not path.is_file():
-        return  # sharded: DCP checks its own metadata when the strategy loads it
+    if (local_dir / DCP_METADATA_FILE).is_file():  # sharded: DCP checks its own metadata when loading it
+        path = local_dir / SHARDED_META_FILE  # the non-tensor rest, our state among it
+        if path.is_file():
+            _check_sharded_meta(path, info)
+        return
+    if not path.is_file():
+        return
     check_archive_bounds(path)  # a decompression bomb is damage, found before anything unpacks
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -109,6 +117,63 @@ def check_loadable(local_dir: Path, info: CheckpointInfo) -> None:
         raise CorruptCheckpointError(
             f"{info.url}: {STATE_FILE} is not a Lightning checkpoint (no {', '.join(missing)})"
         )
+    if (problem := spot_state_problem(checkpoint)) is not None:
+        raise CorruptCheckpointError(f"{info.url}: {STATE_FILE} holds {problem}")
+
+
+def _check_sharded_meta(path: Path, info: CheckpointInfo) -> None:
+    check_archive_bounds(path)
+    try:
+        meta = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        return  # refused by the real load too, which says so
+    except Exception as err:  # noqa: BLE001 - any failure to read it is damage
+        raise CorruptCheckpointError(
+            f"{info.url}: {SHARDED_META_FILE} cannot be loaded: {type(err).__name__}: {err}"
+        ) from err
+    if not isinstance(meta, dict):
+        raise CorruptCheckpointError(
+            f"{info.url}: {SHARDED_META_FILE} is a {type(meta).__name__}, not a mapping"
+        )
+    if (problem := spot_state_problem(meta)) is not None:
+        raise CorruptCheckpointError(f"{info.url}: {SHARDED_META_FILE} holds {problem}")
+
+
+# A resume applies one of these per rank; more entries than any run has processes are no run's.
+MAX_RANK_STATES = 65536
+
+
+def spot_state_problem(checkpoint: dict[str, Any]) -> str | None:
+    """Why SpotCheckpoint's state in ``checkpoint`` (from a store) would crash the resume after
+    Lightning loaded the weights, or ``None``: it must be a mapping, and its RNG states (one per
+    rank, applied to the global generators) states the generators accept. Other values (the
+    engine's clock and ledger, the batches done, the seed environment) are checked where they are
+    used, and an odd one is ignored with a warning.
+
+    Example:
+        >>> spot_state_problem({"callbacks": {"SpotCheckpoint{}": {"rng": [], "epoch_start_rng": []}}})
+        "SpotCheckpoint's state: rng is an empty list, not one RNG state per rank"
+    """
+    callbacks = checkpoint.get("callbacks")
+    states = [
+        state
+        for key, state in (callbacks.items() if isinstance(callbacks, dict) else ())
+        if isinstance(key, str) and key.startswith("SpotCheckpoint")
+    ]
+    for state in states:
+        if not isinstance(state, dict):
+            return f"SpotCheckpoint's state: a {type(state).__name__}, not a mapping"
+        for key in ("rng", "epoch_start_rng"):
+            per_rank = state.get(key)
+            if not isinstance(per_rank, list) or not 0 < len(per_rank) <= MAX_RANK_STATES:
+                what = "an empty list" if per_rank == [] else f"a {type(per_rank).__name__}"
+                return f"SpotCheckpoint's state: {key} is {what}, not one RNG state per rank"
+            for index, rng in enumerate(per_rank):
+                if rng is None and key == "epoch_start_rng":
+                    continue
+                if (problem := rng_state_problem(rng)) is not None:
+                    return f"SpotCheckpoint's state: {key}[{index}] is no RNG state ({problem})"
+    return None
 
 
 def path_to_load(trainer: Any, resumed: ResumeInfo, state_file: str) -> str:

@@ -48,9 +48,10 @@ from datetime import datetime, timezone
 from typing import Any
 
 import spot_callbacks.settings as settings
-from spot_callbacks.errors import RunLockedError
+from spot_callbacks.errors import ManifestError, RunLockedError
 from spot_callbacks.store.checkpoint_store import CheckpointStore
 from spot_callbacks.store.layout import is_local_fs
+from spot_callbacks.store.manifest_limits import load_bounded_json
 from spot_callbacks.store.transfer import put_bytes
 
 log = logging.getLogger("spot_callbacks")
@@ -70,6 +71,8 @@ CONFIRM_HEARTBEATS = 1.5
 # Past stale_s + this, a store-side age is believed at once: S3 (SigV4), GCS and Azure refuse
 # requests from a host whose clock is off by more than about 15 minutes.
 MAX_CLOCK_SKEW_S = 900.0
+MAX_LOCK_BYTES = 64 * 1024  # a lock is about 200 bytes; a larger one is no run's, and never read whole
+MAX_PID = 2**22  # Linux's pid_max limit: a larger (or negative) pid names no process to check
 
 
 def stale_after_s() -> float:
@@ -142,17 +145,24 @@ class RunLock:
 
     # ----------------------------------------------------------------- reading
     def holder(self) -> dict[str, Any] | None:
-        """The lock's content, or None when there is none (an unreadable lock counts as none)."""
+        """The lock's content, or None when there is none.
+
+        A lock no run wrote (over :data:`MAX_LOCK_BYTES`, not JSON, NaN, nested deeper than a
+        manifest may be, not an object) is ``{"unreadable": why}``: a lock of an unknown run,
+        judged by the store's age of it like any other and taken over once it stays unchanged.
+        """
         try:
+            size = self.store.retry.call(lambda: self.store.fs.size(self.path), f"check {self.url}")
+            if size is not None and size > MAX_LOCK_BYTES:
+                return {"unreadable": f"{size} bytes, more than a lock's {MAX_LOCK_BYTES}"}
             raw = self.store.retry.call(lambda: self.store.fs.cat_file(self.path), f"read {self.url}")
         except FileNotFoundError:
             return None
         try:
-            doc = json.loads(raw)
-        except ValueError:
-            log.warning("spot_callbacks: ignoring the unreadable run lock %s", self.url)
-            return None
-        return doc if isinstance(doc, dict) else None
+            doc = load_bounded_json(raw[: MAX_LOCK_BYTES + 1], self.url)
+        except ManifestError as err:
+            return {"unreadable": str(err)}
+        return doc if isinstance(doc, dict) else {"unreadable": f"a JSON {type(doc).__name__}, not an object"}
 
     def _written_at(self) -> float | None:
         """When the store says the lock object was last written (epoch seconds), or None where the
@@ -174,8 +184,8 @@ class RunLock:
         written = self._written_at()
         if written is not None:
             return time.time() - written, "store"
-        heartbeat = doc.get("heartbeat")
-        return (time.time() - heartbeat if isinstance(heartbeat, (int, float)) else float("inf")), "heartbeat"
+        heartbeat = _heartbeat(doc)
+        return (time.time() - heartbeat if heartbeat is not None else float("inf")), "heartbeat"
 
     def _stale_reason(self, age_s: float, basis: str) -> str:
         what = "it was last written" if basis == "store" else "its heartbeat is"
@@ -191,9 +201,10 @@ class RunLock:
             return f"{FORCE_ENV}=1"
         same_host = doc.get("host") == self._owner["host"]
         pid = doc.get("pid")
+        pid = pid if isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid <= MAX_PID else None
         if same_host and pid == os.getpid():
             return "its owner was an earlier run in this process"
-        if same_host and isinstance(pid, int) and not _pid_alive(pid):
+        if same_host and pid is not None and not _pid_alive(pid):
             return f"its owner, process {pid} on this host, is dead"
         age_s, basis = self._age(doc)
         if basis == "store" and age_s > self.stale_s + MAX_CLOCK_SKEW_S:
@@ -410,10 +421,20 @@ class RunLock:
         )
 
 
+def _heartbeat(doc: dict[str, Any]) -> float | None:
+    """The lock's heartbeat as Unix time, or None for anything a run does not write there."""
+    beat = doc.get("heartbeat")
+    if isinstance(beat, bool) or not isinstance(beat, (int, float)) or not 0 <= beat < 1e11:
+        return None
+    return float(beat)
+
+
 def _owner(doc: dict[str, Any]) -> str:
-    heartbeat = doc.get("heartbeat")
-    age = f"{time.time() - heartbeat:.0f}s ago" if isinstance(heartbeat, (int, float)) else "unknown"
+    if "unreadable" in doc:
+        return f"a lock no run wrote: {str(doc['unreadable'])[:200]}"
+    heartbeat = _heartbeat(doc)
+    age = f"{time.time() - heartbeat:.0f}s ago" if heartbeat is not None else "unknown"
     return (
-        f"host {doc.get('host')!r}, pid {doc.get('pid')}, run {str(doc.get('run_id'))[:8]}, "
-        f"started {doc.get('started')}, last heartbeat {age}"
+        f"host {repr(doc.get('host'))[:80]}, pid {str(doc.get('pid'))[:40]}, run {str(doc.get('run_id'))[:8]}, "
+        f"started {str(doc.get('started'))[:80]}, last heartbeat {age}"
     )
