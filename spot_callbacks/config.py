@@ -21,7 +21,7 @@ import yaml
 import spot_callbacks.settings as settings
 from spot_callbacks._format import parse_duration
 from spot_callbacks.errors import ConfigError
-from spot_callbacks.store.backends import is_local_path, misread_url
+from spot_callbacks.store.backends import glob_in_dirpath, is_local_path, misread_url
 
 PREEMPTION_SOURCES = ("SIGTERM", "SIGUSR1", "SIGINT", "aws", "gcp", "azure")
 ON_PREEMPTION_CHOICES = ("stop", "continue")
@@ -300,6 +300,9 @@ def _check_dirpath(dirpath: Any) -> str:
     if (misread := misread_url(dirpath)) is not None:
         cause, fix = misread
         raise ConfigError(f"dirpath={dirpath!r} has {cause}; {fix}")
+    if (glob := glob_in_dirpath(dirpath)) is not None:
+        cause, fix = glob
+        raise ConfigError(f"dirpath={dirpath!r} {cause}; {fix}")
     return dirpath
 
 

@@ -27,7 +27,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from spot_callbacks import CheckpointStore, ConfigError, RunLockedError, SpotConfig
 from spot_callbacks.cli import main as cli_main
 from spot_callbacks.engine import SpotEngine
-from spot_callbacks.errors import CorruptCheckpointError, LockLostError
+from spot_callbacks.errors import CorruptCheckpointError, LockLostError, StoreUnavailableError
 from spot_callbacks.hf import SpotCheckpointCallback
 from spot_callbacks.lightning import SpotCheckpoint
 from spot_callbacks.store.runlock import RunLock
@@ -57,6 +57,26 @@ def test_a_url_with_one_slash_after_its_scheme_is_refused_before_anything_is_wri
         assert f"dirpath={dirpath!r}" in message and fix in message and "local folder" in message
     assert cli_main(["ls", dirpath]) != 0
     assert list(tmp_path.iterdir()) == []  # no folder named "s3:" (or anything else)
+
+
+@pytest.mark.parametrize("name", ["run[1]", "run*", "run?"])
+def test_a_dirpath_fsspec_would_glob_on_delete_is_refused_and_another_runs_folder_keeps_its_files(
+    name: str, tmp_path: Path
+) -> None:
+    # fsspec's rm expands *, ? and [ in a path: retention deleting under "run[1]" would match "run1".
+    neighbour = CheckpointStore((tmp_path / "run1").as_uri())
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "state.ckpt").write_bytes(b"x" * 10)
+    neighbour.write_checkpoint(3, tmp_path / "src", reason="end", framework="test")
+    dirpath = str(tmp_path / name)
+    with pytest.raises(ConfigError) as refused:
+        SpotConfig(dirpath=dirpath, preemption=[])
+    assert f"dirpath={dirpath!r} contains {name[-1] if name[-1] != ']' else '['!r}" in str(refused.value)
+    assert "name the folder without *, ? and [" in str(refused.value)
+    with pytest.raises(StoreUnavailableError, match="which fsspec expands as a glob"):
+        CheckpointStore(dirpath)
+    assert cli_main(["rm", dirpath, "3"]) != 0
+    assert [info.step for info in neighbour.committed()] == [3]
 
 
 def test_urls_that_are_fine_are_not_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -50,7 +50,7 @@ def resolve_filesystem(dirpath: str, storage_options: dict[str, Any] | None) -> 
         ...
         spot_callbacks.errors.UnknownStoreError: dirpath='s4://bucket/run' cannot hold checkpoints: ...
     """
-    if (misread := misread_url(dirpath)) is not None:
+    if (misread := misread_url(dirpath) or glob_in_dirpath(dirpath)) is not None:
         raise UnknownStoreError(dirpath, *misread)
     protocol, _ = fsspec.core.split_protocol(dirpath)
     if protocol is not None:
@@ -61,6 +61,30 @@ def resolve_filesystem(dirpath: str, storage_options: dict[str, Any] | None) -> 
     except (ImportError, TypeError, ValueError) as err:  # a backend refusing its options as it is built
         raise_diagnosed(dirpath, protocol or "file", err)
         raise
+
+
+GLOB_CHARACTERS = "*?["
+
+
+def glob_in_dirpath(dirpath: str) -> tuple[str, str] | None:
+    """``(cause, fix)`` when ``dirpath`` holds a character fsspec expands as a glob (``*``, ``?``, ``[``):
+    its deletes expand them, so retention could delete another folder's objects that match.
+
+    Example:
+        >>> glob_in_dirpath("s3://bucket/run[1]")[0]
+        "contains '[', which fsspec expands as a glob when it deletes: retention could delete the objects of every folder it matches (s3://bucket/run1, ...)"
+        >>> glob_in_dirpath("s3://bucket/run-1") is None
+        True
+    """
+    found = [char for char in GLOB_CHARACTERS if char in dirpath]
+    if not found:
+        return None
+    example = re.sub(r"\[([^\]]*)\]", r"\1", dirpath).replace("*", "").replace("?", "")
+    cause = (
+        f"contains {found[0]!r}, which fsspec expands as a glob when it deletes: retention could delete "
+        f"the objects of every folder it matches ({example}, ...)"
+    )
+    return cause, "name the folder without *, ? and [ (e.g. with '-' or '_')"
 
 
 def misread_url(dirpath: str) -> tuple[str, str] | None:
