@@ -13,8 +13,10 @@ save (``SPOT_HF_SAVE=trainer`` in the environment). Around each checkpoint, on e
 - *peak extra RSS*: the highest resident memory until the commit over the RSS just before the first
   checkpoint (staging buffers kept for reuse count).
 
-With ``--floor`` it also times the floor: ``copy_`` of this rank's local shards of every parameter
-and optimizer tensor into buffers allocated once (the median of 3). Writes ``rank-N.json``.
+With ``--floor`` it also times the floor at every checkpoint, just before the checkpoint's own span
+starts (side by side, under the same load): ``copy_`` of this rank's local shards of every
+parameter and optimizer tensor into buffers allocated (and touched) once, before the RSS baseline.
+Writes ``rank-N.json``.
 """
 
 from __future__ import annotations
@@ -135,8 +137,15 @@ class Measure:
 class Head(transformers.TrainerCallback):
     def __init__(self, measure: Measure) -> None:
         self.measure = measure
+        self.floor_buffers: list[torch.Tensor] | None = None
+        self.floors_s: list[float] = []
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args_, state, control, **kwargs):
+        if args.floor and state.global_step % args.every == 0:
+            tensors = local_tensors(kwargs["model"], kwargs["optimizer"])
+            if self.floor_buffers is None:  # touched now, so the copy below adds no resident memory
+                self.floor_buffers = [torch.zeros_like(tensor, device="cpu") for tensor in tensors]
+            self.floors_s.append(copy_s(self.floor_buffers, tensors))
         self.measure.step_ended(state.global_step)
 
 
@@ -161,15 +170,11 @@ def local_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> l
     return [tensor.detach() for tensor in tensors]
 
 
-def floor_s(tensors: list[torch.Tensor]) -> float:
-    buffers = [torch.empty_like(tensor, device="cpu") for tensor in tensors]
-    times = []
-    for _ in range(3):
-        started = time.perf_counter()
-        for buffer, tensor in zip(buffers, tensors, strict=True):
-            buffer.copy_(tensor)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+def copy_s(buffers: list[torch.Tensor], tensors: list[torch.Tensor]) -> float:
+    started = time.perf_counter()
+    for buffer, tensor in zip(buffers, tensors, strict=True):
+        buffer.copy_(tensor)
+    return time.perf_counter() - started
 
 
 def main() -> None:
@@ -189,7 +194,7 @@ def main() -> None:
     )  # fmt: skip
     trainer = transformers.Trainer(
         model=Mlp(), args=training_args, train_dataset=Inputs(args.steps * 4 * training_args.world_size),
-        callbacks=[Head(measure), spot, Tail(measure)],
+        callbacks=[head := Head(measure), spot, Tail(measure)],
     )  # fmt: skip
     trainer.train()
     tensors = local_tensors(trainer.model, trainer.optimizer)
@@ -202,7 +207,7 @@ def main() -> None:
         "shard_bytes": sum(tensor.numel() * tensor.element_size() for tensor in tensors),
         "plain_span_s": plain_s,
         "rows": [{**row, "blocked_s": max(row["span_s"] - plain_s, 0.0)} for row in measure.rows],
-        "floor_s": floor_s(tensors) if args.floor else None,
+        "floors_s": head.floors_s if args.floor else None,  # one per checkpoint, as the rows
     }
     with open(os.path.join(args.results, f"rank-{rank}.json"), "w") as handle:
         json.dump(result, handle)

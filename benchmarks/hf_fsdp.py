@@ -8,7 +8,8 @@ checkpoint, time until committed and peak extra host RAM for:
   the Trainer's ``checkpoint-N`` DCP folders from them in the background, rank 0 commits);
 - *hf-trainer*: the same run with ``SPOT_HF_SAVE=trainer`` (the Trainer's synchronous ``dcp.save``,
   then the background upload);
-- *floor*: ``copy_`` of the rank's local shards into buffers allocated once (timed in the hf-staged run);
+- *floor*: ``copy_`` of the rank's local shards into buffers allocated once, timed in the hf-staged
+  run at every checkpoint just before its span (side by side, under the same load);
 - *lightning-sharded*: Lightning's ModelParallelStrategy with SpotCheckpoint (``_sharded_worker.py``).
 
     python benchmarks/hf_fsdp.py                       # ~1.2 GB of state, file:// store
@@ -44,7 +45,7 @@ from sharded import run_mode as run_lightning_mode
 
 WORKER = Path(__file__).with_name("_hf_fsdp_worker.py")
 BUCKET = "hf-fsdp"
-QUICK = {"hidden": 256, "layers": 2, "steps": 6}
+QUICK = {"hidden": 256, "layers": 2, "steps": 7}
 HEADERS = [
     "path", "rank", "rank's shard", "blocked (median)", "blocked / floor", "until committed (median)",
     "peak extra RSS", "peak extra / shard",
@@ -82,12 +83,22 @@ def median_of(result: dict, key: str) -> float:
     return statistics.median(row[key] for row in result["rows"])
 
 
-def row_of(path: str, result: dict, floor_s: float) -> list[str]:
+def floor_ratio(result: dict, floors_s: list[float], same_run: bool) -> float:
+    """The median over checkpoints of blocked / floor: each checkpoint against the floor timed beside it
+    (``same_run``), else against the median floor (the rows are another run's)."""
+    blocked = [row["blocked_s"] for row in result["rows"]]
+    if not same_run or len(floors_s) != len(blocked):
+        floors_s = [statistics.median(floors_s)] * len(blocked)
+    return statistics.median(b / f for b, f in zip(blocked, floors_s, strict=True))
+
+
+def row_of(path: str, result: dict, floors_s: list[float], same_run: bool = False) -> list[str]:
     shard_mb = result["shard_bytes"] / 1e6
     peak_mb = max(row["peak_extra_bytes"] for row in result["rows"]) / 1e6
     blocked_s = median_of(result, "blocked_s")
+    ratio = floor_ratio(result, floors_s, same_run)
     return [
-        path, str(result["rank"]), f"{shard_mb:.0f} MB", f"{blocked_s:.3f} s", f"{blocked_s / floor_s:.2f}x",
+        path, str(result["rank"]), f"{shard_mb:.0f} MB", f"{blocked_s:.3f} s", f"{ratio:.2f}x",
         f"{median_of(result, 'committed_s'):.2f} s", f"{peak_mb:.0f} MB", f"{peak_mb / shard_mb:.2f}x",
     ]  # fmt: skip
 
@@ -95,7 +106,7 @@ def row_of(path: str, result: dict, floor_s: float) -> list[str]:
 def floor_row(result: dict) -> list[str]:
     shard_mb = result["shard_bytes"] / 1e6
     return ["floor (copy_ into kept buffers)", str(result["rank"]), f"{shard_mb:.0f} MB",
-            f"{result['floor_s']:.3f} s", "1.00x", "-", "-", "-"]  # fmt: skip
+            f"{statistics.median(result['floors_s']):.3f} s", "1.00x", "-", "-", "-"]  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -103,7 +114,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--every", type=int, default=3, help="checkpoint every N steps")
-    parser.add_argument("--steps", type=int, default=9)
+    # One step past the last measured checkpoint: the end-of-training save, and the wait for its
+    # commit inside the Trainer's on_train_end, fall into no checkpoint's row.
+    parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--store", choices=["s3", "file"], default="file")
     add_common_args(parser)
     args = parser.parse_args(argv)
@@ -116,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     params = args.layers * (args.hidden * args.hidden + args.hidden)
     state_gb = params * 4 * 3 / 1e9  # fp32 weights + AdamW's two moments
     workdir = Path(tempfile.mkdtemp(prefix="spot-hf-fsdp-"))
+    load_start = " ".join(f"{value:.2f}" for value in os.getloadavg())
     started = time.monotonic()
     try:
         with open_store(args.store, workdir, BUCKET) as (url, options):
@@ -125,11 +139,12 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     total_s = time.monotonic() - started
-    floors = {result["rank"]: result["floor_s"] for result in staged}
+    load_end = " ".join(f"{value:.2f}" for value in os.getloadavg())
+    floors = {result["rank"]: result["floors_s"] for result in staged}
     for result in lightning:
         result["rows"] = [{**row, "blocked_s": row["blocked_s"]} for row in result["rows"]]
     rows = [
-        *(row_of("HF FSDP, staged (spot_callbacks)", r, floors[r["rank"]]) for r in staged),
+        *(row_of("HF FSDP, staged (spot_callbacks)", r, floors[r["rank"]], same_run=True) for r in staged),
         *(row_of("HF FSDP, the Trainer's save", r, floors[r["rank"]]) for r in trainer),
         *(floor_row(r) for r in staged),
         *(row_of("Lightning sharded (spot_callbacks)", r, floors[r["rank"]]) for r in lightning),
@@ -144,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print_rich_table(HEADERS, rows, title, left=["path"])
     print(
-        f"HF staged blocked / Lightning sharded blocked, per rank: {', '.join(f'{r:.2f}x' for r in ratios)}"
+        f"HF staged blocked / Lightning sharded blocked, per rank: {', '.join(f'{r:.2f}x' for r in ratios)}; "
+        f"load average at start {load_start}, at end {load_end}"
     )
     command = (
         f"python benchmarks/hf_fsdp.py --hidden {args.hidden} --layers {args.layers} --every {args.every} "
@@ -157,11 +173,14 @@ def main(argv: list[str] | None = None) -> int:
             versions_line(("torch", "transformers", "accelerate", "lightning")),
             f" ({total_s:.0f} s)",
         ),
+        f"- Load average (1/5/15 min) at start: {load_start}; at end: {load_end}.",
         f"- {title}. *blocked*: HF: from the first callback's `on_step_end` of a checkpoint step to the last "
         "callback's `on_step_begin` of the next, less the same span at a step without a checkpoint; Lightning: "
         "the wait at the step boundary. *until committed*: from the step to the manifest written. *peak extra "
         "RSS*: the highest resident memory until the commit over the RSS before the first checkpoint (reused "
-        "staging buffers included). *floor*: `copy_` of the rank's local shards into buffers allocated once. "
+        "staging buffers included). *floor*: `copy_` of the rank's local shards into buffers allocated once, "
+        "timed in the staged run at every checkpoint just before its span (*blocked / floor*: the median "
+        "of each checkpoint's ratio to the floor beside it; for the other runs, to the median floor). "
         f"HF staged blocked / Lightning sharded blocked: {', '.join(f'{r:.2f}x' for r in ratios)} (rank 0, 1).",
         "",
         *markdown_table(HEADERS, rows),
