@@ -245,7 +245,7 @@ DATA_PLANE = Knob(
     "`auto`, `fsspec`, `boto3` or `obstore`",
 )  # fmt: skip
 TRANSFER_BUFFER_MB = Knob(
-    "SPOT_TRANSFER_BUFFER_MB", 128, positive_int,
+    "SPOT_TRANSFER_BUFFER_MB", 96, positive_int,
     "MiB of payload the data plane holds in memory at once, all files together (at least 4)",
 )  # fmt: skip
 

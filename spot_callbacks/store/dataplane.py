@@ -25,7 +25,7 @@ Knobs (in :mod:`spot_callbacks.settings`):
   pulls too; az: fsspec), ``obstore`` (s3: obstore must pull; a store it cannot serve falls back
   to fsspec).
 - ``SPOT_TRANSFER_BUFFER_MB``: payload bytes held in memory at once by the data plane, all files
-  together (default 128; see :class:`~spot_callbacks.store.clients.base.TransferBudget`).
+  together (default 96; see :class:`~spot_callbacks.store.clients.base.TransferBudget`).
 """
 
 from __future__ import annotations
@@ -70,17 +70,17 @@ def data_plane_choice(environ: Mapping[str, str] | None = None) -> str:
 
 
 def transfer_budget(environ: Mapping[str, str] | None = None) -> TransferBudget:
-    """``$SPOT_TRANSFER_BUFFER_MB``: the data plane's memory for payload bytes in flight (MiB, default 128).
+    """``$SPOT_TRANSFER_BUFFER_MB``: the data plane's memory for payload bytes in flight (MiB, default 96).
 
     Example:
         >>> transfer_budget({}).buffer_bytes // MiB, transfer_budget({"SPOT_TRANSFER_BUFFER_MB": "64"}).buffer_bytes // MiB
-        (128, 64)
+        (96, 64)
     """
     megabytes = settings.TRANSFER_BUFFER_MB.value(environ)
     if megabytes < MIN_BUFFER_MB:
         raise ConfigError(
             f"{BUFFER_ENV}={megabytes!r} is too small a buffer; use a number of MiB >= {MIN_BUFFER_MB}, "
-            f"e.g. {BUFFER_ENV}=128"
+            f"e.g. {BUFFER_ENV}=96"
         )
     return TransferBudget(megabytes * MiB)
 
