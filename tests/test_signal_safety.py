@@ -18,7 +18,10 @@ LIMIT_S = 60
 
 
 def run_child(body: str) -> subprocess.CompletedProcess[str]:
-    code = "import os, signal, threading, time\n" + textwrap.dedent(body)
+    # A job a shell starts in the background (`cmd &`, nohup) inherits SIGINT ignored, and the watcher
+    # rightly leaves an ignored SIGINT alone: the child starts from Python's own handler.
+    prelude = "import os, signal, threading, time\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+    code = prelude + textwrap.dedent(body)
     try:
         return subprocess.run(
             [sys.executable, "-c", code], capture_output=True, text=True, timeout=LIMIT_S, check=False
