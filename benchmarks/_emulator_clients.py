@@ -25,12 +25,11 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # before gc
 import json
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from _servers import gcs_options
-from _transfer_clients import PeakRss, cpu_s, rss_bytes
+from _transfer_clients import PeakRss, cpu_s, obstore_transfer, rss_bytes
 
 MiB = 2**20
 
@@ -79,7 +78,6 @@ def raw_fsspec(spec: dict[str, Any]) -> Any:
 
 
 def raw_obstore_azure(spec: dict[str, Any]) -> Any:
-    import obstore
     from _servers import AZURITE_ACCOUNT, AZURITE_KEY
     from obstore.store import AzureStore
 
@@ -88,25 +86,7 @@ def raw_obstore_azure(spec: dict[str, Any]) -> Any:
         spec["bucket"], config={"account_name": AZURITE_ACCOUNT, "account_key": AZURITE_KEY, "endpoint": endpoint},
         client_options={"allow_http": True, "timeout": "1h"},
     )  # fmt: skip
-    obstore.list(store, prefix="nothing").collect()
-    keys = [f"{spec['prefix']}/step-000000001/{name}" for name in spec["names"]]
-    pool = ThreadPoolExecutor(8)
-    if spec["direction"] == "upload":
-        srcs = [Path(spec["src"]) / name for name in spec["names"]]
-
-        def put(pair: tuple[Path, str]) -> None:
-            obstore.put(store, pair[1], pair[0], chunk_size=16 * MiB, max_concurrency=8)
-
-        return lambda: list(pool.map(put, zip(srcs, keys, strict=True)))
-    os.makedirs(spec["dest"], exist_ok=True)
-
-    def get(pair: tuple[str, str]) -> None:
-        with open(pair[1], "wb") as handle:
-            for chunk in obstore.get(store, pair[0]).stream(min_chunk_size=16 * MiB):
-                handle.write(chunk)
-
-    dests = [os.path.join(spec["dest"], name) for name in spec["names"]]
-    return lambda: list(pool.map(get, zip(keys, dests, strict=True)))
+    return obstore_transfer(store, spec)
 
 
 CLIENTS = {

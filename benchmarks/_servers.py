@@ -47,7 +47,8 @@ def _wait_until_up(proc: subprocess.Popen[bytes], endpoint: str) -> None:
             return
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
+def stop_server(proc: subprocess.Popen[bytes]) -> None:
+    """Terminate a server process, killing it if it does not end within 15 s."""
     if proc.poll() is None:
         proc.terminate()
         try:
@@ -89,7 +90,7 @@ def moto_server(workdir: Path) -> Iterator[str]:
             yield endpoint
             return
         finally:
-            _stop(proc)
+            stop_server(proc)
 
 
 def s3_options(endpoint: str) -> dict[str, Any]:
@@ -163,7 +164,7 @@ def _serve(
             yield port
             return
         finally:
-            _stop(proc)
+            stop_server(proc)
 
 
 def azurite_binary() -> str:

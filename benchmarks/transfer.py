@@ -52,7 +52,7 @@ from _common import (
     section_head,
     versions_line,
 )
-from _servers import free_port
+from _servers import free_port, stop_server
 from _transfer_clients import KEY, SECRET
 
 BENCH_NAME = "transfer: the project's upload and pull vs raw S3 clients (nanio on loopback)"
@@ -93,12 +93,7 @@ def nanio_server(data_dir: Path, workers: int) -> Iterator[str]:
                 proc.wait(timeout=0.1)
         yield endpoint
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=15)
+        stop_server(proc)
         log.close()
 
 
