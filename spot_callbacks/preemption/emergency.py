@@ -155,8 +155,7 @@ class Emergency:
             return True
         started = time.monotonic()
         ends = None if timeout is None else started + timeout
-        with contextlib.ExitStack() as bars:  # on a terminal, once the wait is said: the upload's bars
-            finished = self._wait_for_uploads(persister, step, timeout, say, bars)
+        finished = self._wait_for_uploads(persister, step, timeout, started, say)
         if finished is None:  # the time ran out
             return False
         notice = self.watcher.notice
@@ -183,46 +182,48 @@ class Emergency:
         persister: Waitable,
         step: int | None,
         timeout: float | None,
+        started: float,
         say: bool,
-        bars: contextlib.ExitStack,
     ) -> bool | None:
         """Wait for every upload until a notice arrives: True once done, False at a notice, None when
-        ``timeout`` ran out. ``say``: after :data:`SAY_WAIT_AFTER_S`, what is waited for, then its progress
-        (bars on a terminal, else a line every ``$SPOT_PROGRESS_EVERY_S``)."""
-        started = time.monotonic()
+        ``timeout`` (from ``started``) ran out. ``say``: after :data:`SAY_WAIT_AFTER_S`, what is waited
+        for, then its progress (bars on a terminal, else a line every ``$SPOT_PROGRESS_EVERY_S``)."""
         ends = None if timeout is None else started + timeout
         said_at: float | None = None  # a wait shorter than SAY_WAIT_AFTER_S is not news
-        on_terminal = is_terminal(sys.stderr)
-        while self.watcher.notice is None:
-            left = None if ends is None else ends - time.monotonic()
-            if persister.wait(timeout=NOTICE_CHECK_S if left is None else max(min(left, NOTICE_CHECK_S), 0)):
-                return True
-            if left is not None and left <= NOTICE_CHECK_S:
-                return None
-            now = time.monotonic()
-            if not say or self.watcher.notice is not None:
-                continue
-            if said_at is None and now - started >= SAY_WAIT_AFTER_S:
-                said_at = now
-                limit = (
-                    f"at most {timeout:.0f}s"
-                    if timeout is not None
-                    else "no limit but the store's upload timeouts"
-                )
-                log.info(
-                    "spot_callbacks: waiting for the upload of the checkpoint of step %s to commit (%s)%s; a "
-                    "preemption notice or Ctrl-C meanwhile makes it an emergency with that notice's deadline",
-                    step, limit, _upload_state(persister),
-                )  # fmt: skip
-                if on_terminal:
-                    bars.enter_context(_upload_progress(persister, None, f"uploading step {step}", True))
-            elif said_at is not None and not on_terminal and now - said_at >= progress_every_s():
-                said_at = now
-                log.info(
-                    "spot_callbacks: still waiting for the upload of step %s (%.0fs so far)%s",
-                    step, now - started, _upload_state(persister),
-                )  # fmt: skip
-        return False
+        on_terminal, every_s = is_terminal(sys.stderr), progress_every_s()
+        with contextlib.ExitStack() as bars:  # on a terminal, once the wait is said: the upload's bars
+            while self.watcher.notice is None:
+                left = None if ends is None else ends - time.monotonic()
+                if persister.wait(
+                    timeout=NOTICE_CHECK_S if left is None else max(min(left, NOTICE_CHECK_S), 0)
+                ):
+                    return True
+                if left is not None and left <= NOTICE_CHECK_S:
+                    return None
+                now = time.monotonic()
+                if not say or self.watcher.notice is not None:
+                    continue
+                if said_at is None and now - started >= SAY_WAIT_AFTER_S:
+                    said_at = now
+                    limit = (
+                        f"at most {timeout:.0f}s"
+                        if timeout is not None
+                        else "no limit but the store's upload timeouts"
+                    )
+                    log.info(
+                        "spot_callbacks: waiting for the upload of the checkpoint of step %s to commit (%s)%s; a "
+                        "preemption notice or Ctrl-C meanwhile makes it an emergency with that notice's deadline",
+                        step, limit, _upload_state(persister),
+                    )  # fmt: skip
+                    if on_terminal:
+                        bars.enter_context(_upload_progress(persister, None, f"uploading step {step}", True))
+                elif said_at is not None and not on_terminal and now - said_at >= every_s:
+                    said_at = now
+                    log.info(
+                        "spot_callbacks: still waiting for the upload of step %s (%.0fs so far)%s",
+                        step, now - started, _upload_state(persister),
+                    )  # fmt: skip
+            return False
 
     def exit_if_noticed_at_exit(self) -> None:
         """A notice came while the last uploads finished: the run stops as preempted (``SystemExit(143)``),
