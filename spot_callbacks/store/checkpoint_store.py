@@ -89,6 +89,7 @@ class CheckpointStore:
         # What moves payload bytes (store/dataplane.py), built from self.fs and serving it only: a
         # filesystem swapped in later (a wrapper that counts or injects faults) gets fsspec itself.
         self.data_plane: DataPlane = dataplane.select_data_plane(self.fs)
+        self._warming: threading.Thread | None = None  # the warm-up's thread, once started
         self.retry = retry or RetryPolicy()
         self.upload_timeout = upload_timeout or UploadTimeout.from_env()
         self._warned: set[tuple[int, str]] = set()
@@ -125,8 +126,10 @@ class CheckpointStore:
         return plane
 
     def warm_data_plane(self) -> threading.Thread | None:
-        """Build the payload clients in a thread now (:func:`dataplane.warm_in_background`); join it to wait."""
-        return dataplane.warm_in_background(self.data_plane, self.fs, self.root)
+        """Build the payload clients in a thread, once per store (:func:`dataplane.warm_in_background`)."""
+        if self._warming is None:
+            self._warming = dataplane.warm_in_background(self.data_plane, self.fs, self.root)
+        return self._warming
 
     # ---------------------------------------------------------------- reading
     def step_folders(self) -> dict[int, str]:
