@@ -76,12 +76,13 @@ def _parse_unit_string(text: str, original: str, key: str) -> float:
         return sum(
             float(amount) * unit for amount, unit in zip(iso.groups(), _ISO_UNITS_S, strict=True) if amount
         )
-    position, total, last_unit_s = 0, 0.0, None
+    position, total = 0, 0.0
+    last_unit_s: float | None = None
     while position < len(text):
         match = _DURATION_PART.match(text, position)
         if match is None or match.group(2) not in _DURATION_UNITS_S:
             tail = _BARE_TAIL.fullmatch(text, position)
-            if tail is None or last_unit_s not in _NEXT_SMALLER_UNIT_S:
+            if tail is None or last_unit_s is None or last_unit_s not in _NEXT_SMALLER_UNIT_S:
                 raise ConfigError(f"{key}={original!r} is not a duration; {DURATION_HELP}")
             return total + float(tail.group(1)) * _NEXT_SMALLER_UNIT_S[last_unit_s]
         last_unit_s = _DURATION_UNITS_S[match.group(2)]

@@ -22,7 +22,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import spot_callbacks.settings as settings
 from spot_callbacks._dist import (
@@ -80,7 +80,9 @@ class SpotEngine:
         settings.check_all()  # a bad SPOT_* value fails here, before the first step
         self.config = config
         self.framework = framework
-        self.store = CheckpointStore(config.dirpath, storage_options=config.storage_options)
+        # SpotConfig.__post_init__ turned a JSON string or file name into the dict.
+        options = cast("dict[str, Any] | None", config.storage_options)
+        self.store = CheckpointStore(config.dirpath, storage_options=options)
         self.scratch_root = claim_scratch_root(self.store.url, config.scratch_dir)  # and sweep
         self.trigger = CheckpointTrigger(
             config.interval_seconds, config.every_n_steps, auto=config.interval_is_auto,

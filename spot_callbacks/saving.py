@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 from spot_callbacks._dist import (
     barrier,
@@ -239,8 +239,9 @@ class CheckpointWriter:
             self._adopted_copy = None
             return persister
         if self.persister_kind is not kind:
+            assert self.persister_kind is not None  # set with the persister
             raise RuntimeError(self.persister_kind.mixing_error(kind))
-        return self.persister  # type: ignore[return-value] - made by this kind
+        return cast(P, self.persister)  # made by this kind
 
     def save_state(
         self, step: int, epoch: int | None, state: Any, reason: str, extra: dict[str, Any] | None = None

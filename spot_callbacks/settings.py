@@ -162,16 +162,16 @@ SCRATCH = Knob(
     "fast local disk for staging when `scratch_dir` is not given (default: a per-user folder in the temp dir)",
     "folder",
 )  # fmt: skip
-SCRATCH_KEEP_S = Knob(
+SCRATCH_KEEP_S: Knob[float | None] = Knob(
     "SPOT_SCRATCH_KEEP_S", 7 * 86400.0, seconds_or_off,
     "when a run starts, other dirpaths' scratch folders unused this long and held by no live run are "
     "deleted (`off`: keep them; `spot-callbacks scratch` lists them)",
 )  # fmt: skip
-STORE_TIMEOUT_S = Knob(
+STORE_TIMEOUT_S: Knob[float | None] = Knob(
     "SPOT_STORE_TIMEOUT_S", 60.0, seconds_or_off,
     "how long one attempt of a storage call (list, read, manifest) may take before it is retried",
 )  # fmt: skip
-UPLOAD_TIMEOUT_S = Knob(
+UPLOAD_TIMEOUT_S: Knob[float | None] = Knob(
     "SPOT_UPLOAD_TIMEOUT_S", 120.0, seconds_or_off,
     "the floor of one upload attempt's timeout; its size at `SPOT_UPLOAD_MIN_MBPS` is added",
 )  # fmt: skip

@@ -19,7 +19,7 @@ import zipfile
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import numpy as np
 import torch
@@ -150,7 +150,6 @@ class _StageContext:
         self.area = area
         self.nbytes = 0
         self.aliases: dict[_TensorKey, torch.Tensor] = {}
-        self.used_paths: set[tuple[Any, ...]] = set()
         self.cuda_devices: set[torch.device] = set()
 
     def copy(self, value: Any, path: tuple[Any, ...]) -> Any:
@@ -164,10 +163,10 @@ class _StageContext:
                 duplicate._metadata = copy.deepcopy(value._metadata)
             return duplicate
         if isinstance(value, Mapping):
-            duplicate = copy.copy(value)
+            mapping: Any = copy.copy(value)  # a Mapping subclass that supports item assignment
             for key, item in value.items():
-                duplicate[key] = self.copy(item, (*path, key))
-            return duplicate
+                mapping[key] = self.copy(item, (*path, key))
+            return mapping
         if type(value) is list:
             return [self.copy(item, (*path, index)) for index, item in enumerate(value)]
         if type(value) is tuple:
@@ -184,9 +183,9 @@ class _StageContext:
             copied = tensor.to("cpu", copy=True)
             self.nbytes += _tensor_nbytes(copied)
             return copied
-        key = (
+        key: _TensorKey = (
             tensor.untyped_storage().data_ptr(),
-            tensor.storage_offset(),
+            int(tensor.storage_offset()),
             tuple(tensor.shape),
             tuple(tensor.stride()),
             tensor.dtype,
@@ -242,7 +241,7 @@ def write_state(staged: StagedState, path: str | os.PathLike[str]) -> FileDigest
     try:
         with open(tmp, "wb") as raw:
             writer = ChecksumWriter(raw)
-            torch.save(staged.state, writer)
+            torch.save(staged.state, cast(IO[bytes], writer))  # a write-only file object
         os.replace(tmp, target)
     except BaseException as err:
         tmp.unlink(missing_ok=True)

@@ -106,7 +106,7 @@ class RunAccounts:
         load_s = time.perf_counter() - pulled_at
         self.ledger = ledger_after_resume(info, self.created_at, pull_s, load_s, self.dead_run)
         record = self.ledger.recent_resumes[-1]
-        if record.from_reason == DIED_UNCOMMITTED:
+        if record.from_reason == DIED_UNCOMMITTED and self.dead_run is not None:
             log.warning(
                 "spot_callbacks: the previous run (its stale run lock says: started %s, last heartbeat "
                 "%s later) died before committing anything: an interruption that lost at least %s of work",

@@ -34,7 +34,7 @@ import statistics
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 EMERGENCY_REASONS = ("preemption", "exception")  # taken when the interruption came: nothing lost
 CONTINUATION_REASONS = ("end",)  # a finished run continued later: not an interruption
@@ -150,9 +150,10 @@ class ResumeRecord:
             or not isinstance(measured, bool)
         ):
             return None
+        known = cast(dict[str, float], seconds)  # None was refused above
         return cls(
-            from_step=int(step), from_reason=reason, resumed_at=seconds["resumed_at"], pull_s=seconds["pull_s"],
-            load_s=seconds["load_s"], lost_work_s=seconds["lost_work_s"], lost_work_measured=measured,
+            from_step=int(cast(int, step)), from_reason=reason, resumed_at=known["resumed_at"],
+            pull_s=known["pull_s"], load_s=known["load_s"], lost_work_s=known["lost_work_s"], lost_work_measured=measured,
             downtime_s=None if downtime is None else float(downtime),
         )  # fmt: skip
 

@@ -224,7 +224,7 @@ def _persist_row(history: RunHistory, records: Sequence[Any]) -> str:
 
 def resume_rows(history: RunHistory) -> list[tuple[str, ...]]:
     """The recent resumes as table rows: resumed (UTC), from step, after, pull, load, lost work, downtime."""
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for record in history.ledger.recent_resumes:
         when = datetime.fromtimestamp(record.resumed_at, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         lost = format_seconds(record.lost_work_s)

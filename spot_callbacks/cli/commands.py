@@ -350,7 +350,7 @@ def _hours(text: str) -> float:
         return _positive(text)
     except argparse.ArgumentTypeError:
         try:
-            seconds = float(parse_duration(text, key="work-hours"))
+            seconds = parse_duration(text, key="work-hours") or 0.0
         except ConfigError:
             raise argparse.ArgumentTypeError(
                 f"{text!r} is not a duration; use hours (e.g. 100) or e.g. '100h', '90min', '3d'"
@@ -365,7 +365,7 @@ def _duration(text: str) -> float:
         return _number(text, "a number of seconds")
     except argparse.ArgumentTypeError:
         try:
-            return float(parse_duration(text, key="seconds"))
+            return parse_duration(text, key="seconds") or 0.0
         except ConfigError:
             raise argparse.ArgumentTypeError(
                 f"{text!r} is not a duration; use seconds (e.g. 45) or e.g. '90s', '5min', '1h'"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, TextIO
 
 from spot_callbacks._format import printable
@@ -43,7 +43,7 @@ CHECKPOINT_RIGHT_ALIGNED = {1, 4}
 
 
 def plain_table(
-    rows: list[tuple[str, ...]],
+    rows: Sequence[tuple[str, ...]],
     headers: tuple[str, ...] = CHECKPOINT_HEADERS,
     right_aligned: set[int] = CHECKPOINT_RIGHT_ALIGNED,
 ) -> list[str]:

@@ -27,8 +27,9 @@ import os
 import random
 import signal
 import sys
+import types
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import safetensors.torch
@@ -81,8 +82,13 @@ def bypass_jit_sigterm_handler(store_url: str) -> None:
         )
 
 
-def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
-    """The Trainer's folder of ``step``: ``output_dir/checkpoint-N``."""
+def checkpoint_dir(output_dir: str | Path | None, step: int) -> Path:
+    """The Trainer's folder of ``step``: ``output_dir/checkpoint-N``.
+
+    ``TrainingArguments`` types ``output_dir`` as optional but sets it by the time a Trainer exists.
+    """
+    if output_dir is None:
+        raise ValueError("spot_callbacks: TrainingArguments.output_dir is not set")
     return Path(output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{step}"
 
 
@@ -101,7 +107,7 @@ def local_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
 # (``Trainer._inner_training_loop`` calls ``on_train_begin``).
 def running_trainer() -> transformers.Trainer | None:
     """The Trainer whose event is running now, or ``None`` when none is on the call stack."""
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:
         candidate = frame.f_locals.get("self")
         if isinstance(candidate, transformers.Trainer):
@@ -160,7 +166,8 @@ def fsdp_saves_adapters_only() -> bool:
     """Whether the Trainer's FSDP save of a PEFT model holds its active adapter only
     (``get_fsdp_ckpt_kwargs()`` in ``transformers.trainer``: ``adapter_only`` where accelerate takes it)."""
     kwargs_of = getattr(transformers.trainer, "get_fsdp_ckpt_kwargs", dict)  # as the Trainer calls it
-    return bool(kwargs_of().get("adapter_only", False))
+    kwargs: dict[str, Any] = kwargs_of()
+    return bool(kwargs.get("adapter_only", False))
 
 
 def rng_states(args: Any) -> dict[str, Any]:
@@ -196,16 +203,18 @@ def trainer_state_at_save(trainer: transformers.Trainer) -> Any:
         if best.exists():
             trainer.state.best_model_checkpoint = state.best_model_checkpoint = str(best)
     exportable = transformers.trainer_callback.ExportableState
+    # A dict of callback name -> state at run time; transformers annotates the field as a list.
+    stateful = cast(dict[str, Any], state.stateful_callbacks)
     for callback in [*trainer.callback_handler.callbacks, trainer.control]:
         if not isinstance(callback, exportable):
             continue
         name, callback_state = type(callback).__name__, copy.deepcopy(callback.state())
         if callback is trainer.control:
             callback_state["args"]["should_save"] = True  # as it reads while the Trainer saves
-        if isinstance(state.stateful_callbacks.get(name), list):
-            state.stateful_callbacks[name].append(callback_state)
+        if isinstance(stateful.get(name), list):
+            stateful[name].append(callback_state)
         else:
-            state.stateful_callbacks[name] = callback_state
+            stateful[name] = callback_state
     return state
 
 
@@ -336,10 +345,11 @@ def never_rebuild_from_checkpoints() -> None:
             for callback in self.callback_handler.callbacks
             if getattr(type(callback), NEVER_RESTORED_MARK, False)
         }
-        named = sorted(ours & set(self.state.stateful_callbacks))
+        stateful = cast(dict[str, Any], self.state.stateful_callbacks)  # a dict at run time
+        named = sorted(ours & set(stateful))
         if named and self.args.restore_callback_states_from_checkpoint:
             for name in named:
-                del self.state.stateful_callbacks[name]
+                del stateful[name]
             log.warning(
                 "spot_callbacks: the checkpoint's trainer_state.json names %s in stateful_callbacks; ignored: "
                 "a checkpoint never rebuilds this callback (the one passed to the Trainer stays, with its "
@@ -348,7 +358,7 @@ def never_rebuild_from_checkpoints() -> None:
         original(self)
 
     setattr(_load_callback_state, NEVER_RESTORED_MARK, True)
-    transformers.Trainer._load_callback_state = _load_callback_state
+    transformers.Trainer._load_callback_state = _load_callback_state  # type: ignore[method-assign]
 
 
 def release_runs_when_train_unwinds() -> None:

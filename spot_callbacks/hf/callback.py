@@ -161,6 +161,7 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
         if action.emergency and not action.save:  # this step is saved already: only wait and stop
             self._after_emergency(control, action.notice)
         elif (asked := action if action.save else dropped) is not None:
+            assert asked.reason is not None  # a save always carries its reason
             request = SaveRequest(step, asked.reason, asked.notice)
         elif step >= state.max_steps and (reason := self.engine.end_reason(step)) is not None:
             request = SaveRequest(step, reason)
@@ -234,7 +235,9 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
         self._submit_staged(control)
         if self._saves.check_dropped(state.global_step, compat.save_strategy(args)):
             # The epoch-end save point comes next, at the same step: ask there.
-            self._saves.ask(self._saves.take_dropped())
+            dropped = self._saves.take_dropped()
+            assert dropped is not None  # check_dropped() just kept it
+            self._saves.ask(dropped)
             control.should_save = True
         elif control.should_save and not self.engine.needs_checkpoint(state.global_step):
             # save_strategy="epoch" on a step we just saved: the folder exists, do not rewrite it.

@@ -34,7 +34,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import transformers
@@ -102,6 +102,12 @@ class StagedSaves:
         self.pending: StagedCheckpoint | None = None
         self._said: set[str] = set()
 
+    def _live_trainer(self) -> transformers.Trainer:
+        trainer = self._trainer()
+        if trainer is None:  # start() saw no Trainer, or it was garbage-collected: nothing to stage from
+            raise RuntimeError("spot_callbacks: the Trainer of this train() is gone")
+        return trainer
+
     def start(self, trainer: transformers.Trainer | None, args: Any, spans_nodes: bool) -> None:
         """At ``on_train_begin`` (every rank): choose the path for this run and log it once."""
         self._trainer = weakref.ref(trainer) if trainer is not None else (lambda: None)
@@ -161,8 +167,9 @@ class StagedSaves:
         """At ``on_step_end``: snapshot the tensors and RNG streams (the writer rank stages them all,
         or, for :attr:`every_rank`, every rank what it writes)."""
         started = time.perf_counter()
-        trainer = self._trainer()
-        staged, layouts = None, None
+        trainer = self._live_trainer()
+        staged: StagedState | None = None
+        layouts: dict[tuple[Any, ...], Any] | None = None
         if self.every_rank:
             layouts = {}
             staged = staging.stage(rank_state(trainer, self.sharded, layouts, self.adapters))
@@ -188,7 +195,7 @@ class StagedSaves:
         if pending.staged is not None:
             pending.staged.wait_copied()
             pending.staged.release()
-        output_dir = self._trainer().args.output_dir
+        output_dir = self._live_trainer().args.output_dir
         shutil.rmtree(
             partial_folder(compat.checkpoint_dir(output_dir, pending.request.step)), ignore_errors=True
         )
@@ -202,14 +209,18 @@ class StagedSaves:
         not persisted, the step was checkpointed already).
         """
         pending, self.pending = self.pending, None
+        if pending is None:
+            raise RuntimeError("spot_callbacks: submit() without a staged checkpoint (stage() first)")
         started = time.perf_counter()
-        trainer = self._trainer()
+        trainer = self._live_trainer()
         trainer_state = compat.trainer_state_at_save(trainer)
         step, reason = pending.request.step, pending.request.reason
         folder = compat.checkpoint_dir(trainer.args.output_dir, step)
         stall_s = pending.blocked_s + time.perf_counter() - started
 
         def write(target: Path) -> dict[str, FileDigest]:
+            if pending.staged is None:
+                raise RuntimeError("spot_callbacks: this rank staged nothing to write")
             write_checkpoint_folder(trainer, pending.staged, trainer_state, target, self.adapters)
             return {}  # the pipeline checksums the folder as it uploads it
 
@@ -283,16 +294,26 @@ def rank_state(
         state["model"] = fsdp.local_shards(model, layouts, ("model",))
         state["optimizer"] = fsdp.local_shards(optimizer, layouts, ("optimizer",))
     elif args.should_save:
-        state["model"] = peft.state() if peft is not None else trainer.model.state_dict()
+        state["model"] = peft.state() if peft is not None else _built(trainer.model, "model").state_dict()
         if not only_model:
-            state["optimizer"] = trainer.optimizer.state_dict()
+            state["optimizer"] = _built(trainer.optimizer, "optimizer").state_dict()
     if args.should_save and not only_model:
-        state["scheduler"] = trainer.lr_scheduler.state_dict()
+        state["scheduler"] = _built(trainer.lr_scheduler, "lr_scheduler").state_dict()
         scaler = compat.grad_scaler(trainer)
         state["scaler"] = None if scaler is None else scaler.state_dict()
     if not only_model:
         state["rng"] = compat.rng_states(args)
     return state
+
+
+_T = TypeVar("_T")
+
+
+def _built(part: _T | None, name: str) -> _T:
+    """``part`` of the Trainer, which exists once training began (a step boundary is past that)."""
+    if part is None:
+        raise RuntimeError(f"spot_callbacks: the Trainer has no {name} at a step boundary")
+    return part
 
 
 def write_rank_files(
@@ -311,8 +332,9 @@ def write_rank_files(
     leftover and renames its node's hidden folder to ``folder`` once every rank's files are in; on a
     folder several nodes share, the first rename wins.
     """
-    pending.staged.wait_copied()
-    state, step = pending.staged.state, pending.request.step
+    staged = _built(pending.staged, "staged state")
+    staged.wait_copied()
+    state, step = staged.state, pending.request.step
     partial = partial_folder(folder)
     node_main = trainer.args.local_process_index == 0
     group.agree(lambda: _clear_leftovers(folder) if node_main else None, "clear a leftover", folder, step)

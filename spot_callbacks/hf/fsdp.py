@@ -154,7 +154,9 @@ class _CpuMeshes:
 _MESHES = _CpuMeshes()
 
 
-def local_shards(state: Any, layouts: dict[tuple[Any, ...], ShardLayout], path: tuple[Any, ...] = ()) -> Any:
+def local_shards(
+    state: Any, layouts: dict[tuple[Any, ...], ShardLayout | ShardedTensorLayout], path: tuple[Any, ...] = ()
+) -> Any:
     """``state`` with every DTensor replaced by its local shard; each one's layout goes into ``layouts``.
 
     Example:

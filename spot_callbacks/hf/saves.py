@@ -9,7 +9,7 @@ never reached ``on_save`` is dropped; it is asked for again at the next save poi
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -138,7 +138,7 @@ def data_position(args: Any, event_kwargs: dict[str, Any], resumed: Any, step: i
         batch_size=(getattr(args, "per_device_train_batch_size", None),),
         world_size=int(getattr(args, "world_size", 1) or 1),
         accumulate_grad_batches=int(getattr(args, "gradient_accumulation_steps", 1) or 1),
-        dataset_length=(len(dataset) if hasattr(dataset, "__len__") else None,),
+        dataset_length=(len(dataset) if isinstance(dataset, Sized) else None,),
     )
     if resumed is not None and is_writer():
         warn_if_changed(resumed.info.extra.get("data_position"), now, f"step {step}")

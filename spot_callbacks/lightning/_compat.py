@@ -192,7 +192,7 @@ def path_to_load(trainer: Any, resumed: ResumeInfo, state_file: str) -> str:
     return os.fspath(local_dir)
 
 
-def install_last_alias(connector_cls: type, is_spot_callback: Callable[[Any], bool], fitting: Any) -> None:
+def install_last_alias(connector_cls: Any, is_spot_callback: Callable[[Any], bool], fitting: Any) -> None:
     """Make ``fit(ckpt_path="last")`` mean "latest" when a SpotCheckpoint is attached (idempotent)."""
     if getattr(connector_cls, "_spot_last_alias", False):
         return
@@ -346,8 +346,9 @@ def restore_epoch_position(trainer: Any, batches_done: int) -> bool:
         epoch = trainer.fit_loop.epoch_progress.current.processed
         for loader in combined.flattened:
             for sampler in (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)):
-                if hasattr(sampler, "set_epoch"):
-                    sampler.set_epoch(epoch)
+                set_epoch = getattr(sampler, "set_epoch", None)
+                if set_epoch is not None:
+                    set_epoch(epoch)
     iter(fetcher)  # a new iterator, drawing the same seeds as the interrupted run's did
     mode_iterator = getattr(combined, "_iterator", None)
     iterators = getattr(mode_iterator, "iterators", None)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import types
-from typing import Any, Literal, Union
+from typing import Any, Literal, Union, cast
 
 import spot_callbacks.lightning._compat as compat
 from spot_callbacks.config import SpotConfig, checked_arguments
@@ -93,7 +93,8 @@ class _SpotCheckpointHooks:
     def state_key(self) -> str:
         # Not keyed by dirpath: a run whose checkpoints were copied to another bucket (or that
         # moved from file:// to s3://) must still find its position, clock and ledger.
-        return self._generate_state_key()
+        # The hooks are mixed into Lightning's Callback (below), which defines _generate_state_key.
+        return cast(Any, self)._generate_state_key()
 
     # ---------------------------------------------------------- setup
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -104,7 +105,7 @@ class _SpotCheckpointHooks:
         self.engine.start()
 
     def _resolve_latest(self) -> str | None:
-        if self.engine.pull_latest(check=compat.check_loadable) is None:
+        if self.engine.pull_latest(check=compat.check_loadable) is None or self.engine.resumed is None:
             return None
         return compat.path_to_load(self._trainer, self.engine.resumed, STATE_FILE)
 
@@ -151,6 +152,7 @@ class _SpotCheckpointHooks:
         if action.emergency:
             self._emergency(trainer, action)
         elif action.save:
+            assert action.reason is not None  # a save always carries its reason
             self._save(trainer, action.reason)
 
     def _save(self, trainer: Any, reason: str) -> None:
@@ -169,6 +171,7 @@ class _SpotCheckpointHooks:
 
     def _emergency(self, trainer: Any, action: StepAction) -> None:
         if action.save:
+            assert action.reason is not None  # a save always carries its reason
             self._save(trainer, action.reason)
         after = self.engine.finish_emergency(action.notice)
         compat.log_persist_records(trainer, self.engine.new_records())
@@ -198,7 +201,7 @@ class _SpotCheckpointHooks:
             )
             if action.preempted:
                 self.preempted = True
-                exception.code = PREEMPTED_EXIT_CODE
+                exception.code = PREEMPTED_EXIT_CODE  # type: ignore[attr-defined]  # a SystemExit
             if action.save:
                 self._save(trainer, "exception")
             self.engine.wait_for_commit()

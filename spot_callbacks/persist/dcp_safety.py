@@ -28,7 +28,7 @@ import pickle
 import re
 from collections.abc import Callable
 from pathlib import Path, PosixPath, PurePosixPath, PureWindowsPath, WindowsPath
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -182,11 +182,12 @@ class SafeFileSystemReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as stream:
-            metadata = read_metadata(stream, os.fspath(path))
+            metadata = read_metadata(cast(IO[bytes], stream), os.fspath(path))
         # As FileSystemReader.read_metadata does after its pickle.load.
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = cast(StorageMeta, metadata.storage_meta)
+        storage_meta.load_id = self.load_id
         return metadata
 
 
@@ -324,7 +325,9 @@ def _stored_bytes(folder: Path, entry: _StorageInfo, what: str, prefix: str) -> 
 
 def _untransformed(transforms: _StorageReaderTransforms, descriptors: Any, stored: IO[bytes]) -> io.BytesIO:
     # Read whole, as FileSystemReader.read_data hands a byte item to the planner.
-    return io.BytesIO(transforms.transform_load_stream(None, descriptors, stored).read(-1))
+    # The read item is not consulted by the transforms this reader allows (descriptors decide).
+    read_item = cast(Any, None)
+    return io.BytesIO(transforms.transform_load_stream(read_item, descriptors, stored).read(-1))
 
 
 def _as_damage(where: str, read: Callable[..., Any], *args: Any) -> Any:

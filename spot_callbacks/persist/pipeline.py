@@ -237,6 +237,7 @@ class Persister(StepTracker):
         if in_flight is None:
             self._queue_for_upload(job)
             return
+        assert job.deadline is not None  # only an urgent job (one with a deadline) comes here
         plan = plan_emergency(
             in_flight_bytes=self._busy_bytes,
             in_flight_elapsed_s=time.monotonic() - self._busy_since,

@@ -176,7 +176,8 @@ class ShardedPersister(RankGroupPersister[ShardedJob]):
         Waits first for the previous checkpoint's local write, whose buffers the staging reuses.
         """
         self.wait_written()
-        staged = self.stager.stage(state)
+        staged = self.stager.stage(state)  # BlockingAsyncStager: the dict, never a Future
+        assert isinstance(staged, dict)
         return staged, _tensor_bytes(staged)
 
     def submit_state(

@@ -52,8 +52,9 @@ def time_left_s(notice: Notice | None, timeout: float | None = None) -> float | 
         >>> 0 < time_left_s(Notice("aws", time.time() + 30)) <= 28.0
         True
     """
-    if notice is not None and notice.deadline is not None:
-        left = notice.seconds_left() - EXIT_MARGIN_S
+    seconds_left = None if notice is None else notice.seconds_left()
+    if seconds_left is not None:
+        left = seconds_left - EXIT_MARGIN_S
         timeout = left if timeout is None else min(timeout, left)
     return None if timeout is None else max(timeout, 0.0)
 

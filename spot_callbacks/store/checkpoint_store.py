@@ -157,10 +157,6 @@ class CheckpointStore:
             folders[step] = self.step_path(step)
         return folders
 
-    def missing_reason(self) -> str | None:
-        """Why the run folder (or its bucket) does not exist, or ``None``: a typo is not an empty run."""
-        return self.retry.call(lambda: layout.missing_root_reason(self.fs, self.root), f"check {self.url}")
-
     def refuse_foreign(self, step: int) -> None:
         """Raise :class:`ForeignCheckpointError` when the folder of ``step`` is a symbolic link, or (local
         disk: ``layout.local_stray``) not a readable folder, or its ``manifest.json`` not a regular file."""
@@ -606,9 +602,9 @@ def walk_down(
 
     def valid(info: CheckpointInfo) -> bool:
         if info.step not in judged:
-            judged[info.step] = problem_of(info)
-            if judged[info.step] is not None:
-                store.warn_once(info.step, protocol.damaged_message(info.url, judged[info.step]))
+            problem = judged[info.step] = problem_of(info)
+            if problem is not None:
+                store.warn_once(info.step, protocol.damaged_message(info.url, problem))
         return judged[info.step] is None
 
     for start in range(0, len(steps), LATEST_BATCH):

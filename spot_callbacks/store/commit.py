@@ -31,7 +31,7 @@ listing means, what retention may delete) and never calls back into the store.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from spot_callbacks.errors import CorruptCheckpointError, ManifestError
@@ -58,7 +58,9 @@ class Verdict:
 
 
 # ----------------------------------------------------------------- 1, 2: what is committed
-def manifest_verdict(step: int, url: str, raw: bytes | None, limits: ManifestLimits) -> Verdict | None:
+def manifest_verdict(
+    step: int, url: str, raw: bytes | FileNotFoundError | None, limits: ManifestLimits
+) -> Verdict | None:
     """What the manifest bytes ``raw`` of step folder ``url`` make it (``None``: no manifest, not committed).
 
     Example:
@@ -76,7 +78,7 @@ def manifest_verdict(step: int, url: str, raw: bytes | None, limits: ManifestLim
     return Verdict(step, info.url, info, None)
 
 
-def size_problem(info: CheckpointInfo, sizes: dict[str, int]) -> str | None:
+def size_problem(info: CheckpointInfo, sizes: Mapping[str, int | None]) -> str | None:
     """Why the files found (``sizes`` by name) do not make ``info`` valid, or ``None``: rule 2.
 
     Example:
@@ -123,7 +125,7 @@ def payload_problem(info: CheckpointInfo) -> str | None:
     return None
 
 
-def check_size_problem(info: CheckpointInfo, sizes: dict[str, int]) -> None:
+def check_size_problem(info: CheckpointInfo, sizes: Mapping[str, int | None]) -> None:
     """Raise :class:`CorruptCheckpointError` for :func:`size_problem`."""
     problem = size_problem(info, sizes)
     if problem is not None:

@@ -150,7 +150,7 @@ def fsspec_callback(moved: Moved) -> Any:
     if moved is ignore_moved:
         return DEFAULT_CALLBACK
 
-    class _Told(Callback):  # type: ignore[misc] - fsspec is untyped
+    class _Told(Callback):  # fsspec is untyped
         reported = 0
 
         def call(self, *args: Any, **kwargs: Any) -> None:

@@ -12,7 +12,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, TypeGuard
 
 from spot_callbacks.errors import ManifestError
 from spot_callbacks.store.checksums import CHECKSUM_ALGORITHM, FileDigest, checksum_algorithm
@@ -203,7 +203,7 @@ def parse_manifest(raw: bytes, step: int, url: str, limits: ManifestLimits | Non
     )
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

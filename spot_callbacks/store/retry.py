@@ -195,23 +195,6 @@ class UploadTimeout:
         return cls(settings.UPLOAD_TIMEOUT_S.value(environ), settings.UPLOAD_MIN_MBPS.value(environ))
 
 
-def _seconds_or_off(name: str, text: str, default: float | None) -> float | None:
-    text = text.strip()
-    if text.lower() in ("0", "off", "none"):
-        return None
-    return _positive_number(name, text, "seconds, or 0/off for no timeout") if text else default
-
-
-def _positive_number(name: str, text: str, unit: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise ValueError(f"{name}={text!r} is not a positive number; use e.g. {name}=120 ({unit})")
-    return value
-
-
 def call_with_timeout(fn: Callable[[], T], timeout_s: float | None, what: str, fix: str | None = None) -> T:
     """Run ``fn`` in a daemon thread and raise :class:`AttemptTimeoutError` if it has not returned
     within ``timeout_s`` (``None``: wait forever); ``fix`` ends the message (default: the upload

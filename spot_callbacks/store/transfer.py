@@ -227,7 +227,9 @@ def upload_with_digests(
         with ThreadPoolExecutor(max_workers=1) as hasher:
             pending = None if digest else hasher.submit(digest_mapped, folder / name)
             upload(folder / name, name)
-            digest = digest or pending.result()
+            if not digest:
+                assert pending is not None  # submitted above for a file without a digest
+                digest = pending.result()
         return name, digest
 
     return dict(run_parallel(upload_one, names))

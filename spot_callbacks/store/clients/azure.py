@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 from spot_callbacks.store.checksums import FileDigest
@@ -112,7 +112,8 @@ class AzurePlane:
             store = self._stores.get(container)
             if store is None:
                 endpoint = self._options["endpoint"]
-                store = AzureStore(
+                # obstore types these as TypedDicts; ours are plain dicts built from adlfs's options.
+                store = cast(Any, AzureStore)(
                     container,
                     config=self._options,
                     client_options=client_options(

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, cast
 
 from spot_callbacks.store.checksums import FileDigest
 from spot_callbacks.store.clients.base import (
@@ -210,7 +210,7 @@ def _told(moved: Moved) -> list[Any]:
         return []
     from s3transfer.subscribers import BaseSubscriber
 
-    class _Progress(BaseSubscriber):  # type: ignore[misc] - s3transfer is untyped
+    class _Progress(BaseSubscriber):  # s3transfer is untyped
         def on_progress(self, future: Any, bytes_transferred: int, **kwargs: Any) -> None:
             moved(bytes_transferred)
 
@@ -358,7 +358,8 @@ def _obstore_for(
         options["skip_signature"] = True
     else:
         provider = _credentials(session, {**init, **client_kwargs})
-    return S3Store(
+    # obstore types these as TypedDicts and a provider protocol; ours are plain dicts built from s3fs's options.
+    return cast(Any, S3Store)(
         bucket,
         config=options,
         client_options=client_options(
@@ -434,9 +435,9 @@ class _boto_errors:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, kind: Any, error: BaseException | None, tb: Any) -> bool:
+    def __exit__(self, kind: Any, error: BaseException | None, tb: Any) -> None:
         if error is None or type(error).__name__ != "ClientError":
-            return False
+            return
         from s3fs.errors import translate_boto_error
 
         raise translate_boto_error(error) from error
