@@ -12,12 +12,14 @@ package; at build time it rewrites what griffe read:
   render would fail ``mkdocs build --strict``.
 - ``SpotCheckpoint`` is a class built by ``spot_checkpoint_class(...)`` for each Lightning package,
   which static analysis sees as a plain attribute: it gets the class's docstring (``_DOC`` in
-  ``spot_callbacks/lightning/callback.py``).
+  ``spot_callbacks/lightning/callback.py``, or the built class's own when that moved).
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
+import inspect
 import re
 from typing import Any
 
@@ -43,14 +45,22 @@ def markdown_docstring(text: str) -> str:
     return _ROLE.sub(_code_span, _EXAMPLE_TITLE.sub(r"\1Examples:", text))
 
 
+def _built_class_doc(obj: griffe.Object, loader: griffe.GriffeLoader) -> str:
+    """The docstring of the class ``obj`` names: ``_DOC`` read statically, else the imported class's."""
+    try:
+        return str(ast.literal_eval(str(loader.modules_collection[_CLASS_DOC].value)))
+    except (KeyError, ValueError, SyntaxError):  # _DOC moved or is no literal: ask the class itself
+        built = getattr(importlib.import_module(obj.parent.path if obj.parent else ""), obj.name)
+        return inspect.getdoc(built) or ""
+
+
 class ExampleSections(griffe.Extension):
     """Rewrites each docstring with :func:`markdown_docstring` once the object tree is built."""
 
     def on_object(self, *, obj: griffe.Object, loader: griffe.GriffeLoader, **kwargs: Any) -> None:
         """Rewrite ``obj``'s docstring (docstrings are parsed lazily, after this runs)."""
         if obj.is_attribute and str(getattr(obj, "value", "")).startswith("spot_checkpoint_class("):
-            class_doc = loader.modules_collection[_CLASS_DOC]
-            obj.docstring = griffe.Docstring(ast.literal_eval(str(class_doc.value)), parent=obj)
+            obj.docstring = griffe.Docstring(_built_class_doc(obj, loader), parent=obj)
         if obj.docstring is not None:
             obj.docstring.value = markdown_docstring(obj.docstring.value)
 
