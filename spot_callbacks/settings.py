@@ -187,8 +187,9 @@ PREFLIGHT_TIMEOUT_S = Knob(
     "SPOT_PREFLIGHT_TIMEOUT_S", 60.0, seconds, "how long the preflight may retry a transient failure"
 )
 LOCK_STALE_S = Knob(
-    "SPOT_LOCK_STALE_S", 120.0, seconds,
-    "a run lock whose heartbeat is older than this belongs to a dead run and may be taken over",
+    "SPOT_LOCK_STALE_S", 10.0, seconds,
+    "a run lock not rewritten for this long, by the store's own clock, belongs to a dead run and is taken "
+    "over at once (its owner rewrites it every quarter of this); raise it on a store with long stalls",
 )  # fmt: skip
 FORCE_LOCK = Knob(
     "SPOT_FORCE_LOCK", False, switch,

@@ -9,22 +9,32 @@ taken over with a warning: a run killed without notice (kill -9, a vanished mach
 lock behind, and the run that resumes it must not be blocked for long. ``SPOT_FORCE_LOCK=1``
 takes over any lock.
 
-On the local disk (and a shared one) the lock is created atomically: a fully written temporary is
-hard-linked to the lock's name, which fails when a lock is there, so of runs that start at once
-exactly one takes it; a stale lock is taken over by overwriting it in one rename, only if it is
-still the lock judged stale, with every lock writer of the folder excluded meanwhile (``flock``):
-the lock never disappears, so its old owner learns which run took it. Object stores have no
-compare-and-swap (a take-over is one put there too): two runs that start within the same second or so can both read "no lock" and
-both write one; the lock is read back after writing, which catches most of those races.
+Two hosts never both hold it. On the local disk (and a shared one) the lock is created
+atomically: a fully written temporary is hard-linked to the lock's name, which fails when a lock is
+there; a stale lock is taken over by overwriting it in one rename, only if it is still the lock
+judged stale, with every lock writer of the folder excluded meanwhile (``flock``). On S3 the writes
+are conditional: ``If-None-Match: *`` creates the lock, ``If-Match: <etag>`` takes over exactly the
+lock judged stale and refreshes only our own heartbeat, so of runs racing for one lock exactly one
+wins and the others raise :class:`RunLockedError` naming it. Stores without conditional writes here
+(GCS, Azure, others) fall back to writing and reading back, said once in the log; that catches most
+races.
 
-Hosts' clocks disagree, so no heartbeat value decides alone. A lock is judged stale by the age
-of its last write as the **store** tells it (``fs.info``'s ``LastModified``/``mtime``), or, where
-the backend gives none, by its heartbeat value; and a lock that looks stale is taken over only
-once it has not changed for :data:`CONFIRM_HEARTBEATS` heartbeat periods of **this host's own**
-monotonic clock (a live owner, whatever its clock says, rewrites it by then). Only a store-side
-age past ``SPOT_LOCK_STALE_S`` + :data:`MAX_CLOCK_SKEW_S` (signed requests to S3, GCS and Azure
-fail beyond that skew) is taken over at once. A lock whose heartbeat lies in the future never
-holds the next run longer than ``SPOT_LOCK_STALE_S`` of this host's clock.
+Hosts' clocks disagree, so neither the heartbeat's value nor this host's clock decides. A lock's
+age is measured on the **store's** clock: the lock's modification time as the store records it
+(``LastModified``/``mtime``) against the modification time of a small probe object this run
+writes (once per acquire) — both stamped by the same server. A lock older than
+``SPOT_LOCK_STALE_S`` (default 10 s, four missed heartbeats of 2.5 s) by that clock belongs to a
+dead run and is taken over at once, so a replacement machine that starts after a hard loss trains
+within seconds; a younger one is watched until it is either rewritten (its owner is alive: refused)
+or old enough. Where the backend records no modification time, the heartbeat value is judged and a
+stale-looking lock is taken over only once it has not changed for :data:`CONFIRM_HEARTBEATS`
+heartbeat periods of this host's own monotonic clock. A lock whose heartbeat lies in the future
+never holds the next run longer than ``SPOT_LOCK_STALE_S`` of this host's clock.
+
+The trade-off of a short stale time: a live run whose store stops answering its heartbeats for
+longer than ``SPOT_LOCK_STALE_S`` may be taken over by a run started meanwhile; it then learns at
+its next heartbeat (a conditional write that fails, or a read-back naming the other run) and stops
+checkpointing into that ``dirpath``. Raise ``SPOT_LOCK_STALE_S`` on a store with long stalls.
 
 Every heartbeat reads the lock back before refreshing it: a run whose lock now names another run
 has lost it (:attr:`RunLock.lost`, and ``on_lost`` is called once): it stops refreshing, and the
@@ -34,6 +44,7 @@ engine stops checkpointing into that ``dirpath`` and says so.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -50,7 +61,7 @@ from typing import Any
 import spot_callbacks.settings as settings
 from spot_callbacks.errors import ManifestError, RunLockedError
 from spot_callbacks.store.checkpoint_store import CheckpointStore
-from spot_callbacks.store.layout import is_local_fs
+from spot_callbacks.store.layout import fs_protocols, is_local_fs
 from spot_callbacks.store.manifest_limits import load_bounded_json
 from spot_callbacks.store.transfer import put_bytes
 
@@ -68,11 +79,30 @@ CLAIM_ATTEMPTS = 8  # each failed attempt means another run claimed the lock in 
 # A lock that looks stale by a clock is taken over only once unchanged for this many heartbeat
 # periods of our monotonic clock: a live owner rewrites it every period, whatever its clock says.
 CONFIRM_HEARTBEATS = 1.5
-# Past stale_s + this, a store-side age is believed at once: S3 (SigV4), GCS and Azure refuse
-# requests from a host whose clock is off by more than about 15 minutes.
-MAX_CLOCK_SKEW_S = 900.0
 MAX_LOCK_BYTES = 64 * 1024  # a lock is about 200 bytes; a larger one is no run's, and never read whole
 MAX_PID = 2**22  # Linux's pid_max limit: a larger (or negative) pid names no process to check
+CLOCK_PROBE_PREFIX = ".spot-clock-"  # <dirpath>/.spot-clock-<run id>: written, read, deleted at once
+_said_no_conditional_writes: set[str] = set()
+
+
+def has_conditional_writes(fs: Any) -> bool:
+    """True where this lock uses the store's conditional writes (S3's If-None-Match / If-Match)."""
+    return "s3" in fs_protocols(fs)
+
+
+def _precondition_failed(err: BaseException) -> bool:
+    """An S3 conditional write refused (412): s3fs raises FileExistsError for If-None-Match and an
+    EINVAL OSError for If-Match; a 409 ConditionalRequestConflict is a concurrent conditional write."""
+    if isinstance(err, FileExistsError):
+        return True
+    for cause in (err, err.__cause__):
+        response = getattr(cause, "response", None)
+        if isinstance(response, dict):
+            code = str(response.get("Error", {}).get("Code", ""))
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code in ("PreconditionFailed", "ConditionalRequestConflict", "412") or status in (409, 412):
+                return True
+    return isinstance(err, OSError) and err.errno == errno.EINVAL and "recondition" in str(err)
 
 
 def stale_after_s() -> float:
@@ -137,6 +167,11 @@ class RunLock:
         self.taken_from: dict[str, Any] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._conditional = has_conditional_writes(store.fs)
+        self._etag: str | None = None  # of our own last write (conditional heartbeats)
+        self._seen_etag: str | None = None  # of the lock as last judged (a conditional take-over)
+        self._store_offset_s: float | None = None  # store clock minus this host's clock
+        self._store_clock_probed = False
 
     @property
     def lost(self) -> bool:
@@ -173,17 +208,42 @@ class RunLock:
             info = self.store.retry.call(lambda: self.store.fs.info(self.path), f"check {self.url}")
         except FileNotFoundError:
             return None
-        for key in ("LastModified", "last_modified", "mtime", "updated", "created"):
-            if (found := _timestamp(info.get(key))) is not None:
-                return found
-        return None
+        etag = info.get("ETag") or info.get("etag")
+        self._seen_etag = etag if isinstance(etag, str) else None
+        return _modified(info)
+
+    def _store_now(self) -> float | None:
+        """The store's clock now (epoch seconds), or None where its objects carry no modification
+        time: measured once by writing a probe object and reading the time the store stamped on it."""
+        if not self._store_clock_probed:
+            self._store_clock_probed = True
+            probe = posixpath.join(self.store.root, f"{CLOCK_PROBE_PREFIX}{self.run_id}")
+            fs = self.store.fs
+            try:
+                before = time.time()
+                self.store.retry.call(lambda: put_bytes(fs, probe, b""), f"write {self.store.url_of(probe)}")
+                if hasattr(fs, "invalidate_cache"):
+                    fs.invalidate_cache(probe)
+                stamped = _modified(
+                    self.store.retry.call(lambda: fs.info(probe), f"check {self.store.url_of(probe)}")
+                )
+                after = time.time()
+                if stamped is not None:
+                    self._store_offset_s = stamped - (before + after) / 2
+            except Exception as err:  # noqa: BLE001 - judged by the heartbeat instead, as before
+                log.warning("spot_callbacks: could not read the store's clock at %s: %s", self.store.url, err)
+            finally:
+                with contextlib.suppress(Exception):
+                    fs.rm(probe)
+        return None if self._store_offset_s is None else time.time() + self._store_offset_s
 
     def _age(self, doc: dict[str, Any]) -> tuple[float, str]:
         """How old the lock looks and by which clock: the store's modification time where the
         backend gives one (a lying or skewed heartbeat value does not matter), else the heartbeat's."""
         written = self._written_at()
-        if written is not None:
-            return time.time() - written, "store"
+        now = self._store_now() if written is not None else None
+        if written is not None and now is not None:
+            return max(now - written, 0.0), "store"
         heartbeat = _heartbeat(doc)
         return (time.time() - heartbeat if heartbeat is not None else float("inf")), "heartbeat"
 
@@ -207,7 +267,7 @@ class RunLock:
         if same_host and pid is not None and not _pid_alive(pid):
             return f"its owner, process {pid} on this host, is dead"
         age_s, basis = self._age(doc)
-        if basis == "store" and age_s > self.stale_s + MAX_CLOCK_SKEW_S:
+        if basis == "store" and age_s > self.stale_s:
             return self._stale_reason(age_s, basis)
         return None
 
@@ -219,15 +279,15 @@ class RunLock:
         stayed unchanged for ``CONFIRM_HEARTBEATS`` periods, or for ``stale_s``, of this host's
         monotonic clock, whatever the clocks that wrote it say."""
         log.warning(
-            "spot_callbacks: %s is locked by %s; waiting up to %.0fs to see whether that run is alive",
-            self.store.url, _owner(doc), self.stale_s,
+            "spot_callbacks: %s is locked by %s; waiting up to %.0fs (%s) to see whether that run is alive",
+            self.store.url, _owner(doc), self.stale_s, STALE_ENV,
         )  # fmt: skip
         first = (doc.get("heartbeat"), doc.get("run_id"), self._written_at())
         confirm_s = CONFIRM_HEARTBEATS * self.heartbeat_s
         watched_from = time.monotonic()
         waiter = threading.Event()
         while True:
-            waiter.wait(min(self.heartbeat_s / 4, 5.0))
+            waiter.wait(min(self.heartbeat_s / 4, 1.0))
             current = self.holder()
             if current is None:
                 if self.store.retry.call(lambda: self.store.fs.exists(self.path), f"check {self.url}"):
@@ -240,7 +300,7 @@ class RunLock:
                 return current, why
             unchanged_s = time.monotonic() - watched_from
             age_s, basis = self._age(current)
-            if age_s > self.stale_s and unchanged_s >= confirm_s:
+            if basis == "heartbeat" and age_s > self.stale_s and unchanged_s >= confirm_s:
                 return current, f"{self._stale_reason(age_s, basis)}, unchanged for {unchanged_s:.0f}s"
             if unchanged_s >= self.stale_s:  # its clock says fresh (or the future), ours says dead
                 return current, (
@@ -266,7 +326,9 @@ class RunLock:
             if doc is None:
                 if self._claim():
                     break
-                continue  # another run created it since we read: judge that one
+                if (winner := self.holder()) is not None:  # another run created it since we read
+                    raise self._lost_race_error(winner)
+                continue
             why = self._why_free(doc)
             if why is None:
                 doc, why = self._watch_heartbeat(doc)
@@ -280,10 +342,20 @@ class RunLock:
                 if doc.get("run_id") != self.run_id and why != "it was released" and FORCE_ENV not in why:
                     self.taken_from = doc
                 break
+            if (winner := self.holder()) is not None and winner.get("run_id") != self.run_id:
+                raise self._lost_race_error(winner)
         else:
             raise self._locked_error(self.holder() or {})
-        # No compare-and-swap on object stores: read back, so a run that wrote at the same moment
+        # Where the store has no conditional writes, read back: a run that wrote at the same moment
         # usually finds out here rather than after interleaving checkpoints.
+        if not self._conditional and not is_local_fs(self.store.fs):
+            protocol = fs_protocols(self.store.fs)[0]
+            if protocol not in _said_no_conditional_writes:
+                _said_no_conditional_writes.add(protocol)
+                log.info(
+                    "spot_callbacks: %s:// has no conditional writes here; the run lock is written and read "
+                    "back, which catches most (not all) races of two runs starting at the same moment", protocol,
+                )  # fmt: skip
         doc = self.holder()
         if doc is not None and doc.get("run_id") != self.run_id:
             raise self._locked_error(doc)
@@ -295,6 +367,8 @@ class RunLock:
     def _claim(self) -> bool:
         """Create the lock where there is none; False when another run created one first (local only:
         an object store just takes the write)."""
+        if self._conditional:
+            return self._write_if(create=True)
         if not is_local_fs(self.store.fs):
             self._write()
             return True
@@ -317,6 +391,8 @@ class RunLock:
     def _take_over(self, judged: dict[str, Any]) -> bool:
         """Replace the lock ``judged`` free by ours in one write (the lock never disappears, so its
         old owner's heartbeat reads who took it over); False when another run replaced it first."""
+        if self._conditional and judged.get("run_id") != self.run_id and self._seen_etag is not None:
+            return self._write_if(etag=self._seen_etag)
         if not is_local_fs(self.store.fs) or judged.get("run_id") == self.run_id:
             self._write()
             return True
@@ -388,9 +464,46 @@ class RunLock:
         # put_bytes writes a local lock beside and renames it, so a reader never sees half a lock.
         self.store.retry.call(lambda: put_bytes(self.store.fs, self.path, raw), f"write {self.url}")
 
+    def _write_if(self, create: bool = False, etag: str | None = None) -> bool:
+        """One conditional PUT of our lock: create it where none is (``create``), or replace exactly the
+        object whose ETag is ``etag``. False when the store refused (another write came first); a
+        retried PUT whose first attempt landed is refused too, so a refusal is checked against the
+        lock's content before it counts as lost."""
+        raw = self._encoded()
+        condition: dict[str, Any] = {"mode": "create"} if create else {"IfMatch": etag}
+
+        def put() -> Any:
+            try:
+                return self.store.fs.pipe_file(self.path, raw, **condition)
+            except Exception as err:
+                if _precondition_failed(err):
+                    return False
+                raise
+
+        answer = self.store.retry.call(put, f"write {self.url}")
+        if answer is False:
+            current = self.holder()
+            if current is None or current.get("run_id") != self.run_id:
+                return False
+            self._written_at()  # our own write after all: its ETag is the next condition
+            self._etag = self._seen_etag
+            return True
+        etag_now = answer.get("ETag") if isinstance(answer, dict) else None
+        if isinstance(etag_now, str):
+            self._etag = etag_now
+        else:
+            self._written_at()
+            self._etag = self._seen_etag
+        return True
+
     def _beat(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
             try:
+                if self._conditional and self._etag is not None:
+                    if not self._write_if(etag=self._etag):  # rewritten by another run since our last beat
+                        self._lose(self.holder())
+                        return
+                    continue
                 with self._local_writers_excluded():
                     doc = self.holder()
                     ours = doc is not None and doc.get("run_id") == self.run_id
@@ -412,6 +525,13 @@ class RunLock:
         if self.on_lost is not None:
             self.on_lost(self.lost_reason)
 
+    def _lost_race_error(self, winner: dict[str, Any]) -> RunLockedError:
+        return RunLockedError(
+            f"{self.store.url}: another run took the run lock first ({_owner(winner)}); two runs writing "
+            f"into one dirpath would interleave and prune each other's checkpoints. Use another dirpath, "
+            f"or stop that run ({self.url})"
+        )
+
     def _locked_error(self, doc: dict[str, Any]) -> RunLockedError:
         return RunLockedError(
             f"{self.store.url} is in use by another run ({_owner(doc)}); two runs writing into one dirpath "
@@ -419,6 +539,14 @@ class RunLock:
             f"gone, wait until its lock is stale ({self.stale_s:.0f}s after its last heartbeat, {STALE_ENV}) "
             f"or set {FORCE_ENV}=1 to take the lock over ({self.url})"
         )
+
+
+def _modified(info: dict[str, Any]) -> float | None:
+    """When an ``fs.info`` record says its object was last written (epoch seconds), or None."""
+    for key in ("LastModified", "last_modified", "mtime", "updated", "created"):
+        if (found := _timestamp(info.get(key))) is not None:
+            return found
+    return None
 
 
 def _heartbeat(doc: dict[str, Any]) -> float | None:
