@@ -50,7 +50,7 @@ class Knob(Generic[T]):
     default: T
     parse: Callable[[str, str], T]
     doc: str
-    accepts: str = ""  # the README's "accepts" column; from the parser when empty
+    accepts: str = ""  # the knob table's "accepts" column; from the parser when empty
 
     def value(self, environ: Mapping[str, str] | None = None) -> T:
         """The parsed value from ``environ`` (default: the process environment), else the default."""
@@ -59,7 +59,7 @@ class Knob(Generic[T]):
 
     @property
     def readme_row(self) -> str:
-        """This knob as a row of README's table of knobs."""
+        """This knob as a row of the table of knobs in docs/configuration.md."""
         default = "unset" if self.default is None else _shown(self.default)
         return f"| `{self.name}` | {self.accepts or _ACCEPTS[self.parse]} | {default} | {self.doc} |"
 
@@ -281,7 +281,7 @@ def environment_variable(name: str) -> str | None:
 
 
 def readme_table() -> str:
-    """README's table of knobs (tests/test_settings.py keeps README in step with it)."""
+    """The table of knobs in docs/configuration.md (tests/test_settings.py keeps the page in step with it)."""
     head = "| variable | accepts | default | what it does |\n|---|---|---|---|"
     return "\n".join([head, *(knob.readme_row for knob in KNOBS.values())])
 

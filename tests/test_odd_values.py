@@ -4,7 +4,7 @@ the ledger, the engine's state in a checkpoint, the run lock's fields. A value n
 warning, or makes the lock one of an unknown run; never a crash, a hang or a nonsense figure.
 
 The checkpoint files themselves (Lightning's SpotCheckpoint state, HF's ``trainer_state.json``)
-are covered where their other damage is: ``tests/test_hostile.py`` and ``tests/test_reliability3.py``."""
+are covered where their other damage is: ``tests/test_hostile.py`` and ``tests/test_release_lineage_and_refusals.py``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""settings.py: one table of SPOT_* knobs, README in step with it, and os.environ read nowhere else."""
+"""settings.py: one table of SPOT_* knobs, the docs' configuration page in step with it, os.environ read nowhere else."""
 
 from __future__ import annotations
 
@@ -15,16 +15,19 @@ from spot_callbacks.engine import SpotEngine
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_every_knob_the_package_names_is_in_the_table_and_in_readme():
+def test_every_knob_the_package_names_is_in_the_table_and_on_the_configuration_page():
     package = Path(spot_callbacks.__file__).parent
     named = set()
     for path in package.rglob("*.py"):
         named |= set(re.findall(r"\bSPOT_[A-Z][A-Z0-9_]*\b", path.read_text()))
     named -= {"SPOT_EXAMPLE_S"}  # settings.py's doctest
     assert named <= set(settings.KNOBS), sorted(named - set(settings.KNOBS))
-    readme = (ROOT / "README.md").read_text()
+    page = (ROOT / "docs" / "configuration.md").read_text()
     for knob in settings.KNOBS.values():
-        assert knob.readme_row in readme, f"README's knob table lacks (or has an old row of) {knob.name}"
+        assert knob.readme_row in page, (
+            f"docs/configuration.md's knob table lacks (or has an old row of) {knob.name}: "
+            "paste its row from spot_callbacks.settings.readme_table()"
+        )
 
 
 def test_only_settings_reads_the_environment():

@@ -1,4 +1,4 @@
-"""Reliability, round 3 (issue 21 items 4-11): what a run holds is released on every exit, a lost
+"""What a run holds is released on every exit, a lost
 lock fails the run, retention follows the lineage, damage has one verdict, the ledger sees every
 interruption, and URLs that cannot be what the user meant are refused before training."""
 

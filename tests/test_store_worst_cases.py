@@ -1,4 +1,4 @@
-"""Issue 21 item 11 (the classes described by class only): worst cases, each with its bounded behaviour.
+"""Worst cases, each with its bounded behaviour (from issue 21 item 11).
 
 Control characters from a store never reach a terminal; stray entries in a local store are
 skipped or refused; ``latest()`` on thousands of step folders reads a bounded number of
