@@ -249,6 +249,10 @@ TRANSFER_BUFFER_MB = Knob(
     "SPOT_TRANSFER_BUFFER_MB", 96, positive_int,
     "MiB of payload the data plane holds in memory at once, all files together (at least 4)",
 )  # fmt: skip
+PULL_SEGMENT_MB = Knob(
+    "SPOT_PULL_SEGMENT_MB", 128, positive_int,
+    "the smallest segment (MiB) of a pulled file: a file of two or more is fetched as up to 4 parallel streamed GETs while streams are free",
+)  # fmt: skip
 
 PROGRESS_EVERY_S = Knob(
     "SPOT_PROGRESS_EVERY_S", 10.0, seconds,

@@ -293,75 +293,73 @@ def test_a_lost_manifest_answer_is_read_back_while_the_fast_client_moves_the_pay
     record(FAULTS, lost.injected)
 
 
-@pytest.mark.parametrize("how", ["stream", "range"])
+def breaking_once(monkeypatch: pytest.MonkeyPatch, at_offset: int) -> list[str]:
+    """Make the one streamed GET whose bytes start at ``at_offset`` break after its first chunk, once."""
+    real_get_chunks, broken = obstore_calls.get_chunks, []
+
+    def breaks_once(*args: Any, **kwargs: Any) -> Any:
+        span = kwargs.get("span") or (0, None)
+        for chunk in real_get_chunks(*args, **kwargs):
+            yield chunk
+            if span[0] == at_offset and not broken:
+                broken.append(f"bytes from {span[0]}")
+                raise ConnectionResetError("injected: connection reset by peer after the first chunk")
+
+    monkeypatch.setattr(obstore_calls, "get_chunks", breaks_once)
+    return broken
+
+
+@pytest.mark.parametrize("how", ["stream", "segments"])
 def test_a_transfer_broken_mid_file_is_retried_and_leaves_no_partial_file(
     how, s3_server, tmp_path, monkeypatch
 ):
-    monkeypatch.setenv("SPOT_TRANSFER_BUFFER_MB", "4")  # 1 MiB chunks, 4 ranges in memory at most
+    monkeypatch.setenv("SPOT_TRANSFER_BUFFER_MB", "4")  # 1 MiB chunks
+    monkeypatch.setenv("SPOT_PULL_SEGMENT_MB", "1")  # 5 MiB: four segments of 2, 2, 1 MiB and 5 bytes
     store = CheckpointStore(s3_url(s3_server, tmp_path, f"broken-{how}"), storage_options=dict(s3_server.storage_options),
                             retry=FAST_RETRY)  # fmt: skip
-    # Below two chunks one streamed GET (broken after its first chunk); from two chunks on, ranges.
     size = MiB + MiB // 2 if how == "stream" else 5 * MiB + 5
     contents = payload_folder(tmp_path, {"state.pt": size})
     store.write_checkpoint(1, tmp_path / "src", reason="manual", framework="test")
-    broken: list[str] = []
-    if how == "stream":
-        real_get_chunks = obstore_calls.get_chunks
-
-        def breaks_once(*args: Any, **kwargs: Any) -> Any:
-            for index, chunk in enumerate(real_get_chunks(*args, **kwargs)):
-                if index == 1 and not broken:
-                    broken.append("after the first chunk")
-                    raise ConnectionResetError("injected: connection reset by peer after the first chunk")
-                yield chunk
-
-        monkeypatch.setattr(obstore_calls, "get_chunks", breaks_once)
-    else:
-        real_get_range = obstore_calls.get_range
-
-        def third_range_breaks_once(store: Any, key: str, start: int, end: int, url: str) -> Any:
-            if start == 2 * MiB and not broken:
-                broken.append(f"range {start}-{end}")
-                raise ConnectionResetError("injected: connection reset by peer in the third range")
-            return real_get_range(store, key, start, end, url)
-
-        monkeypatch.setattr(obstore_calls, "get_range", third_range_breaks_once)
+    broken = breaking_once(monkeypatch, 0 if how == "stream" else 2 * MiB)
     pulled = store.pull(1, tmp_path / "out" / "pulled")
     assert broken and (pulled / "state.pt").read_bytes() == contents["state.pt"]
     assert sorted(os.listdir(tmp_path / "out")) == ["pulled"]
     assert sorted(os.listdir(pulled)) == [MANIFEST_NAME, "state.pt"]
-    broken.clear()
-    assert store.verify(1) and broken  # the deep verify's read is broken once too, and retried
-    record(FAULTS, 2)
+    if how == "stream":
+        broken.clear()
+        assert store.verify(1) and broken  # the deep verify's read is broken once too, and retried
+    record(FAULTS, 2 if how == "stream" else 1)
 
 
-def test_ranges_hold_no_more_memory_than_the_budget_and_every_byte_is_hashed_in_order(tmp_path):
-    from concurrent.futures import ThreadPoolExecutor
+def test_streams_in_flight_never_pass_the_budget_and_segments_take_only_free_streams(
+    s3_server, tmp_path, monkeypatch
+):
+    from spot_callbacks.store.clients.base import PULL_STREAMS
 
-    from spot_callbacks.store.checksums import digest_local_file
-    from spot_callbacks.store.clients.ranged import ranged_to_file
+    monkeypatch.setenv("SPOT_TRANSFER_BUFFER_MB", "4")
+    monkeypatch.setenv("SPOT_PULL_SEGMENT_MB", "1")  # every 4 MiB file would like four segments
+    store = CheckpointStore(s3_url(s3_server, tmp_path, "streams"), storage_options=dict(s3_server.storage_options),
+                            retry=FAST_RETRY)  # fmt: skip
+    contents = payload_folder(tmp_path, {f"f{index}.bin": 4 * MiB + index for index in range(12)})
+    store.write_checkpoint(1, tmp_path / "src", reason="manual", framework="test")
+    real_get_chunks, lock, now, most, spans = obstore_calls.get_chunks, threading.Lock(), [0], [0], []
 
-    data = os.urandom(3 * 1000 + 7)
-    permits, held, most = threading.Semaphore(2), [0], [0]
-    lock, second_answered = threading.Lock(), threading.Event()
-
-    def fetch(start: int, end: int) -> bytes:
+    def counted(*args: Any, **kwargs: Any) -> Any:
         with lock:
-            held[0] += 1
-            most[0] = max(most[0], held[0])
-        if start == 0:  # the first range answers after the second: out of order on purpose
-            assert second_answered.wait(timeout=30)
-        with lock:
-            held[0] -= 1
-        if start == 1000:
-            second_answered.set()
-        return data[start:end]
+            now[0] += 1
+            most[0] = max(most[0], now[0])
+            spans.append(kwargs.get("span"))
+        try:
+            yield from real_get_chunks(*args, **kwargs)
+        finally:
+            with lock:
+                now[0] -= 1
 
-    with ThreadPoolExecutor(4) as pool:
-        digest = ranged_to_file(fetch, len(data), str(tmp_path / "a.bin"), chunk=1000, permits=permits,
-                                pool=pool, deadline=Deadline(None), what="get a.bin")  # fmt: skip
-    assert (tmp_path / "a.bin").read_bytes() == data and digest == digest_local_file(tmp_path / "a.bin")
-    assert most[0] <= 2 and permits.acquire(blocking=False) and permits.acquire(blocking=False)
+    monkeypatch.setattr(obstore_calls, "get_chunks", counted)
+    pulled = store.pull(1, tmp_path / "pulled")
+    assert {name: (pulled / name).read_bytes() for name in contents} == contents
+    assert 1 <= most[0] <= PULL_STREAMS
+    assert any(span is not None for span in spans)  # some file was split while streams were free
 
 
 def test_a_streamed_attempt_past_its_time_stops_by_itself_and_removes_what_it_wrote(tmp_path):
@@ -377,12 +375,12 @@ def test_a_streamed_attempt_past_its_time_stops_by_itself_and_removes_what_it_wr
     assert os.listdir(tmp_path) == ["x.bin"]
 
 
-@pytest.mark.parametrize("buffer_mb", ["256", "4"], ids=["streamed", "ranged"])
+@pytest.mark.parametrize("segment_mb", ["128", "1"], ids=["streamed", "segments"])
 def test_damaged_and_missing_payloads_are_caught_by_the_fast_pull_and_the_deep_verify(
-    buffer_mb, s3_server, tmp_path, monkeypatch
+    segment_mb, s3_server, tmp_path, monkeypatch
 ):
-    monkeypatch.setenv("SPOT_TRANSFER_BUFFER_MB", buffer_mb)  # 4: 1 MiB chunks, the 2 MiB file in ranges
-    store = CheckpointStore(s3_url(s3_server, tmp_path, f"damage-{buffer_mb}"), storage_options=dict(s3_server.storage_options),
+    monkeypatch.setenv("SPOT_PULL_SEGMENT_MB", segment_mb)  # 1: the 2 MiB file in two segments
+    store = CheckpointStore(s3_url(s3_server, tmp_path, f"damage-{segment_mb}"), storage_options=dict(s3_server.storage_options),
                             retry=FAST_RETRY)  # fmt: skip
     contents = payload_folder(tmp_path, {"state.pt": 2 * MiB, "extra.bin": 100})
     store.write_checkpoint(1, tmp_path / "src", reason="manual", framework="test")
@@ -398,7 +396,7 @@ def test_damaged_and_missing_payloads_are_caught_by_the_fast_pull_and_the_deep_v
     store.fs.rm(posixpath.join(store.step_path(1), "extra.bin"))
     with pytest.raises(FileNotFoundError):
         store.data_plane.download(
-            posixpath.join(store.step_path(1), "extra.bin"), str(tmp_path / "e.bin"), 30.0
+            posixpath.join(store.step_path(1), "extra.bin"), str(tmp_path / "e.bin"), 30.0, 100
         )
     assert not (tmp_path / "e.bin").exists()
     record(DAMAGED, 2)
@@ -416,7 +414,7 @@ def test_an_az_store_moves_payload_through_obstore_both_ways(azurite_server, tmp
         az_url(azurite_server, tmp_path, "fast"), storage_options=dict(azurite_server.storage_options)
     )
     assert isinstance(store.data_plane, AzurePlane)
-    # 20 MiB: a multipart put and ranged GETs (two 8 MiB ranges and more); a nested name; an empty file.
+    # 20 MiB: a multipart put and one streamed GET; a nested name; an empty file.
     contents = payload_folder(tmp_path, {"state.pt": 20 * MiB + 3, "extra/rng.bin": 1000, "empty.bin": 0})
     fsspec_calls: list[tuple[str, tuple]] = []
     for method in ("put_file", "get_file", "open"):
@@ -449,7 +447,8 @@ def test_the_azure_client_takes_the_connection_string_from_the_environment_as_ad
 def test_with_30_percent_transient_failures_of_the_azure_client_every_checkpoint_lands(
     azurite_server, tmp_path, monkeypatch
 ):
-    monkeypatch.setenv("SPOT_TRANSFER_BUFFER_MB", "4")  # 1 MiB ranges: the 3 MiB file comes in ranges
+    monkeypatch.setenv("SPOT_TRANSFER_BUFFER_MB", "4")  # 1 MiB chunks
+    monkeypatch.setenv("SPOT_PULL_SEGMENT_MB", "1")  # the 3 MiB file comes in three segments
     url, options = az_url(azurite_server, tmp_path, "flaky"), dict(azurite_server.storage_options)
     store = CheckpointStore(url, storage_options=options, retry=PATIENT_RETRY)
     faulty = FaultyPlane(store.data_plane, failure_rate=0.3, seed=5)
@@ -458,20 +457,12 @@ def test_with_30_percent_transient_failures_of_the_azure_client_every_checkpoint
     for step in range(1, 6):
         contents[step] = payload_folder(tmp_path / f"s{step}", {"state.pt": 3 * MiB, "b.bin": 10}, seed=step)
         store.write_checkpoint(step, tmp_path / f"s{step}" / "src", reason="steps", framework="test")
-    real_get_range, broken = obstore_calls.get_range, []
-
-    def second_range_breaks_once(store_: Any, key: str, start: int, end: int, url: str) -> Any:
-        if start == MiB and not broken:
-            broken.append(start)
-            raise ConnectionResetError("injected: connection reset by peer in the second range")
-        return real_get_range(store_, key, start, end, url)
-
-    monkeypatch.setattr(obstore_calls, "get_range", second_range_breaks_once)
+    broken = breaking_once(monkeypatch, MiB)
     assert [info.step for info in store.committed()] == [1, 2, 3, 4, 5]
     assert all(store.verify(step) for step in range(1, 6))
     pulled = store.pull(5, tmp_path / "pulled")
     assert {name: (pulled / name).read_bytes() for name in contents[5]} == contents[5]
-    assert faulty.injected >= 3 and broken == [MiB]
+    assert faulty.injected >= 3 and broken == [f"bytes from {MiB}"]
     record(FAULTS, faulty.injected + 1)
 
 

@@ -7,8 +7,9 @@ the manifest, the run lock, listings and deletes always go through fsspec, so th
 ============  ==========================  =============================================
 protocol      upload                      pull (and a deep verify's read)
 ============  ==========================  =============================================
-``s3://``     boto3 s3transfer            obstore: ranged GETs for large files, one
-                                          streamed GET for small ones (boto3's
+``s3://``     boto3 s3transfer            obstore: one streamed GET per file, a large
+                                          file in a few streamed segments while streams
+                                          are free, every size from the manifest (boto3's
                                           TransferManager where obstore is missing or
                                           cannot honour an option)
 ``az://``     obstore                     obstore, as for s3://

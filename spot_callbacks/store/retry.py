@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import tenacity
 
 import spot_callbacks.settings as settings
-from spot_callbacks.errors import AttemptTimeoutError
+from spot_callbacks.errors import AttemptTimeoutError, CheckpointError
 
 log = logging.getLogger("spot_callbacks")
 T = TypeVar("T")
@@ -72,10 +72,21 @@ def http_status(error: BaseException) -> int | None:
 
 
 def is_transient(error: BaseException) -> bool:
-    """True for errors a later attempt may not see: timeouts, resets, 5xx, throttling."""
+    """True for errors a later attempt may not see: timeouts, resets, 5xx, throttling.
+
+    A :class:`~spot_callbacks.errors.CheckpointError` never is (a body that disagrees with its
+    manifest is a lie told again on every try: damage at once).
+
+    Example:
+        >>> from spot_callbacks.errors import CorruptCheckpointError
+        >>> is_transient(ConnectionResetError()), is_transient(CorruptCheckpointError("short"))
+        (True, False)
+    """
     if not isinstance(error, Exception):
         return False
     if isinstance(error, _PERMANENT_TYPES):
+        return False
+    if isinstance(error, CheckpointError):  # damage, a lock, a refused store: the same on every try
         return False
     if any(cls.__name__ in _PERMANENT_NAMES for cls in type(error).__mro__):
         return False

@@ -10,6 +10,7 @@ string, ``account_name``/``account_key``, ``sas_token``, ``account_host``, anony
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 from typing import Any, cast
@@ -18,16 +19,18 @@ from urllib.parse import urlsplit
 from spot_callbacks.store.checksums import FileDigest
 from spot_callbacks.store.clients.base import PULL_STREAMS, TransferBudget, Unsupported
 from spot_callbacks.store.clients.obstores import (
+    DEFAULT_READ_TIMEOUT_S,
     ObstoreReader,
+    StoreCache,
     client_options,
     obstore_installed,
+    request_deadline_s,
     retry_config,
     translated,
 )
 from spot_callbacks.store.meter import Moved, ignore_moved
 
 CONNECT_TIMEOUT_S = 10.0
-READ_TIMEOUT_S = 60.0
 
 
 def azure_plane(fs: Any, budget: TransferBudget) -> AzurePlane:
@@ -51,15 +54,18 @@ class AzurePlane:
         self._fs = fs
         self._budget = budget
         self._options = _account_options(fs)
-        self._reader = ObstoreReader(budget)
-        self._stores: dict[str, Any] = {}
+        # adlfs' own read_timeout / connection_timeout where the user set them, else s3fs' defaults.
+        self._read_timeout_s = float(getattr(fs, "read_timeout", None) or DEFAULT_READ_TIMEOUT_S)
+        self._connect_timeout_s = float(getattr(fs, "connection_timeout", None) or CONNECT_TIMEOUT_S)
+        self._reader = ObstoreReader(budget, self._read_timeout_s)
+        self._stores: dict[str, StoreCache] = {}
         self._lock = threading.Lock()
 
     def serves(self, fs: Any) -> bool:
         return fs is self._fs
 
     def warm(self, remote_path: str) -> None:
-        self._store(self._split(remote_path)[0])
+        self._store(self._split(remote_path)[0])(request_deadline_s(0, self._read_timeout_s))
 
     def upload(self, local_path: str, remote_path: str, moved: Moved = ignore_moved) -> None:
         # obstore reads the file itself (in Rust) and tells no progress: the store counts the file
@@ -69,9 +75,10 @@ class AzurePlane:
         container, key = self._split(remote_path)
         # Parts of one range each, a share of the budget per file in flight (PULL_STREAMS at once).
         concurrency = max(1, self._budget.range_permits() // PULL_STREAMS)
+        deadline = request_deadline_s(os.path.getsize(local_path), self._read_timeout_s)
         try:
             obstore.put(
-                self._store(container), key, Path(local_path),
+                self._store(container)(deadline), key, Path(local_path),
                 chunk_size=self._budget.range_bytes(), max_concurrency=concurrency,
             )  # fmt: skip
         except Exception as err:  # noqa: BLE001 - re-raised as the class adlfs would raise
@@ -105,26 +112,26 @@ class AzurePlane:
         container, key, _version = self._fs.split_path(remote_path)
         return container, key
 
-    def _store(self, container: str) -> Any:
+    def _store(self, container: str) -> StoreCache:
+        """obstore's stores for ``container``, one per whole-request deadline."""
         from obstore.store import AzureStore
 
+        def build(total_timeout_s: float) -> Any:
+            # obstore types these as TypedDicts; ours are plain dicts built from adlfs's options.
+            return cast(Any, AzureStore)(
+                container,
+                config=self._options,
+                client_options=client_options(
+                    http=self._options["endpoint"].startswith("http://"),
+                    connect_timeout_s=self._connect_timeout_s,
+                    read_timeout_s=self._read_timeout_s,
+                    total_timeout_s=total_timeout_s,
+                ),
+                retry_config=retry_config(),
+            )
+
         with self._lock:
-            store = self._stores.get(container)
-            if store is None:
-                endpoint = self._options["endpoint"]
-                # obstore types these as TypedDicts; ours are plain dicts built from adlfs's options.
-                store = cast(Any, AzureStore)(
-                    container,
-                    config=self._options,
-                    client_options=client_options(
-                        http=endpoint.startswith("http://"),
-                        connect_timeout_s=CONNECT_TIMEOUT_S,
-                        read_timeout_s=READ_TIMEOUT_S,
-                    ),
-                    retry_config=retry_config(),
-                )
-                self._stores[container] = store
-            return store
+            return self._stores.setdefault(container, StoreCache(build))
 
 
 def _account_options(fs: Any) -> dict[str, Any]:

@@ -1,57 +1,111 @@
-"""obstore (Rust's object_store): one streamed GET per file, its client options, its errors as fsspec's.
+"""obstore (Rust's object_store): streamed GETs bounded by the manifest, its client options, its errors.
 
-obstore speaks S3, GCS and Azure. Its errors are told as the builtin classes fsspec's backends
-raise (a missing object is a :class:`FileNotFoundError`, a refusal a :class:`PermissionError`), so
-retries (:mod:`~spot_callbacks.store.retry`) and diagnosis lines do not change with the client.
+A pull takes every size from the manifest, never from the server: no HEAD is sent, and a GET whose
+answer disagrees with the manifest (another ``Content-Length``, a wrong ``Content-Range``, a body
+longer or shorter than promised, a body that trickles below the slowest allowed speed) is damage
+at once (:class:`~spot_callbacks.errors.CorruptCheckpointError`, never retried), so a resume falls
+back to the previous checkpoint. Nothing a server says can make the reader allocate or write past
+the manifest's size.
+
+Every request is bounded: a read timeout (a stall; the store's ``read_timeout``, else
+:data:`DEFAULT_READ_TIMEOUT_S` like s3fs) and a whole-request deadline from its size
+(:func:`request_deadline_s`). Segment threads are daemons: no thread of the data plane keeps the
+process from exiting.
+
+obstore's errors are told as the builtin classes fsspec's backends raise (a missing object is a
+:class:`FileNotFoundError`, a refusal a :class:`PermissionError`) in one line each, so retries
+(:mod:`~spot_callbacks.store.retry`) and diagnosis lines do not change with the client.
 """
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import importlib.util
+import math
+import mmap
+import os
+import re
 import threading
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+import time
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
-from spot_callbacks.store.checksums import FileDigest
-from spot_callbacks.store.clients.base import TransferBudget
-from spot_callbacks.store.clients.ranged import ranged_digest, ranged_to_file
-from spot_callbacks.store.clients.streams import Deadline, digest_stream, stream_to_file
+import xxhash
+
+import spot_callbacks.settings as settings
+from spot_callbacks.errors import CheckpointError, CorruptCheckpointError
+from spot_callbacks.store.checksums import CHECKSUM_ALGORITHM, FileDigest
+from spot_callbacks.store.clients.base import PULL_STREAMS, MiB, TransferBudget
+from spot_callbacks.store.clients.streams import Deadline
 from spot_callbacks.store.meter import Moved, ignore_moved
+from spot_callbacks.store.transfer import open_new_temporary
 
 OBSTORE_PACKAGE = "obstore"
 # object_store's own retries run inside one attempt of the store's RetryPolicy: keep them few.
 OBSTORE_RETRIES = 2
-# A whole transfer may take long; a stall may not (read_timeout), and the attempt has its own limit.
-WHOLE_REQUEST_TIMEOUT = timedelta(hours=24)
-# Ranged GETs in flight at once, all files together. 8, not 16: on 2 cores against nanio, 16 threads
-# moved no more bytes and held ~100 MB more resident (each thread allocates its ranges in its own
-# malloc arena, and an arena keeps what it freed): 8 x 256 MiB pulled with 264-298 MB peak extra
-# RSS instead of 356-390 MB, one 2 GiB file at 1.06x obstore instead of 0.61-0.86x.
-RANGE_THREADS = 8
+# A stall (no byte for this long) ends a request; s3fs' own default.
+DEFAULT_READ_TIMEOUT_S = 15.0
+DEFAULT_CONNECT_TIMEOUT_S = 10.0
+# A file is split into at most this many streamed segments, each at least $SPOT_PULL_SEGMENT_MB.
+MAX_SEGMENTS = 4
+SHORTEST_DEADLINE_S = 16.0
+UNKNOWN_SIZE_DEADLINE_S = 24 * 3600.0
+_POLL_S = 0.5
+StoreFor = Callable[[float], Any]  # a request's whole deadline in seconds -> an obstore store
+
+
+class TransferCancelled(CheckpointError):
+    """A segment stopped because another part of the same file failed (never shown: that failure is)."""
+
+
+def request_deadline_s(nbytes: int, read_timeout_s: float, environ: Any = None) -> float:
+    """How long one GET of ``nbytes`` may take whole: the read timeout plus the bytes at the slowest
+    speed that counts as progress (``$SPOT_UPLOAD_MIN_MBPS``), rounded up to a power of two seconds
+    (so a plane keeps a few clients, not one per size).
+
+    Example:
+        >>> request_deadline_s(1000, 15.0, {}), request_deadline_s(256 * MiB, 15.0, {})
+        (16.0, 128.0)
+    """
+    need = read_timeout_s + nbytes / (settings.UPLOAD_MIN_MBPS.value(environ) * 1e6)
+    return max(SHORTEST_DEADLINE_S, float(2 ** math.ceil(math.log2(max(need, 1.0)))))
+
+
+def segment_bytes(environ: Any = None) -> int:
+    """``$SPOT_PULL_SEGMENT_MB`` in bytes: the smallest segment a pulled file is split into."""
+    return int(settings.PULL_SEGMENT_MB.value(environ)) * MiB
 
 
 class ObstoreReader:
-    """Pulls and deep-verify reads through obstore: a file of two ranges or more as concurrent ranged
-    GETs (:mod:`~spot_callbacks.store.clients.ranged`), a smaller one as one streamed GET (one request,
-    no HEAD); either way written as it arrives and hashed in the same pass, within ``budget``.
+    """Pulls and deep-verify reads through obstore, every size from the manifest.
+
+    A file is one streamed GET, written and hashed (xxh3) as it arrives; a file of two segments or
+    more (``$SPOT_PULL_SEGMENT_MB``, default 128 MiB) is fetched as up to :data:`MAX_SEGMENTS`
+    streamed GETs at once, but only while streams are free: at most
+    :data:`~spot_callbacks.store.clients.base.PULL_STREAMS` run at once, all files together, each
+    holding at most two chunks, so memory stays within the transfer budget whatever the files.
+    The first segment is hashed as it arrives and the others from the page cache once written
+    (a memory map: no copy). On a link without per-connection caps one stream per file is as fast;
+    on a cloud link (about 100 MB/s per connection) segments fill it.
 
     Example:
-        >>> ObstoreReader(TransferBudget()).ranged(64 * 1024 * 1024), ObstoreReader(TransferBudget()).ranged(1000)
-        (True, False)
+        >>> ObstoreReader(TransferBudget()).segments_for(1024 * MiB, free=8), ObstoreReader(TransferBudget()).segments_for(1000, free=8)
+        (4, 1)
     """
 
-    def __init__(self, budget: TransferBudget) -> None:
+    def __init__(self, budget: TransferBudget, read_timeout_s: float = DEFAULT_READ_TIMEOUT_S) -> None:
         self._budget = budget
-        self._permits = threading.Semaphore(budget.range_permits())
-        self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
+        self.read_timeout_s = read_timeout_s
+        self._streams = threading.BoundedSemaphore(PULL_STREAMS)
+
+    def segments_for(self, size: int, free: int) -> int:
+        """How many segments a file of ``size`` bytes is fetched in when ``free`` more streams may start."""
+        return max(1, min(MAX_SEGMENTS, size // segment_bytes(), 1 + free))
 
     def download(
         self,
-        store: Any,
+        stores: StoreFor,
         key: str,
         url: str,
         local_path: str,
@@ -59,43 +113,220 @@ class ObstoreReader:
         expected_size: int | None,
         moved: Moved = ignore_moved,
     ) -> FileDigest:
+        """Write the object to ``local_path`` (through a new temporary beside it, renamed once whole)."""
         what, deadline = f"download {url}", Deadline(timeout_s)
-        if self.ranged(expected_size):
-            fetch = functools.partial(get_range, store, key, url=url)
-            return ranged_to_file(
-                fetch, object_size(store, key, url), local_path, chunk=self._budget.range_bytes(),
-                permits=self._permits, pool=self._ranges(), deadline=deadline, what=what, moved=moved,
-            )  # fmt: skip
-        chunks = get_chunks(store, key, self._budget.stream_chunk_bytes(), url)
-        return stream_to_file(chunks, local_path, deadline, what, moved)
+        folder, base = os.path.split(local_path)
+        os.makedirs(folder or ".", exist_ok=True)
+        partial, handle = open_new_temporary(folder or ".", base, ".part")
+        try:
+            with handle:
+                digest = self._fetch(stores, key, url, expected_size, partial, handle, deadline, what, moved)
+            os.replace(partial, local_path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(partial)
+            raise
+        return digest
 
     def digest(
         self,
-        store: Any,
+        stores: StoreFor,
         key: str,
         url: str,
         timeout_s: float | None,
         expected_size: int | None,
         moved: Moved = ignore_moved,
     ) -> FileDigest:
+        """The digest of every byte of the object (a deep verify: one streamed GET, nothing written)."""
         what, deadline = f"read {url}", Deadline(timeout_s)
-        if self.ranged(expected_size):
-            fetch = functools.partial(get_range, store, key, url=url)
-            return ranged_digest(
-                fetch, object_size(store, key, url), chunk=self._budget.range_bytes(),
-                permits=self._permits, pool=self._ranges(), deadline=deadline, what=what, moved=moved,
+        hasher = xxhash.xxh3_64()
+        self._take_stream(deadline, what)
+        try:
+            size = self._stream(
+                stores, key, url, (0, expected_size), expected_size, None, hasher,
+                threading.Event(), [], deadline, what, moved,
             )  # fmt: skip
-        chunks = get_chunks(store, key, self._budget.stream_chunk_bytes(), url)
-        return digest_stream(chunks, deadline, what, moved)
+        finally:
+            self._streams.release()
+        return FileDigest(size, f"{CHECKSUM_ALGORITHM}:{hasher.hexdigest()}")
 
-    def ranged(self, expected_size: int | None) -> bool:
-        return expected_size is not None and expected_size >= 2 * self._budget.range_bytes()
+    # ------------------------------------------------------------------ one file
+    def _fetch(
+        self,
+        stores: StoreFor,
+        key: str,
+        url: str,
+        size: int | None,
+        partial: str,
+        handle: Any,
+        deadline: Deadline,
+        what: str,
+        moved: Moved,
+    ) -> FileDigest:
+        hasher = xxhash.xxh3_64()
+        self._take_stream(deadline, what)
+        extra = 0
+        try:
+            wanted = 1 if size is None else self.segments_for(size, free=MAX_SEGMENTS - 1)
+            while extra < wanted - 1 and self._streams.acquire(blocking=False):
+                extra += 1
+            if size is None or extra == 0:
+                got = self._stream(
+                    stores, key, url, (0, size), size, lambda offset, view: handle.write(view), hasher,
+                    threading.Event(), [], deadline, what, moved,
+                )  # fmt: skip
+                return FileDigest(got, f"{CHECKSUM_ALGORITHM}:{hasher.hexdigest()}")
+            spans = _spans(size, 1 + extra)
+            os.ftruncate(handle.fileno(), size)
+            stop, errors = threading.Event(), list[BaseException]()
+            threads = []
+            for span in spans[1:]:
+                thread = threading.Thread(
+                    target=self._segment, name="spot-segment", daemon=True,
+                    args=(stores, key, url, span, size, partial, stop, errors, deadline, what, moved),
+                )  # fmt: skip
+                extra -= 1  # the thread releases its stream when it ends
+                thread.start()
+                threads.append(thread)
+            try:
+                self._stream(
+                    stores, key, url, spans[0], size, lambda offset, view: handle.write(view), hasher,
+                    stop, errors, deadline, what, moved,
+                )  # fmt: skip
+                for thread in threads:
+                    while thread.is_alive() and not errors:
+                        thread.join(_POLL_S)
+                        deadline.check(what)
+                    if errors:
+                        raise errors[0]
+            except BaseException:
+                stop.set()
+                raise
+            handle.flush()
+            reader = os.open(partial, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0))
+            try:
+                _hash_region(reader, spans[0][1], size, hasher)
+            finally:
+                os.close(reader)
+            return FileDigest(size, f"{CHECKSUM_ALGORITHM}:{hasher.hexdigest()}")
+        finally:
+            for _ in range(1 + extra):
+                self._streams.release()
 
-    def _ranges(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=RANGE_THREADS, thread_name_prefix="spot-range")
-            return self._pool
+    def _segment(
+        self,
+        stores: StoreFor,
+        key: str,
+        url: str,
+        span: tuple[int, int],
+        size: int,
+        partial: str,
+        stop: threading.Event,
+        errors: list[BaseException],
+        deadline: Deadline,
+        what: str,
+        moved: Moved,
+    ) -> None:
+        """One segment in its own daemon thread, written through its own descriptor (a late one,
+        after the file failed, writes only to the removed temporary)."""
+        try:
+            descriptor = os.open(
+                partial, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+            )
+            try:
+                self._stream(
+                    stores, key, url, span, size, lambda offset, view: _pwrite(descriptor, view, offset),
+                    None, stop, errors, deadline, what, moved,
+                )  # fmt: skip
+            finally:
+                os.close(descriptor)
+        except BaseException as err:  # noqa: BLE001 - handed to the file's own thread
+            if not isinstance(err, TransferCancelled):
+                errors.append(err)
+            stop.set()
+        finally:
+            self._streams.release()
+
+    def _stream(
+        self,
+        stores: StoreFor,
+        key: str,
+        url: str,
+        span: tuple[int, int | None],
+        size: int | None,
+        write: Callable[[int, memoryview], Any] | None,
+        hasher: Any,
+        stop: threading.Event,
+        errors: list[BaseException],
+        deadline: Deadline,
+        what: str,
+        moved: Moved,
+    ) -> int:
+        """Stream bytes ``span`` of the object (``size``: the manifest's; ``None``: unknown), checking
+        every answer against it; return the bytes that arrived."""
+        start, end = span
+        # The size unknown (no manifest to bound it): the read timeout alone bounds a stall.
+        budget_s = (
+            UNKNOWN_SIZE_DEADLINE_S if end is None else request_deadline_s(end - start, self.read_timeout_s)
+        )
+        ranged = end is not None and (start, end) != (0, size)
+        offset = start
+        chunks = get_chunks(
+            stores(budget_s), key, self._budget.stream_chunk_bytes(), url,
+            span=(start, end) if ranged and end is not None else None, size=size, budget_s=budget_s,
+        )  # fmt: skip
+        for chunk in chunks:
+            view = memoryview(chunk).cast("B")
+            if end is not None and offset + view.nbytes > end:
+                raise CorruptCheckpointError(
+                    f"{url}: the store sent more than the {end - start} bytes asked for "
+                    f"(bytes {start}-{end} of the manifest's {size}); the object is not the one committed"
+                )
+            if write is not None:
+                write(offset, view)
+            if hasher is not None:
+                hasher.update(view)
+            offset += view.nbytes
+            moved(view.nbytes)
+            if stop.is_set():
+                raise errors[0] if errors else TransferCancelled(f"{what}: stopped")
+            deadline.check(what)
+        if end is not None and offset != end:
+            raise CorruptCheckpointError(
+                f"{url}: the store's answer ended after {offset - start} of the {end - start} bytes "
+                f"asked for (the manifest says {size}); the object is not the one committed"
+            )
+        return offset - start
+
+    def _take_stream(self, deadline: Deadline, what: str) -> None:
+        while not self._streams.acquire(timeout=_POLL_S):
+            deadline.check(what)
+
+
+def _spans(size: int, count: int) -> list[tuple[int, int]]:
+    """``count`` spans covering ``size`` bytes, each boundary on a MiB (memory maps start on pages).
+
+    Example:
+        >>> _spans(10 * MiB, 3)
+        [(0, 4194304), (4194304, 8388608), (8388608, 10485760)]
+    """
+    step = -(-size // count // MiB) * MiB
+    return [(start, min(start + step, size)) for start in range(0, size, step)]
+
+
+def _hash_region(descriptor: int, start: int, end: int, hasher: Any) -> None:
+    """Feed bytes ``start`` to ``end`` of the open file to ``hasher`` through memory maps (the page cache)."""
+    window = 16 * MiB
+    for offset in range(start, end, window):
+        length = min(window, end - offset)
+        with mmap.mmap(descriptor, length, access=mmap.ACCESS_READ, offset=offset) as view:
+            hasher.update(view)
+
+
+def _pwrite(descriptor: int, view: memoryview, offset: int) -> None:
+    while view.nbytes:
+        written = os.pwrite(descriptor, view, offset)
+        view, offset = view[written:], offset + written
 
 
 def obstore_installed() -> bool:
@@ -104,9 +335,15 @@ def obstore_installed() -> bool:
 
 
 def client_options(
-    *, http: bool, connect_timeout_s: float, read_timeout_s: float, verify: bool = True
+    *,
+    http: bool,
+    connect_timeout_s: float,
+    read_timeout_s: float,
+    verify: bool = True,
+    total_timeout_s: float | None = None,
 ) -> dict[str, Any]:
-    """obstore's HTTP client options: plain http only where the endpoint is, the store's timeouts.
+    """obstore's HTTP client options: plain http only where the endpoint is, the store's timeouts
+    (``total_timeout_s``: a whole request's deadline, :func:`request_deadline_s`).
 
     Example:
         >>> client_options(http=True, connect_timeout_s=10, read_timeout_s=60)["allow_http"]
@@ -115,7 +352,7 @@ def client_options(
     options: dict[str, Any] = {
         "connect_timeout": timedelta(seconds=connect_timeout_s),
         "read_timeout": timedelta(seconds=read_timeout_s),
-        "timeout": WHOLE_REQUEST_TIMEOUT,
+        "timeout": timedelta(seconds=total_timeout_s or request_deadline_s(0, read_timeout_s)),
     }
     if http:
         options["allow_http"] = True
@@ -128,52 +365,131 @@ def retry_config() -> dict[str, Any]:
     return {"max_retries": OBSTORE_RETRIES, "retry_timeout": timedelta(seconds=60)}
 
 
-def get_chunks(store: Any, key: str, chunk_bytes: int, url: str) -> Iterator[Any]:
-    """The object's bytes as chunks of at least ``chunk_bytes`` (one streamed GET), errors translated."""
+class StoreCache:
+    """One obstore store per whole-request deadline (a few powers of two), built on first use.
+
+    Example:
+        >>> cache = StoreCache(lambda seconds: {"timeout": seconds})
+        >>> cache(16.0) is cache(16.0), cache(32.0)
+        (True, {'timeout': 32.0})
+    """
+
+    def __init__(self, build: Callable[[float], Any]) -> None:
+        self._build = build
+        self._stores: dict[float, Any] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, total_timeout_s: float) -> Any:
+        with self._lock:
+            store = self._stores.get(total_timeout_s)
+        if store is None:
+            store = self._build(total_timeout_s)
+            with self._lock:
+                store = self._stores.setdefault(total_timeout_s, store)
+        return store
+
+
+def get_chunks(
+    store: Any,
+    key: str,
+    chunk_bytes: int,
+    url: str,
+    span: tuple[int, int] | None = None,
+    size: int | None = None,
+    budget_s: float | None = None,
+) -> Iterator[Any]:
+    """The object's bytes (``span``: only those, ``(start, end)``) as chunks of at least
+    ``chunk_bytes``, from one streamed GET; errors translated. An answer whose size or range
+    disagrees with ``size`` (the manifest's) is :class:`CorruptCheckpointError` before any byte."""
     import obstore
 
+    began = time.monotonic()
     try:
-        stream = obstore.get(store, key).stream(min_chunk_size=chunk_bytes)
-        yield from stream
+        result = obstore.get(store, key, options={"range": span} if span else None)
+        told = int(result.meta["size"])
+        if size is not None and told != size:
+            raise CorruptCheckpointError(
+                f"{url}: the store says the object is {told} bytes, the manifest {size}; "
+                "the object is not the one committed"
+            )
+        if span is not None and tuple(result.range) != tuple(span):
+            raise CorruptCheckpointError(
+                f"{url}: asked for bytes {span[0]}-{span[1]}, the store answered {result.range[0]}-"
+                f"{result.range[1]} (a wrong Content-Range); the object is not the one committed"
+            )
+        yield from result.stream(min_chunk_size=chunk_bytes)
+    except CheckpointError:
+        raise
     except Exception as err:  # noqa: BLE001 - re-raised as the class fsspec would raise
+        elapsed = time.monotonic() - began
+        if budget_s is not None and elapsed >= budget_s * 0.9 and _timed_out(err):
+            speed = settings.UPLOAD_MIN_MBPS
+            raise CorruptCheckpointError(
+                f"{url}: the store sent too little in {elapsed:.0f}s, below {speed.name}="
+                f"{speed.value()} MB/s (a trickling or stalled server); not waited for longer. "
+                f"Fix: lower {speed.name} for a link this slow"
+            ) from err
         raise translated(err, url) from err
 
 
-def object_size(store: Any, key: str, url: str) -> int:
-    """The object's size in bytes (a HEAD), errors translated."""
-    import obstore
-
-    try:
-        return int(obstore.head(store, key)["size"])
-    except Exception as err:  # noqa: BLE001 - re-raised as the class fsspec would raise
-        raise translated(err, url) from err
+# Case-sensitive: the debug dumps carry "retry_timeout: 60s" in every error.
+_TIMED_OUT = re.compile(r"[Tt]imed out|TimedOut|deadline has elapsed|\bTimeout\b")
+_REGION = re.compile(r"(?:x-amz-bucket-region|Region|region)[\"':= ]+([a-z]{2}(?:-[a-z]+)+-\d)")
+_RANGE = re.compile(r"Content-Range|UnexpectedRange|unexpected range|range.*not satisf", re.IGNORECASE)
+_REFUSED = re.compile(r"Connection refused|tcp connect error|ConnectError", re.IGNORECASE)
+_STATUS = re.compile(r"\b(?:status|Status)(?: code)?:? (\d{3})\b|\b(\d{3}) [A-Z][a-z]+ [A-Z]?")
 
 
-def get_range(store: Any, key: str, start: int, end: int, url: str) -> Any:
-    """Bytes ``start`` to ``end`` (exclusive) of the object, errors translated."""
-    import obstore
-
-    try:
-        return obstore.get_range(store, key, start=start, end=end)
-    except Exception as err:  # noqa: BLE001 - re-raised as the class fsspec would raise
-        raise translated(err, url) from err
+def _timed_out(error: BaseException) -> bool:
+    return isinstance(error, TimeoutError) or bool(_TIMED_OUT.search(str(error)))
 
 
 def translated(error: BaseException, url: str) -> BaseException:
-    """obstore's ``error`` as the builtin class an fsspec backend raises for the same answer.
+    """obstore's ``error`` as the builtin class an fsspec backend raises for the same answer, in one
+    line (object_store's errors are multi-line Rust debug dumps).
 
     Example:
         >>> class NotFoundError(Exception): ...
         >>> type(translated(NotFoundError("gone"), "s3://b/k")).__name__
         'FileNotFoundError'
+        >>> class GenericError(Exception): ...
+        >>> str(translated(GenericError("Generic S3 error: error sending request\\n\\nDebug source:\\nTimeout"), "s3://b/k"))
+        's3://b/k: the store did not answer in time (Generic S3 error: error sending request)'
     """
     name = type(error).__name__
-    if name == "NotFoundError":
-        return FileNotFoundError(f"{url}: {error}")
+    text = str(error)
+    first = next((line.strip() for line in text.splitlines() if line.strip()), name)[:200]
+    if name == "NotFoundError" or isinstance(error, FileNotFoundError):
+        return FileNotFoundError(f"{url}: not found ({first})")
     if name == "PermissionDeniedError":
-        return PermissionError(f"{url}: AccessDenied: {error}")
+        return PermissionError(f"{url}: AccessDenied: permission denied ({first})")
     if name == "UnauthenticatedError":
-        return PermissionError(f"{url}: Unauthorized (the store refused the credentials): {error}")
+        return PermissionError(f"{url}: Unauthorized (the store refused the credentials): {first}")
     if name in ("InvalidPathError", "UnknownConfigurationKeyError", "NotSupportedError"):
-        return ValueError(f"{url}: {error}")
-    return error
+        return ValueError(f"{url}: {first}")
+    if (
+        "PermanentRedirect" in text
+        or "301 Moved Permanently" in text
+        or "AuthorizationHeaderMalformed" in text
+    ):
+        region = _REGION.search(text)
+        where = f"in region {region.group(1)!r}" if region else "in another region"
+        fix = (
+            f"client_kwargs={{'region_name': {region.group(1)!r}}}" if region else "client_kwargs region_name"
+        )
+        return ValueError(f"{url}: the bucket is {where}, not the one asked; set storage_options {fix}")
+    if _RANGE.search(text):
+        return CorruptCheckpointError(f"{url}: the store answered another range than asked ({first})")
+    if _REFUSED.search(text):
+        return ConnectionRefusedError(f"{url}: Connection refused by the store's endpoint ({first})")
+    if _timed_out(error):
+        return TimeoutError(f"{url}: the store did not answer in time ({first})")
+    status = _STATUS.search(text)
+    code = int(status.group(1) or status.group(2)) if status else None
+    if code == 403:
+        return PermissionError(f"{url}: AccessDenied: permission denied ({first})")
+    if code == 404:
+        return FileNotFoundError(f"{url}: not found ({first})")
+    if isinstance(error, OSError):
+        return error
+    return ConnectionError(f"{url}: {first}")

@@ -29,7 +29,9 @@ from spot_callbacks.store.clients.base import (
     Unsupported,
 )
 from spot_callbacks.store.clients.obstores import (
+    DEFAULT_READ_TIMEOUT_S,
     ObstoreReader,
+    StoreCache,
     client_options,
     obstore_installed,
     retry_config,
@@ -55,7 +57,6 @@ _READ_ARGS = {
 }
 _CREDENTIAL_KEYS = ("aws_access_key_id", "aws_secret_access_key", "aws_session_token")
 CONNECT_TIMEOUT_S = 10.0
-READ_TIMEOUT_S = 60.0
 CREDENTIALS_TTL = timedelta(minutes=5)
 
 
@@ -106,8 +107,8 @@ class S3Plane:
         self._session: Any = None
         self._client: Any = None
         self._manager: Any = None
-        self._obstores: dict[str, Any] = {}
-        self._reader = ObstoreReader(budget)
+        self._obstores: dict[str, StoreCache] = {}
+        self._reader = ObstoreReader(budget, float(self._config["read_timeout"]))
 
     def serves(self, fs: Any) -> bool:
         return fs is self._fs
@@ -116,7 +117,7 @@ class S3Plane:
         bucket, _key = self._split(remote_path)
         self._transfers()
         if self.pull_with == "obstore":
-            self._obstore(bucket)
+            self._obstore(bucket)(self._reader_deadline())
 
     # ------------------------------------------------------------------ transfers
     def upload(self, local_path: str, remote_path: str, moved: Moved = ignore_moved) -> None:
@@ -191,17 +192,24 @@ class S3Plane:
                 self._manager = TransferManager(client, config)
             return self._manager
 
-    def _obstore(self, bucket: str) -> Any:
+    def _reader_deadline(self) -> float:
+        from spot_callbacks.store.clients.obstores import request_deadline_s
+
+        return request_deadline_s(0, self._reader.read_timeout_s)
+
+    def _obstore(self, bucket: str) -> StoreCache:
+        """obstore's stores for ``bucket``, one per whole-request deadline (endpoint, region and
+        credentials resolved once)."""
         session, client = self._boto()
         with self._lock:
-            store = self._obstores.get(bucket)
-        if store is None:
-            store = _obstore_for(
+            stores = self._obstores.get(bucket)
+        if stores is None:
+            build = _obstore_for(
                 self._fs, session, client, bucket, self._init, self._client_kwargs, self._config
             )
             with self._lock:
-                store = self._obstores.setdefault(bucket, store)
-        return store
+                stores = self._obstores.setdefault(bucket, StoreCache(build))
+        return stores
 
 
 def _told(moved: Moved) -> list[Any]:
@@ -240,7 +248,7 @@ def _client_arguments(fs: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str
         init["use_ssl"] = fs.use_ssl
     config = dict(fs.config_kwargs or {})
     config.setdefault("connect_timeout", getattr(fs, "connect_timeout", CONNECT_TIMEOUT_S))
-    config.setdefault("read_timeout", getattr(fs, "read_timeout", READ_TIMEOUT_S))
+    config.setdefault("read_timeout", getattr(fs, "read_timeout", DEFAULT_READ_TIMEOUT_S))
     config.setdefault("max_pool_connections", UPLOAD_THREADS + 4)
     if fs.anon:
         from botocore import UNSIGNED
@@ -338,7 +346,8 @@ def _obstore_for(
     client_kwargs: dict[str, Any],
     config: dict[str, Any],
 ) -> Any:
-    """obstore's S3Store for ``bucket``, with the endpoint, region and credentials boto3 resolved."""
+    """A builder of obstore's S3Store for ``bucket`` (its argument: a whole request's deadline in
+    seconds), with the endpoint, region and credentials boto3 resolved, resolved once."""
     from obstore.store import S3Store
 
     endpoint = client.meta.endpoint_url
@@ -358,19 +367,24 @@ def _obstore_for(
         options["skip_signature"] = True
     else:
         provider = _credentials(session, {**init, **client_kwargs})
-    # obstore types these as TypedDicts and a provider protocol; ours are plain dicts built from s3fs's options.
-    return cast(Any, S3Store)(
-        bucket,
-        config=options,
-        client_options=client_options(
-            http=http,
-            connect_timeout_s=float(config["connect_timeout"]),
-            read_timeout_s=float(config["read_timeout"]),
-            verify=client_kwargs.get("verify", True) is not False,
-        ),
-        retry_config=retry_config(),
-        credential_provider=provider,
-    )
+
+    def build(total_timeout_s: float) -> Any:
+        # obstore types these as TypedDicts and a provider protocol; ours are plain dicts built from s3fs's options.
+        return cast(Any, S3Store)(
+            bucket,
+            config=options,
+            client_options=client_options(
+                http=http,
+                connect_timeout_s=float(config["connect_timeout"]),
+                read_timeout_s=float(config["read_timeout"]),
+                verify=client_kwargs.get("verify", True) is not False,
+                total_timeout_s=total_timeout_s,
+            ),
+            retry_config=retry_config(),
+            credential_provider=provider,
+        )
+
+    return build
 
 
 def _is_aws_endpoint(endpoint: str) -> bool:
