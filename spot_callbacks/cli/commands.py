@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import logging
 import math
 import os
@@ -167,7 +168,14 @@ def build_parser() -> argparse.ArgumentParser:
         sub.set_defaults(run=run)
         return sub
 
-    command("ls", "list the committed checkpoints, their sizes and whether their files are intact", _cmd_ls)
+    ls = command(
+        "ls", "list the committed checkpoints, their sizes and whether their files are intact", _cmd_ls
+    )
+    ls.add_argument(
+        "--json", action="store_true",
+        help="print one JSON object for scripts: {url, newest_valid_step, checkpoints: [{step, created, "
+        "reason, size_bytes, framework, url, valid, problem, newest_valid}]} (docs/cli.md)",
+    )  # fmt: skip
 
     verify = command(
         "verify", "check a checkpoint's files against its manifest (default: the newest)", _cmd_verify
@@ -194,6 +202,15 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument(
         "--on-demand-price", type=_price, metavar="Q", help="on-demand price per hour: adds what spot saved"
     )
+    report.add_argument(
+        "--all", action="store_true",
+        help=f"list every recent resume the ledger keeps (default: the newest {REPORT_RESUME_ROWS})",
+    )  # fmt: skip
+    report.add_argument(
+        "--json", action="store_true",
+        help="print one JSON object for scripts: {url, framework, newest_step, summary, notes, ledger, "
+        "goodput, billed_s, interruptions, recent_resumes} (docs/cli.md)",
+    )  # fmt: skip
 
     _add_plan_command(commands)
     _add_scratch_command(commands)
@@ -382,6 +399,9 @@ def _positive_duration(text: str) -> float:
 
 
 # ------------------------------------------------------------------------------------ commands
+REPORT_RESUME_ROWS = 20  # report's resume table by default; --all lists every one the ledger keeps
+
+
 def _cmd_ls(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
     store = _open_store(args.url, storage_options)
     infos = store.committed()
@@ -389,13 +409,23 @@ def _cmd_ls(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
     if infos or store.step_folders():  # a manifest that cannot be trusted is listed as damaged
         verdicts = store.manifest_verdicts()
     if not verdicts:  # the folder holds something (an upload that never committed, a lock), not a checkpoint
-        print(f"no committed checkpoints in {store.url}")
+        if getattr(args, "json", False):
+            _print_json({"url": store.url, "newest_valid_step": None, "checkpoints": []})
+        else:
+            print(f"no committed checkpoints in {store.url}")
         return EXIT_OK
     problems = size_problems(store, [verdict.info for verdict in verdicts if verdict.info is not None])
     problems.update({verdict.step: verdict.problem for verdict in verdicts if verdict.info is None})
     # What latest() picks: the lineage of the newest commit first (store/commit.py resume_order).
     ordered = resume_order([verdict.info for verdict in verdicts if verdict.info is not None])
     newest_valid = next((info.step for info in reversed(ordered) if problems[info.step] is None), None)
+    if getattr(args, "json", False):
+        _print_json({
+            "url": store.url,
+            "newest_valid_step": newest_valid,
+            "checkpoints": [_ls_record(verdict, newest_valid, problems[verdict.step]) for verdict in verdicts],
+        })  # fmt: skip
+        return EXIT_OK
     rows = [_ls_row(verdict, newest_valid, problems[verdict.step]) for verdict in verdicts]
     if newest_valid is None:
         footer = f"no valid checkpoint: all {len(rows)} committed checkpoints are damaged"
@@ -409,6 +439,29 @@ def _cmd_ls(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
     else:
         print_rich_table(console, rows, footer)
     return EXIT_OK
+
+
+def _print_json(doc: dict[str, Any]) -> None:
+    """One JSON object on stdout; strings from the store are data here (JSON escapes control bytes)."""
+    print(json.dumps(doc, indent=2, sort_keys=False, allow_nan=False, default=str))
+
+
+def _ls_record(verdict: Verdict, newest_valid: int | None, problem: str | None) -> dict[str, Any]:
+    info = verdict.info
+    if info is None:
+        return {"step": verdict.step, "url": verdict.url, "created": None, "reason": None, "size_bytes": None,
+                "framework": None, "valid": False, "problem": problem or "damaged", "newest_valid": False}  # fmt: skip
+    return {
+        "step": info.step,
+        "url": info.url,
+        "created": info.created.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "reason": info.reason,
+        "size_bytes": info.size_bytes,
+        "framework": info.framework,
+        "valid": problem is None,
+        "problem": problem,
+        "newest_valid": info.step == newest_valid,
+    }
 
 
 def _ls_row(verdict: Verdict, newest_valid: int | None, problem: str | None) -> tuple[str, ...]:
@@ -533,16 +586,42 @@ def _cmd_report(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
     store = _open_store(args.url, storage_options)
     committed_checkpoints = store.committed()
     if not committed_checkpoints:
-        print(f"no committed checkpoints in {store.url}")
+        if args.json:
+            _print_json({"url": store.url, "newest_step": None, "summary": {}, "recent_resumes": []})
+        else:
+            print(f"no committed checkpoints in {store.url}")
         return EXIT_OK
     lineage, notes = newest_valid_lineage(store, committed_checkpoints)
     history = RunHistory.from_checkpoints(store.url, lineage)
     rows = history_rows(history, args.spot_price, args.on_demand_price)
     resumes = resume_rows(history)
+    kept = len(resumes)
+    if not args.all:
+        resumes = resumes[-REPORT_RESUME_ROWS:]
     newest = history.newest
     created = newest.created.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    if args.json:
+        records = list(history.ledger.recent_resumes)
+        ledger = history.ledger
+        _print_json({
+            "url": store.url,
+            "framework": newest.framework,
+            "newest_step": newest.step,
+            "newest_created": created,
+            "summary": dict(rows),
+            "notes": notes,
+            "goodput": ledger.goodput,
+            "billed_s": ledger.billed_s,
+            "interruptions": history.interruptions,
+            "ledger": ledger.to_json(),
+            "recent_resumes": [r.to_json() for r in (records if args.all else records[-REPORT_RESUME_ROWS:])],
+        })  # fmt: skip
+        return EXIT_OK
     title = printable(f"{store.url} ({newest.framework}), newest checkpoint committed {created}")
-    resume_title = f"recent resumes ({len(resumes)} of {history.ledger.resumes})"
+    # The ledger's count covers resumes older than the records it keeps; never fewer than those.
+    resume_title = f"recent resumes ({len(resumes)} of {max(history.ledger.resumes, kept)})"
+    if len(resumes) < kept:
+        resume_title += "; --all lists every one kept"
     console = rich_console(sys.stdout)
     if console is None:
         print(title)
