@@ -42,11 +42,13 @@ from spot_callbacks.persist import PersistRecord
 from spot_callbacks.persist.scratch_folders import claim_scratch_root
 from spot_callbacks.preemption import Notice, PreemptionWatcher, exit_guard
 from spot_callbacks.preemption.emergency import EXIT_MARGIN_S, Emergency, time_left_s, warn_if_grace_too_short
+from spot_callbacks.preemption.startup import exit_on_notice
 from spot_callbacks.resume import ResumeInfo, move_aside_uncommitted, pull_latest, say_new_lineage
 from spot_callbacks.run_lease import RunLease
 from spot_callbacks.saving import CheckpointWriter
-from spot_callbacks.staging import STATE_FILE, StagingArea
+from spot_callbacks.staging import StagingArea
 from spot_callbacks.store import CheckpointStore, step_dirname
+from spot_callbacks.store.layout import STATE_FILE
 from spot_callbacks.store.runlock import RELEASE_TIMEOUT_S
 from spot_callbacks.trigger import CheckpointTrigger, rules
 
@@ -137,7 +139,8 @@ class SpotEngine:
         # The interval counts training time, not the set-up before it (model build, a long pull).
         self.trigger.mark_checkpoint()
         self.accounts.start_clock()
-        self.lease.acquire()
+        with exit_on_notice(self.watcher.sources, "waiting for the store and the run lock"):
+            self.lease.acquire()
         self.accounts.dead_run = self.lease.dead_run()  # a run that died uncommitted: an interruption
         self.watcher.clear()  # a notice acted on in an earlier fit() in this process is spent
         self.watcher.start()
@@ -361,7 +364,8 @@ class SpotEngine:
         already holds exactly this checkpoint is not downloaded again.
         """
         in_scratch = lambda step: self.scratch_root / step_dirname(step)  # noqa: E731
-        resumed = pull_latest(self.store, dest or in_scratch, rank(), local_rank(), check)
+        with exit_on_notice(self.watcher.sources, "pulling the checkpoint to resume from"):
+            resumed = pull_latest(self.store, dest or in_scratch, rank(), local_rank(), check)
         if resumed is None:
             return None
         self.resumed = resumed

@@ -22,6 +22,7 @@ import mmap
 import os
 import posixpath
 import shutil
+import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -56,8 +57,41 @@ def run_parallel(fn: Callable[[Any], T], items: Iterable[Any]) -> list[T]:
     items = list(items)
     if len(items) <= 1:
         return [fn(item) for item in items]
-    with ThreadPoolExecutor(max_workers=min(TRANSFER_THREADS, len(items))) as pool:
-        return list(pool.map(fn, items))
+    # Daemon workers, not a ThreadPoolExecutor: an executor's threads are joined when its block ends
+    # and again at interpreter exit, so a transfer stuck on a stalled server would keep a process that
+    # was told to stop (a SIGTERM during a pull) from exiting. As with pool.map, every item started is
+    # finished before an error is raised (the first one); after an error no new item starts.
+    results: list[Any] = [None] * len(items)
+    errors: list[BaseException] = []
+    next_index = iter(range(len(items)))
+    lock, done = threading.Lock(), threading.Event()
+    workers = min(TRANSFER_THREADS, len(items))
+    running = [workers]
+
+    def work() -> None:
+        try:
+            while True:
+                with lock:
+                    index = None if errors else next(next_index, None)
+                if index is None:
+                    return
+                try:
+                    results[index] = fn(items[index])
+                except BaseException as err:  # noqa: BLE001 - handed to the caller's thread
+                    with lock:
+                        errors.append(err)
+        finally:
+            with lock:
+                running[0] -= 1
+                if running[0] == 0:
+                    done.set()
+
+    for number in range(workers):
+        threading.Thread(target=work, name=f"spot-transfer-{number}", daemon=True).start()
+    done.wait()  # interruptible: a signal handler's exception leaves the workers behind, as daemons
+    if errors:
+        raise errors[0]
+    return results
 
 
 def call_in_time(retry: RetryPolicy, fn: Callable[[], T], timeout_s: float | None, what: str) -> T:
