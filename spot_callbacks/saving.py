@@ -7,7 +7,7 @@ kind commits its own way), builds each persist job's ``metrics``, ``extra`` (the
 preemption record) and ``deadline`` once for every kind of save, remembers the last step saved
 (the "never twice" rule reads it) and the commits and failures it reported.
 
-- :data:`SINGLE_WRITER`: the writer rank persists a staged state (``state.ckpt``, :func:`state_file_job`)
+- :data:`SINGLE_WRITER`: the writer rank persists a staged state (``STATE_FILE``, :func:`state_file_job`)
   or a folder the framework wrote (:func:`folder_job`) (:class:`~spot_callbacks.persist.Persister`);
 - :data:`SHARDED`: every rank persists its own DCP shards
   (:class:`~spot_callbacks.persist.sharded.ShardedPersister`);
@@ -40,9 +40,10 @@ from spot_callbacks.persist.scratch import discard_copies_older_than
 from spot_callbacks.persist.sharded import ShardedPersister
 from spot_callbacks.preemption import Notice
 from spot_callbacks.preemption.emergency import Emergency
-from spot_callbacks.staging import STATE_FILE, StagedState, StagingArea, write_state
+from spot_callbacks.staging import StagedState, StagingArea, write_state
 from spot_callbacks.store import CheckpointStore, step_dirname
 from spot_callbacks.store.checksums import FileDigest
+from spot_callbacks.store.layout import STATE_FILE
 from spot_callbacks.trigger import CheckpointTrigger, rules
 
 log = logging.getLogger("spot_callbacks")
@@ -99,7 +100,7 @@ def state_file_job(
     extra: dict[str, Any],
     deadline: float | None,
 ) -> PersistJob:
-    """The job that writes a staged state as ``state.ckpt`` into ``local_dir`` in the background."""
+    """The job that writes a staged state as ``STATE_FILE`` into ``local_dir`` in the background."""
 
     def write(folder: Path) -> dict[str, FileDigest]:
         write_started = time.perf_counter()

@@ -32,8 +32,6 @@ log = logging.getLogger("spot_callbacks")
 
 _TensorKey = tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype, str]
 
-STATE_FILE = "state.ckpt"  # the one payload file of a single-writer checkpoint
-
 
 class StagedState:
     """A staged copy of a state; hold it until written, then :meth:`release` the buffers.
@@ -274,7 +272,8 @@ def check_archive_bounds(path: str | os.PathLike[str]) -> None:
 
     Example:
         >>> import tempfile, zipfile
-        >>> bomb = tempfile.mkdtemp() + "/state.ckpt"
+        >>> from spot_callbacks.store.layout import STATE_FILE
+        >>> bomb = tempfile.mkdtemp() + "/" + STATE_FILE
         >>> with zipfile.ZipFile(bomb, "w", zipfile.ZIP_DEFLATED) as archive:
         ...     archive.writestr("archive/data/0", bytes(50_000_000))
         >>> check_archive_bounds(bomb)  # doctest: +ELLIPSIS

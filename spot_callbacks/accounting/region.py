@@ -29,6 +29,7 @@ import spot_callbacks.settings as settings
 from spot_callbacks._format import format_seconds
 from spot_callbacks.preemption.clouds import CLOUDS, ask_each
 from spot_callbacks.preemption.metadata import DETECT_TIMEOUT_S
+from spot_callbacks.store.families import in_family
 from spot_callbacks.store.layout import fs_protocols
 
 log = logging.getLogger("spot_callbacks")
@@ -133,10 +134,10 @@ def bucket_placement(fs: Any, path: str) -> Placement | None:
     """The region of the bucket holding ``path`` on ``fs`` (s3fs or gcsfs); None when unknown or not allowed."""
     bucket = path.split("/", 1)[0]
     protocols = set(fs_protocols(fs))
-    if {"s3", "s3a"} & protocols and hasattr(fs, "call_s3"):
+    if in_family(protocols, "s3") and hasattr(fs, "call_s3"):
         answer = fs.call_s3("get_bucket_location", Bucket=bucket)
         return Placement("aws", s3_location(answer.get("LocationConstraint")))
-    if {"gs", "gcs"} & protocols and hasattr(fs, "call"):
+    if in_family(protocols, "gs") and hasattr(fs, "call"):
         answer = fs.call("GET", "b/{}", bucket, json_out=True)
         return gcs_placement(answer if isinstance(answer, dict) else json.loads(answer))
     return None
@@ -246,7 +247,7 @@ class RegionCheck:
 
     def compare(self) -> Mismatch | None:
         """Ask both sides; a :class:`Mismatch` when both are known and differ."""
-        if not ({"s3", "s3a", "gs", "gcs"} & set(fs_protocols(self.fs))):
+        if not in_family(fs_protocols(self.fs), "s3", "gs"):
             return None  # local, memory, Azure (no location on the data plane): nothing to compare
         instance = instance_placement(self.timeout_s)
         if instance is None:

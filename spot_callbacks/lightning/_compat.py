@@ -46,7 +46,6 @@ from spot_callbacks.preemption import Notice, signal_grace_s
 from spot_callbacks.resume import ResumeInfo
 from spot_callbacks.run_lease import release_on_unwind
 from spot_callbacks.staging import (
-    STATE_FILE,
     capture_rng_state,
     check_archive_bounds,
     restore_rng_state,
@@ -54,7 +53,7 @@ from spot_callbacks.staging import (
     unsafe_checkpoint_error,
 )
 from spot_callbacks.store import CheckpointInfo
-from spot_callbacks.store.layout import DCP_METADATA_FILE
+from spot_callbacks.store.layout import DCP_METADATA_FILE, STATE_FILE
 
 SHARDED_META_FILE = "meta.pt"  # Lightning's _METADATA_FILENAME beside a sharded checkpoint's DCP files
 

@@ -18,17 +18,17 @@ import fsspec
 
 import spot_callbacks.settings as settings
 from spot_callbacks.errors import ConfigError, StoreUnavailableError, UnknownStoreError
+from spot_callbacks.store.families import PROTOCOL_FAMILIES, family_of
 
-# protocol -> (the package that implements it, the spot-callbacks extra that installs it)
+# family -> (the package that implements it, the spot-callbacks extra that installs it)
+_CLOUD_PACKAGES = {"s3": ("s3fs", "s3"), "gs": ("gcsfs", "gcs"), "az": ("adlfs", "azure")}
+# protocol -> (package, extra), for the cloud families
 CLOUD_BACKENDS: dict[str, tuple[str, str]] = {
-    "s3": ("s3fs", "s3"),
-    "s3a": ("s3fs", "s3"),
-    "gs": ("gcsfs", "gcs"),
-    "gcs": ("gcsfs", "gcs"),
-    "az": ("adlfs", "azure"),
-    "abfs": ("adlfs", "azure"),
-    "abfss": ("adlfs", "azure"),
+    protocol: package for family, package in _CLOUD_PACKAGES.items() for protocol in PROTOCOL_FAMILIES[family]
 }
+# Families whose first path segment is a bucket (or container).
+BUCKET_FAMILIES = ("s3", "gs", "az", "adl")
+
 
 S3_READ_TIMEOUT_S = 60
 S3_MAX_ATTEMPTS = 3  # botocore's, each inside one of the store's own retried attempts
@@ -36,7 +36,7 @@ GCS_CONTROL_RETRY_S = 5.0  # gcsfs' bucket-layout probe (gRPC); a plain bucket a
 # "word:" not followed by "//": fsspec reads it as a local path (a folder named "s3:" on a disk
 # that dies with the VM). One letter is a Windows drive ("C:/runs").
 _SCHEME_WITHOUT_SLASHES = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]+):(?!//)(.*)$", re.DOTALL)
-LOCAL_PROTOCOLS = ("file", "local")
+LOCAL_PROTOCOLS = PROTOCOL_FAMILIES["file"]
 
 
 def resolve_filesystem(dirpath: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:
@@ -266,12 +266,13 @@ def with_backend_defaults(protocol: str | None, storage_options: dict[str, Any] 
         {'retry_timeout': 5.0}
     """
     options = dict(storage_options or {})
-    if protocol in ("s3", "s3a"):
+    family = family_of(protocol) if protocol else None
+    if family == "s3":
         config = dict(options.get("config_kwargs") or {})
         config.setdefault("connect_timeout", settings.CONNECT_TIMEOUT_S.value())
         config.setdefault("read_timeout", S3_READ_TIMEOUT_S)
         config.setdefault("retries", {"max_attempts": S3_MAX_ATTEMPTS, "mode": "standard"})
         options["config_kwargs"] = config
-    elif protocol in ("gs", "gcs"):
+    elif family == "gs":
         options.setdefault("retry_timeout", GCS_CONTROL_RETRY_S)
     return options

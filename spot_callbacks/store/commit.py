@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from spot_callbacks.errors import CorruptCheckpointError, ManifestError
+from spot_callbacks.store.layout import DCP_METADATA_FILE, HF_TRAINER_STATE_FILE, STATE_FILE
 from spot_callbacks.store.manifest import CheckpointInfo, parse_manifest
 from spot_callbacks.store.manifest_limits import ManifestLimits
 
@@ -85,9 +86,9 @@ def size_problem(info: CheckpointInfo, sizes: Mapping[str, int | None]) -> str |
         >>> from datetime import datetime, timezone
         >>> from spot_callbacks.store.checksums import FileDigest
         >>> info = CheckpointInfo(1, "memory://run/step-000000001", datetime.now(timezone.utc), "end", 10, "demo",
-        ...                       files={"state.ckpt": FileDigest(10, "xxh3_64:ab")})
-        >>> size_problem(info, {"state.ckpt": 4})
-        'memory://run/step-000000001/state.ckpt is 4 bytes but the manifest says 10 (truncated or replaced)'
+        ...                       files={"weights.bin": FileDigest(10, "xxh3_64:ab")})
+        >>> size_problem(info, {"weights.bin": 4})
+        'memory://run/step-000000001/weights.bin is 4 bytes but the manifest says 10 (truncated or replaced)'
     """
     if (problem := payload_problem(info)) is not None:
         return problem
@@ -101,14 +102,14 @@ def size_problem(info: CheckpointInfo, sizes: Mapping[str, int | None]) -> str |
 
 # What a resume of each framework cannot do without: one of these names in the manifest's files.
 REQUIRED_PAYLOAD: dict[str, tuple[str, ...]] = {
-    "lightning": ("state.ckpt", ".metadata"),  # a state file, or a sharded (DCP) checkpoint
-    "hf": ("trainer_state.json",),  # the Trainer reads it first on every resume
+    "lightning": (STATE_FILE, DCP_METADATA_FILE),  # a state file, or a sharded (DCP) checkpoint
+    "hf": (HF_TRAINER_STATE_FILE,),
 }
 
 
 def payload_problem(info: CheckpointInfo) -> str | None:
     """Why the manifest ``info`` lists no payload its framework can resume from, or ``None``: a
-    manifest with ``files: {}`` (or a Lightning one without ``state.ckpt``) is damaged everywhere.
+    manifest with ``files: {}`` (or a Lightning one without its state file) is damaged everywhere.
 
     Example:
         >>> from datetime import datetime, timezone

@@ -45,6 +45,7 @@ from spot_callbacks.store.clients.base import (
     TransferBudget,
     Unsupported,
 )
+from spot_callbacks.store.families import in_family
 from spot_callbacks.store.layout import fs_protocols, is_local_fs
 from spot_callbacks.store.meter import Moved, ignore_moved
 from spot_callbacks.store.transfer import digest_mapped, put_file
@@ -54,9 +55,6 @@ log = logging.getLogger("spot_callbacks")
 DATA_PLANE_ENV = settings.DATA_PLANE.name
 BUFFER_ENV = settings.TRANSFER_BUFFER_MB.name
 MIN_BUFFER_MB = 4
-_S3_PROTOCOLS = {"s3", "s3a"}
-_GCS_PROTOCOLS = {"gs", "gcs"}
-_AZURE_PROTOCOLS = {"az", "abfs", "abfss"}
 _said: set[tuple[str, str]] = set()
 
 
@@ -184,14 +182,14 @@ def select_data_plane(fs: Any, environ: Mapping[str, str] | None = None) -> Data
     if choice == "fsspec":
         return FsspecPlane(fs, f"{DATA_PLANE_ENV}=fsspec")
     protocols = set(fs_protocols(fs))
-    if is_local_fs(fs) or not protocols & (_S3_PROTOCOLS | _GCS_PROTOCOLS | _AZURE_PROTOCOLS):
+    if is_local_fs(fs) or not in_family(protocols, "s3", "gs", "az"):
         return FsspecPlane(fs)
     try:
-        if protocols & _S3_PROTOCOLS:
+        if in_family(protocols, "s3"):
             from spot_callbacks.store.clients.s3 import s3_plane
 
             return s3_plane(fs, transfer_budget(environ), choice)
-        if protocols & _AZURE_PROTOCOLS:
+        if in_family(protocols, "az"):
             if choice == "boto3":
                 raise Unsupported(f"{DATA_PLANE_ENV}=boto3, and boto3 speaks s3:// only")
             from spot_callbacks.store.clients.azure import azure_plane

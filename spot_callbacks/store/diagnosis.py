@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from spot_callbacks.errors import AttemptTimeoutError
+from spot_callbacks.store.families import family_of
 from spot_callbacks.store.retry import http_status, is_transient
 
 _AUTH_NAMES = {
@@ -211,4 +212,4 @@ def _named(error: BaseException, names: set[str]) -> bool:
 
 
 def _cloud(protocol: str) -> str:
-    return {"s3a": "s3", "gcs": "gs", "abfs": "az", "abfss": "az", "local": "file"}.get(protocol, protocol)
+    return family_of(protocol)

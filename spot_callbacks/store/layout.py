@@ -16,11 +16,15 @@ from typing import Any
 
 import fsspec
 
-from spot_callbacks.store.backends import resolve_filesystem
+from spot_callbacks.store.backends import BUCKET_FAMILIES, resolve_filesystem
+from spot_callbacks.store.families import PROTOCOL_FAMILIES, in_family
 
+# Every file name a step folder is known by, defined here once (the frameworks' own names stay theirs):
+MANIFEST_NAME = "manifest.json"  # written last: the commit
+STATE_FILE = "state.ckpt"  # the one payload file of a single-writer checkpoint (Lightning, the engine)
 # torch.distributed.checkpoint's index of every shard: a hidden name, yet payload.
 DCP_METADATA_FILE = ".metadata"
-MANIFEST_NAME = "manifest.json"
+HF_TRAINER_STATE_FILE = "trainer_state.json"  # the HF Trainer reads it first on every resume
 _STEP_DIR = re.compile(r"^step-(\d{9,})$")
 # s3fs uploads a file's parts max_concurrency at a time, each held twice in RAM (the part and
 # botocore's copy): 10 (its default) x 50 MiB x 2 is ~1 GB per file in flight, beside the staged
@@ -73,7 +77,7 @@ def open_filesystem(dirpath: str, storage_options: dict[str, Any] | None) -> tup
     """
     options = dict(storage_options or {})
     protocol, _ = fsspec.core.split_protocol(dirpath)
-    if protocol in ("s3", "s3a"):
+    if protocol is not None and in_family(protocol, "s3"):
         options.setdefault("max_concurrency", S3_UPLOAD_CONCURRENCY)
     fs, root = resolve_filesystem(dirpath, options)
     return fs, root.rstrip("/") or root, protocol if protocol in fs_protocols(fs) else None
@@ -151,7 +155,7 @@ def local_stray(fs: Any, path: str, *, folder: bool) -> str | None:
     return f"it is {kind}, not {'a folder' if folder else 'a file'}"
 
 
-_BUCKET_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"})
+_BUCKET_PROTOCOLS = frozenset(p for family in BUCKET_FAMILIES for p in PROTOCOL_FAMILIES[family])
 
 
 def missing_root_reason(fs: Any, root: str) -> str | None:

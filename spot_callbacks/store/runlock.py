@@ -61,6 +61,7 @@ from typing import Any
 import spot_callbacks.settings as settings
 from spot_callbacks.errors import ManifestError, RunLockedError
 from spot_callbacks.store.checkpoint_store import CheckpointStore
+from spot_callbacks.store.families import in_family
 from spot_callbacks.store.layout import fs_protocols, is_local_fs
 from spot_callbacks.store.manifest_limits import load_bounded_json
 from spot_callbacks.store.transfer import put_bytes
@@ -87,7 +88,7 @@ _said_no_conditional_writes: set[str] = set()
 
 def has_conditional_writes(fs: Any) -> bool:
     """True where this lock uses the store's conditional writes (S3's If-None-Match / If-Match)."""
-    return "s3" in fs_protocols(fs)
+    return in_family(fs_protocols(fs), "s3")
 
 
 def _precondition_failed(err: BaseException) -> bool:
