@@ -28,6 +28,11 @@ CLOUD_BACKENDS: dict[str, tuple[str, str]] = {
     "abfs": ("adlfs", "azure"),
     "abfss": ("adlfs", "azure"),
 }
+# protocol -> the conditional writes its backend here promises: "etag" where a PUT can be made
+# conditional on the object's absence (If-None-Match: *) or its ETag (If-Match), as this library
+# uses them (the run lock). GCS (ifGenerationMatch) and Azure (ETags) have them too, but gcsfs and
+# adlfs do not pass them through their writes, so they are not promised here yet.
+CONDITIONAL_WRITES: dict[str, str] = {"s3": "etag", "s3a": "etag"}
 S3_CONNECT_TIMEOUT_S = 10
 S3_READ_TIMEOUT_S = 60
 S3_MAX_ATTEMPTS = 3  # botocore's, each inside one of the store's own retried attempts
@@ -274,3 +279,14 @@ def with_backend_defaults(protocol: str | None, storage_options: dict[str, Any] 
     elif protocol in ("gs", "gcs"):
         options.setdefault("retry_timeout", GCS_CONTROL_RETRY_S)
     return options
+
+
+def conditional_writes(protocols: str | tuple[str, ...] | list[str]) -> str | None:
+    """The conditional writes the backend of ``protocols`` (an fsspec ``fs.protocol``) promises, or None.
+
+    Example:
+        >>> conditional_writes(("s3", "s3a")), conditional_writes("gs"), conditional_writes(("file", "local"))
+        ('etag', None, None)
+    """
+    names = (protocols,) if isinstance(protocols, str) else tuple(protocols)
+    return next((CONDITIONAL_WRITES[name] for name in names if name in CONDITIONAL_WRITES), None)
