@@ -501,8 +501,8 @@ class RunLock:
             current = self.holder()
             if current is None or current.get("run_id") != self.run_id:
                 return False
-            self._written_at()  # our own write after all: its ETag is the next condition
-            self._etag = self._seen_etag
+            # our own write after all: its ETag (read before its content) is the next condition
+            self._etag = self._read_etag
             return True
         etag_now = answer.get("ETag") if isinstance(answer, dict) else None
         if isinstance(etag_now, str):
