@@ -186,6 +186,11 @@ PREFLIGHT = Knob(
 PREFLIGHT_TIMEOUT_S = Knob(
     "SPOT_PREFLIGHT_TIMEOUT_S", 60.0, seconds, "how long the preflight may retry a transient failure"
 )
+CONNECT_TIMEOUT_S = Knob(
+    "SPOT_CONNECT_TIMEOUT_S", 5.0, seconds,
+    "how long a connection to the store may take to open; at start, a store that accepts nothing (refused) "
+    "fails after this, and one that accepts but answers nothing after twice this, with the cause",
+)  # fmt: skip
 LOCK_STALE_S = Knob(
     "SPOT_LOCK_STALE_S", 10.0, seconds,
     "a run lock not rewritten for this long, by the store's own clock, belongs to a dead run and is taken "

@@ -16,6 +16,7 @@ from typing import Any
 
 import fsspec
 
+import spot_callbacks.settings as settings
 from spot_callbacks.errors import ConfigError, StoreUnavailableError, UnknownStoreError
 
 # protocol -> (the package that implements it, the spot-callbacks extra that installs it)
@@ -33,7 +34,6 @@ CLOUD_BACKENDS: dict[str, tuple[str, str]] = {
 # uses them (the run lock). GCS (ifGenerationMatch) and Azure (ETags) have them too, but gcsfs and
 # adlfs do not pass them through their writes, so they are not promised here yet.
 CONDITIONAL_WRITES: dict[str, str] = {"s3": "etag", "s3a": "etag"}
-S3_CONNECT_TIMEOUT_S = 10
 S3_READ_TIMEOUT_S = 60
 S3_MAX_ATTEMPTS = 3  # botocore's, each inside one of the store's own retried attempts
 GCS_CONTROL_RETRY_S = 5.0  # gcsfs' bucket-layout probe (gRPC); a plain bucket answers in well under 1 s
@@ -272,7 +272,7 @@ def with_backend_defaults(protocol: str | None, storage_options: dict[str, Any] 
     options = dict(storage_options or {})
     if protocol in ("s3", "s3a"):
         config = dict(options.get("config_kwargs") or {})
-        config.setdefault("connect_timeout", S3_CONNECT_TIMEOUT_S)
+        config.setdefault("connect_timeout", settings.CONNECT_TIMEOUT_S.value())
         config.setdefault("read_timeout", S3_READ_TIMEOUT_S)
         config.setdefault("retries", {"max_attempts": S3_MAX_ATTEMPTS, "mode": "standard"})
         options["config_kwargs"] = config

@@ -130,6 +130,15 @@ def preflight_budget_s() -> float:
     return settings.PREFLIGHT_TIMEOUT_S.value()
 
 
+def _is_connect_timeout(error: BaseException) -> bool:
+    """A connection that never opened (botocore's ConnectTimeoutError, aiohttp's, a socket's)."""
+    chain: list[BaseException] = []
+    while error is not None and error not in chain and len(chain) < 8:
+        chain.append(error)
+        error = error.__cause__ or error.__context__  # type: ignore[assignment]
+    return any("ConnectTimeout" in type(e).__name__ or "Connect timeout" in str(e) for e in chain)
+
+
 class _Probe:
     """One preflight of one store: the probe's path, the deadline, and the steps against it."""
 
@@ -138,6 +147,12 @@ class _Probe:
         self.reading = reading
         self.budget_s = budget_s
         self.started = time.monotonic()
+        # Until the store first answers anything, a refused endpoint is retried for the connect timeout
+        # and a silent one (accepts, never answers) for twice it: seconds, not the whole budget.
+        connect_s = settings.CONNECT_TIMEOUT_S.value()
+        self.refused_until = self.started + min(connect_s, budget_s / 2)
+        self.first_answer_by = self.started + min(2 * connect_s, budget_s)
+        self.answered = False
         self.deadline = self.started + budget_s
         self.path = posixpath.join(store.root, f"{PROBE_PREFIX}{uuid.uuid4().hex[:12]}")
         self.payload = f"spot_callbacks preflight of {store.url}\n".encode()
@@ -181,19 +196,29 @@ class _Probe:
 
     def attempt(self, step: Callable[[], T], what: str) -> T:
         """``step`` until it succeeds (its value), fails permanently, or the budget is spent (then raise)."""
-        unreachable_until = self.started + self.budget_s / 2
         waiter = threading.Event()
         for tries in range(1, 10_000):
-            remaining_s = self.deadline - time.monotonic()
+            limit = self.deadline if self.answered else min(self.deadline, self.first_answer_by)
+            remaining_s = limit - time.monotonic()
             try:
-                return call_with_timeout(step, max(remaining_s, 0.05), f"preflight: {what}", _TIMEOUT_FIX)
+                value = call_with_timeout(step, max(remaining_s, 0.05), f"preflight: {what}", _TIMEOUT_FIX)
+                self.answered = True
+                return value
             except Exception as err:  # noqa: BLE001 - every failure is diagnosed, the raw one kept at debug
                 log.debug("spot_callbacks: preflight of %s: %s failed", self.store.url, what, exc_info=True)
                 found = self.diagnose(err)
                 if found.permanent:
                     raise self.error(what, found, err) from None
+                silent = isinstance(err, AttemptTimeoutError) or _is_connect_timeout(err)
+                if not (found.unreachable or silent):
+                    self.answered = True  # an answer, if an error one (a 503): the whole budget applies
                 pause_s = _BACKOFF_S[min(tries - 1, len(_BACKOFF_S) - 1)]
-                give_up_at = unreachable_until if found.unreachable else self.deadline
+                if found.unreachable:
+                    give_up_at = self.refused_until if not self.answered else self.deadline
+                elif silent and not self.answered:
+                    give_up_at = self.first_answer_by
+                else:
+                    give_up_at = self.deadline
                 if time.monotonic() + pause_s >= give_up_at:
                     spent_s = time.monotonic() - self.started
                     raise self.error(what, found, err, f" (still failing after {spent_s:.0f}s)") from None
@@ -217,11 +242,12 @@ class _Probe:
     def error(
         self, what: str, found: Diagnosis, err: BaseException, spent: str = ""
     ) -> StoreUnavailableError:
-        fix = (
-            f"{found.fix}; or raise {PREFLIGHT_TIMEOUT_ENV} (now {self.budget_s:.0f}s)"
-            if spent
-            else found.fix
-        )
+        if not spent:
+            fix = found.fix
+        elif not self.answered:  # nothing ever answered: a longer budget would not have helped
+            fix = f"{found.fix}; if the store is only starting, raise {settings.CONNECT_TIMEOUT_S.name}"
+        else:
+            fix = f"{found.fix}; or raise {PREFLIGHT_TIMEOUT_ENV} (now {self.budget_s:.0f}s)"
         return StoreUnavailableError(self.store.dirpath, f"could not {what}: {found.cause}{spent}", fix, err)
 
     def discard(self) -> None:

@@ -127,7 +127,7 @@ class AzurePlane:
                     read_timeout_s=self._read_timeout_s,
                     total_timeout_s=total_timeout_s,
                 ),
-                retry_config=retry_config(),
+                retry_config=retry_config(total_timeout_s),
             )
 
         with self._lock:

@@ -361,8 +361,10 @@ def client_options(
     return options
 
 
-def retry_config() -> dict[str, Any]:
-    return {"max_retries": OBSTORE_RETRIES, "retry_timeout": timedelta(seconds=60)}
+def retry_config(total_timeout_s: float = 60.0) -> dict[str, Any]:
+    """object_store's own retries (a 503 burst, a reset): few, and none once a request has used its
+    whole deadline (a trickle that ran out of time is not asked again at the same rate)."""
+    return {"max_retries": OBSTORE_RETRIES, "retry_timeout": timedelta(seconds=total_timeout_s)}
 
 
 class StoreCache:
@@ -435,7 +437,11 @@ def get_chunks(
 # Case-sensitive: the debug dumps carry "retry_timeout: 60s" in every error.
 _TIMED_OUT = re.compile(r"[Tt]imed out|TimedOut|deadline has elapsed|\bTimeout\b")
 _REGION = re.compile(r"(?:x-amz-bucket-region|Region|region)[\"':= ]+([a-z]{2}(?:-[a-z]+)+-\d)")
-_RANGE = re.compile(r"Content-Range|UnexpectedRange|unexpected range|range.*not satisf", re.IGNORECASE)
+# object_store's own checks of a ranged answer (NotPartial: a 200 to a ranged GET; a wrong Content-Range).
+_RANGE = re.compile(
+    r"Content-Range|UnexpectedRange|unexpected range|non-partial response|NotPartial|Requested \d+\.\.\d+, got",
+    re.IGNORECASE,
+)
 _REFUSED = re.compile(r"Connection refused|tcp connect error|ConnectError", re.IGNORECASE)
 _STATUS = re.compile(r"\b(?:status|Status)(?: code)?:? (\d{3})\b|\b(\d{3}) [A-Z][a-z]+ [A-Z]?")
 
@@ -479,7 +485,10 @@ def translated(error: BaseException, url: str) -> BaseException:
         )
         return ValueError(f"{url}: the bucket is {where}, not the one asked; set storage_options {fix}")
     if _RANGE.search(text):
-        return CorruptCheckpointError(f"{url}: the store answered another range than asked ({first})")
+        return CorruptCheckpointError(
+            f"{url}: the store answered other bytes than the range asked ({first}); "
+            "the object is not the one committed"
+        )
     if _REFUSED.search(text):
         return ConnectionRefusedError(f"{url}: Connection refused by the store's endpoint ({first})")
     if _timed_out(error):

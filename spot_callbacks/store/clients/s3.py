@@ -380,7 +380,7 @@ def _obstore_for(
                 verify=client_kwargs.get("verify", True) is not False,
                 total_timeout_s=total_timeout_s,
             ),
-            retry_config=retry_config(),
+            retry_config=retry_config(total_timeout_s),
             credential_provider=provider,
         )
 
