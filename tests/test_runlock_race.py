@@ -130,3 +130,29 @@ def test_s3_uses_conditional_writes_and_the_local_disk_its_atomic_link(lock_targ
     url, options = lock_target
     store = CheckpointStore(url, storage_options=options)
     assert has_conditional_writes(store.fs) is url.startswith("s3://")
+
+
+def test_a_take_over_conditions_on_the_lock_it_judged_not_on_a_racing_winners(s3_server, tmp_path) -> None:
+    """Of two hosts taking over one stale lock, the slower one's If-Match is on the ETag of the lock it
+    read and judged: a winner that wrote in between is never overwritten (before: the ETag came from a
+    later look at the object, the winner's, and both hosts held the lock)."""
+    url, options = f"s3://{s3_server.bucket}/toctou-{tmp_path.name}", dict(s3_server.storage_options)
+    _foreign_lock(url, options, run_id="d" * 32)  # the dead run's lock
+    winner = RunLock(CheckpointStore(url, storage_options=options), stale_s=0.5)
+    slower = RunLock(CheckpointStore(url, storage_options=options), stale_s=0.5)
+    judge = slower._why_free
+
+    def judged_stale_while_the_winner_takes_it(doc: dict) -> str:
+        winner.acquire()  # the other host takes the lock between our read of it and our judgement
+        judge(doc)  # looks at the object again, as a judgement does (the winner's object now)
+        return "judged stale (as read)"
+
+    slower._why_free = judged_stale_while_the_winner_takes_it  # type: ignore[method-assign]
+    try:
+        with pytest.raises(RunLockedError, match=winner.run_id[:8]):
+            slower.acquire()
+        assert RunLock(CheckpointStore(url, storage_options=options)).holder()["run_id"] == winner.run_id
+        assert not winner.lost
+    finally:
+        winner.release()
+        slower.release()

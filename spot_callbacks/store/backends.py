@@ -30,6 +30,11 @@ CLOUD_BACKENDS: dict[str, tuple[str, str]] = {
 BUCKET_FAMILIES = ("s3", "gs", "az", "adl")
 
 
+# family -> the conditional writes its backend here promises: "etag" where a PUT can be made
+# conditional on the object's absence (If-None-Match: *) or its ETag (If-Match), as this library
+# uses them (the run lock). GCS (ifGenerationMatch) and Azure (ETags) have them too, but gcsfs and
+# adlfs do not pass them through their writes, so they are not promised here yet.
+CONDITIONAL_WRITES: dict[str, str] = {"s3": "etag"}
 S3_READ_TIMEOUT_S = 60
 S3_MAX_ATTEMPTS = 3  # botocore's, each inside one of the store's own retried attempts
 GCS_CONTROL_RETRY_S = 5.0  # gcsfs' bucket-layout probe (gRPC); a plain bucket answers in well under 1 s
@@ -276,3 +281,15 @@ def with_backend_defaults(protocol: str | None, storage_options: dict[str, Any] 
     elif family == "gs":
         options.setdefault("retry_timeout", GCS_CONTROL_RETRY_S)
     return options
+
+
+def conditional_writes(protocols: str | tuple[str, ...] | list[str]) -> str | None:
+    """The conditional writes the backend of ``protocols`` (an fsspec ``fs.protocol``) promises, or None.
+
+    Example:
+        >>> conditional_writes(("s3", "s3a")), conditional_writes("gs"), conditional_writes(("file", "local"))
+        ('etag', None, None)
+    """
+    names = (protocols,) if isinstance(protocols, str) else tuple(protocols)
+    families = [family_of(name) for name in names]
+    return next((CONDITIONAL_WRITES[family] for family in families if family in CONDITIONAL_WRITES), None)

@@ -60,8 +60,8 @@ from typing import Any
 
 import spot_callbacks.settings as settings
 from spot_callbacks.errors import ManifestError, RunLockedError
+from spot_callbacks.store.backends import conditional_writes
 from spot_callbacks.store.checkpoint_store import CheckpointStore
-from spot_callbacks.store.families import in_family
 from spot_callbacks.store.layout import fs_protocols, is_local_fs
 from spot_callbacks.store.manifest_limits import load_bounded_json
 from spot_callbacks.store.transfer import put_bytes
@@ -87,8 +87,9 @@ _said_no_conditional_writes: set[str] = set()
 
 
 def has_conditional_writes(fs: Any) -> bool:
-    """True where this lock uses the store's conditional writes (S3's If-None-Match / If-Match)."""
-    return in_family(fs_protocols(fs), "s3")
+    """True where this lock uses the store's conditional writes (If-None-Match / If-Match): where the
+    backend table promises them (:func:`~spot_callbacks.store.backends.conditional_writes`)."""
+    return conditional_writes(fs_protocols(fs)) == "etag"
 
 
 def _precondition_failed(err: BaseException) -> bool:
@@ -171,6 +172,7 @@ class RunLock:
         self._conditional = has_conditional_writes(store.fs)
         self._etag: str | None = None  # of our own last write (conditional heartbeats)
         self._seen_etag: str | None = None  # of the lock as last judged (a conditional take-over)
+        self._read_etag: str | None = None  # of the lock as last read by holder(), taken before its content
         self._store_offset_s: float | None = None  # store clock minus this host's clock
         self._store_clock_probed = False
 
@@ -188,7 +190,18 @@ class RunLock:
         judged by the store's age of it like any other and taken over once it stays unchanged.
         """
         try:
-            size = self.store.retry.call(lambda: self.store.fs.size(self.path), f"check {self.url}")
+            if self._conditional:
+                # The ETag is read *before* the content: a take-over conditional on it can then only
+                # replace the very lock judged (or an older one, which the store refuses). Read after
+                # the content, it could be a racing winner's, and our If-Match would overwrite it.
+                if hasattr(self.store.fs, "invalidate_cache"):
+                    self.store.fs.invalidate_cache(self.path)
+                info = self.store.retry.call(lambda: self.store.fs.info(self.path), f"check {self.url}")
+                etag = info.get("ETag") or info.get("etag")
+                self._read_etag = etag if isinstance(etag, str) else None
+                size = info.get("size")
+            else:
+                size = self.store.retry.call(lambda: self.store.fs.size(self.path), f"check {self.url}")
             if size is not None and size > MAX_LOCK_BYTES:
                 return {"unreadable": f"{size} bytes, more than a lock's {MAX_LOCK_BYTES}"}
             raw = self.store.retry.call(lambda: self.store.fs.cat_file(self.path), f"read {self.url}")
@@ -392,8 +405,10 @@ class RunLock:
     def _take_over(self, judged: dict[str, Any]) -> bool:
         """Replace the lock ``judged`` free by ours in one write (the lock never disappears, so its
         old owner's heartbeat reads who took it over); False when another run replaced it first."""
-        if self._conditional and judged.get("run_id") != self.run_id and self._seen_etag is not None:
-            return self._write_if(etag=self._seen_etag)
+        if self._conditional and judged.get("run_id") != self.run_id:
+            # judged is what the last holder() read: replace that object, or none if it changed since
+            etag = self._read_etag
+            return self._write_if(etag=etag) if etag is not None else self._write_if(create=True)
         if not is_local_fs(self.store.fs) or judged.get("run_id") == self.run_id:
             self._write()
             return True
@@ -486,8 +501,8 @@ class RunLock:
             current = self.holder()
             if current is None or current.get("run_id") != self.run_id:
                 return False
-            self._written_at()  # our own write after all: its ETag is the next condition
-            self._etag = self._seen_etag
+            # our own write after all: its ETag (read before its content) is the next condition
+            self._etag = self._read_etag
             return True
         etag_now = answer.get("ETag") if isinstance(answer, dict) else None
         if isinstance(etag_now, str):
