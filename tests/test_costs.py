@@ -408,3 +408,12 @@ def test_cost_summary_fits_on_a_screen_and_counts_this_runs_commits(tmp_path, ca
     assert "4 taken (3 interval, 1 end)" in lines[1]
     assert "over 4 committed by this run" in summary and "interruptions" in summary
     assert "(auto, for 0.5 interruptions/h)" in lines[-1]
+
+
+def test_a_ledger_or_resume_record_with_a_huge_integer_is_unknown_not_an_exception() -> None:
+    """Issue 31: a store-supplied ``10**400`` made ``math.isfinite`` raise OverflowError while reading a ledger."""
+    ledger = RunLedger.from_json({"version": 1, "stall_s": 10**400, "train_s": 10**400, "resumes": 10**30})
+    assert ledger is not None and ledger.stall_s == 0.0 and ledger.train_s == 0.0 and ledger.resumes == 0
+    record = {"resumed_at": 10**400, "pull_s": 1.0, "load_s": 1.0, "lost_work_s": 1.0}
+    record |= {"from_step": 3, "from_reason": "interval", "lost_work_measured": True, "downtime_s": None}
+    assert ResumeRecord.from_json(record) is None

@@ -398,3 +398,25 @@ def test_the_keep_time_is_a_knob(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         SpotConfig(dirpath=str(tmp_path / "b"), interval=None, preemption=[], scratch_dir=str(base)), "demo"
     )
     assert not old.exists()
+
+
+def test_a_marker_with_an_impossible_pid_or_time_is_unknown_not_an_exception(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 31: a pid of 10**30 (or a last-use time of 10**400) read back from disk once made
+    ``os.kill``/``float`` raise OverflowError in a training start and in ``spot-callbacks scratch``."""
+    url, base = CheckpointStore(str(tmp_path / "store")).url, tmp_path / "s"
+    folder = default_scratch_root(url, str(base))
+    folder.mkdir(parents=True)
+    (folder / ".spot-scratch-live-1.json").write_text(
+        json.dumps({"pid": 10**30, "host": os.uname().nodename, "started": None})
+    )
+    (folder / RECORD_NAME).write_text(json.dumps({"dirpath": url, "last_used": 10**400}))
+    assert main(["scratch", "--root", str(base)]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if url in line)
+    assert line.rstrip().endswith("-")  # no live holder: the impossible pid names nobody
+    engine = SpotEngine(SpotConfig(dirpath=url, interval=None, preemption=[], scratch_dir=str(base)), "demo")
+    [listed] = list_scratch(base)
+    assert listed.path == engine.scratch_root == folder
+    assert listed.held_by == f"pid {os.getpid()}"
+    assert not (folder / ".spot-scratch-live-1.json").exists()  # forgotten: it names no process

@@ -425,7 +425,17 @@ def count_value(value: Any) -> int | None:
 
 
 def finite_number(value: Any) -> float | None:
-    """A manifest's number as a float, or ``None`` for anything else (missing, text, NaN)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    """A manifest's number as a float, or ``None`` for anything else (missing, text, NaN, an integer
+    too large for a float such as ``10**400``, which ``math.isfinite`` would raise on).
+
+    Example:
+        >>> finite_number(1.5), finite_number(10**400), finite_number(float("nan")), finite_number(True)
+        (1.5, None, None, None)
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -69,6 +70,38 @@ def _process_start(pid: int) -> str | None:
     return stat_line.rsplit(")", 1)[-1].split()[19]
 
 
+MAX_PID = 2**22  # Linux's pid_max limit (as store/runlock.py): a larger pid names no process to check
+_MAX_EPOCH_S = 2.0**40  # seconds since the epoch past any clock (year ~36800): a larger time is unknown
+
+
+def _marker_pid(record: dict[str, object]) -> int | None:
+    """The pid a live marker names, or ``None`` (unknown) when it is not a pid a process can have.
+
+    A marker is read back from disk, so anything may be there: ``10**30`` is not an exception.
+
+    Example:
+        >>> _marker_pid({"pid": 123}), _marker_pid({"pid": 10**30}), _marker_pid({"pid": True})
+        (123, None, None)
+    """
+    pid = record.get("pid")
+    return pid if isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid <= MAX_PID else None
+
+
+def _recorded_time(value: object) -> float | None:
+    """A recorded time (seconds since the epoch), or ``None`` (unknown) when it is no such time.
+
+    Example:
+        >>> _recorded_time(1.5e9), _recorded_time(10**400), _recorded_time(float("nan")), _recorded_time(-1)
+        (1500000000.0, None, None, None)
+    """
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    if isinstance(value, int) and not 0 <= value <= _MAX_EPOCH_S:
+        return None
+    seconds = float(value)
+    return seconds if math.isfinite(seconds) and 0.0 <= seconds <= _MAX_EPOCH_S else None
+
+
 def _pid_running(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -76,7 +109,7 @@ def _pid_running(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    except OSError:
+    except (OSError, OverflowError):
         return False
     return True
 
@@ -128,8 +161,8 @@ def _live_holder(folder: Path) -> str | None:
     host = socket.gethostname()
     for marker in sorted(folder.glob(f"{LIVE_PREFIX}*.json")):
         record = _read_json(marker)
-        pid, marker_host = record.get("pid"), record.get("host")
-        if not isinstance(pid, int) or not isinstance(marker_host, str):
+        pid, marker_host = _marker_pid(record), record.get("host")
+        if pid is None or not isinstance(marker_host, str):
             continue
         if marker_host != host:
             return f"pid {pid} on {marker_host}"
@@ -194,7 +227,8 @@ def list_scratch(base: Path | None = None) -> list[ScratchFolder]:
             size, newest = _walk(path)
         except OSError:
             continue
-        last_used = max(newest, float(recorded)) if isinstance(recorded, (int, float)) else newest
+        recorded_s = _recorded_time(recorded)
+        last_used = newest if recorded_s is None else max(newest, recorded_s)
         held_by = _live_holder(path)
         found.append(
             ScratchFolder(path, dirpath if isinstance(dirpath, str) else None, size, last_used, held_by)
@@ -238,8 +272,8 @@ class ScratchClaim:
         host = socket.gethostname()
         for marker in self.root.glob(f"{LIVE_PREFIX}*.json"):
             record = _read_json(marker)
-            pid = record.get("pid")
-            if record.get("host") == host and isinstance(pid, int) and not _pid_running(pid):
+            pid = _marker_pid(record)
+            if record.get("host") == host and (pid is None or not _pid_running(pid)):
                 with contextlib.suppress(OSError):
                     marker.unlink()
 
