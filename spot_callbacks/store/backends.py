@@ -287,7 +287,7 @@ def conditional_writes(protocols: str | tuple[str, ...] | list[str]) -> str | No
     """The conditional writes the backend of ``protocols`` (an fsspec ``fs.protocol``) promises, or None.
 
     Example:
-        >>> conditional_writes(("s3", "s3a")), conditional_writes("gs"), conditional_writes(("file", "local"))
+        >>> conditional_writes("s3"), conditional_writes("gs"), conditional_writes(("file", "local"))
         ('etag', None, None)
     """
     names = (protocols,) if isinstance(protocols, str) else tuple(protocols)
