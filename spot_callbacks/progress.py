@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
 import spot_callbacks.settings as settings
-from spot_callbacks._format import human_duration, human_rate, human_size
+from spot_callbacks._format import human_duration, human_rate, human_size, printable
 from spot_callbacks.store.meter import MeterReading, TransferMeter
 
 log = logging.getLogger("spot_callbacks")
@@ -166,9 +166,15 @@ class RichProgress:
 
         self._source, self.stream, self.transient, self.verb = _as_source(meter), stream, transient, verb
         console = Console(file=stream, stderr=True, highlight=False)
-        columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
+        # Names come from the store: plain text (markup=False), control characters escaped (printable).
+        columns = (
+            TextColumn("{task.description}", markup=False),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+        )
         self.bars = Progress(*columns, TimeRemainingColumn(), console=console, transient=transient)
-        self.overall = self.bars.add_task(short_label(label), total=None)
+        self.overall = self.bars.add_task(printable(short_label(label)), total=None)
         self.tasks: dict[str, Any] = {}
         self._stopped = threading.Event()
         self.bars.start()
@@ -187,7 +193,7 @@ class RichProgress:
             self.bars.remove_task(self.tasks.pop(name))
         for name, (so_far, size) in reading.in_flight.items():
             if name not in self.tasks:
-                self.tasks[name] = self.bars.add_task(name, total=size or None)
+                self.tasks[name] = self.bars.add_task(printable(name), total=size or None)
             self.bars.update(self.tasks[name], completed=so_far)
         self.bars.update(self.overall, total=reading.total_bytes or None, completed=reading.done_bytes)
 
