@@ -155,6 +155,16 @@ def format_money(amount: float) -> str:
     return f"{'-' if amount < 0 else ''}${abs(amount):,.2f}"
 
 
+def count_of(count: int, noun: str, plural: str | None = None) -> str:
+    """``count`` and ``noun``, the noun singular for exactly one (``plural`` when adding "s" is wrong).
+
+    Example:
+        >>> count_of(1, "file"), count_of(0, "file"), count_of(3, "folder"), count_of(2, "entry", "entries")
+        ('1 file', '0 files', '3 folders', '2 entries')
+    """
+    return f"{count} {noun if count == 1 else (plural or noun + 's')}"
+
+
 def human_size(size_bytes: int) -> str:
     """A byte count in decimal units, as storage consoles show it.
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
 import spot_callbacks.settings as settings
-from spot_callbacks._format import human_duration, human_rate, human_size, printable
+from spot_callbacks._format import count_of, human_duration, human_rate, human_size, printable
 from spot_callbacks.store.meter import MeterReading, TransferMeter
 
 log = logging.getLogger("spot_callbacks")
@@ -52,7 +52,7 @@ def progress_line(reading: MeterReading) -> str:
     left = "" if reading.eta_s is None else f", ETA {human_duration(reading.eta_s)}"
     return (
         f"{human_size(reading.done_bytes)} of {human_size(reading.total_bytes)} ({reading.fraction:.0%}), "
-        f"{reading.files_done}/{reading.files_total} files, {rate}{left}"
+        f"{reading.files_done}/{count_of(reading.files_total, 'file')}, {rate}{left}"
     )
 
 
@@ -61,10 +61,10 @@ def closing_line(verb: str, reading: MeterReading) -> str:
 
     Example:
         >>> closing_line("pulled", MeterReading(4_000_000, 4_000_000, 1, 1, moving_s=2.0, elapsed_s=2.0))
-        'pulled 1 files, 4.0 MB in 2s (2.0 MB/s)'
+        'pulled 1 file, 4.0 MB in 2s (2.0 MB/s)'
     """
     return (
-        f"{verb} {reading.files_done} files, {human_size(reading.done_bytes)} in "
+        f"{verb} {count_of(reading.files_done, 'file')}, {human_size(reading.done_bytes)} in "
         f"{human_duration(reading.elapsed_s)} ({human_rate(reading.done_bytes, reading.elapsed_s)})"
     )
 
@@ -95,7 +95,7 @@ class PlainProgress:
         >>> progress = PlainProgress(meter, "pull s3://b/run/step-5", lines.append, every_s=3600, verb="pulled")
         >>> moved = meter.attempt("state.pt"); moved(40); progress.tell()
         >>> meter.file_done("state.pt"); progress.close()
-        >>> lines[0].startswith("pull s3://b/run/step-5: 40 B of 100 B (40%), 0/1 files"), lines[1].startswith("pulled 1 files, 100 B")
+        >>> lines[0].startswith("pull s3://b/run/step-5: 40 B of 100 B (40%), 0/1 file"), lines[1].startswith("pulled 1 file, 100 B")
         (True, True)
     """
 
@@ -233,7 +233,7 @@ def showing_progress(
         >>> meter, piped = TransferMeter("pull"), io.StringIO()
         >>> with showing_progress(meter, "pull", stream=piped, verb="pulled"):
         ...     meter.expect({"a.pt": 10}); meter.file_done("a.pt")
-        >>> piped.getvalue().startswith("pulled 1 files, 10 B in ")
+        >>> piped.getvalue().startswith("pulled 1 file, 10 B in ")
         True
     """
     stream = sys.stderr if stream is None else stream

@@ -66,7 +66,7 @@ def progress_bytes(lines: list[str], label: str) -> list[float]:
     """The bytes done of each progress line of ``label`` (in MB)."""
     found = []
     for line in lines:
-        match = re.search(rf"{re.escape(label)}.*?: ({SIZE}) of ({SIZE}) \((\d+)%\), \d+/\d+ files, ", line)
+        match = re.search(rf"{re.escape(label)}.*?: ({SIZE}) of ({SIZE}) \((\d+)%\), \d+/\d+ files?, ", line)
         if match:
             number, unit = match[1].split()
             found.append(float(number) * {"B": 1e-6, "kB": 1e-3, "MB": 1.0, "GB": 1e3}[unit])
@@ -112,7 +112,7 @@ def test_piped_pull_and_verify_print_a_line_every_interval_while_one_file_moves(
     )  # the fast path moved them
     verb = {"pull": "pulled", "verify": "verified"}[command]
     [total] = [line for line in lines if line.startswith(f"{verb} ")]
-    assert re.match(rf"^{verb} 1 files, 5\.0 MB in {DURATION} \(", total), lines
+    assert re.match(rf"^{verb} 1 file, 5\.0 MB in {DURATION} \(", total), lines
     if command == "pull":
         assert done.stdout == f"{dest}\n" and (dest / "state.ckpt").stat().st_size == 5_000_000
     else:
@@ -149,7 +149,7 @@ def test_bars_only_on_a_terminal():
             meter.file_done("state.pt")
         shown[name] = stream.getvalue()
     assert "3.0/5.0 MB" in shown["terminal"] and "pull x" in shown["terminal"], shown
-    assert "3.0/5.0 MB" not in shown["piped"] and shown["piped"].startswith("pulled 1 files, 3.0 MB in "), (
+    assert "3.0/5.0 MB" not in shown["piped"] and shown["piped"].startswith("pulled 1 file, 3.0 MB in "), (
         shown
     )
 
@@ -314,7 +314,7 @@ def test_verify_on_a_terminal_shows_the_bytes_read_and_piped_prints_its_total_on
     monkeypatch.setattr(sys, "stderr", piped)
     assert cli.main(["verify", store.url]) == 0
     assert capsys.readouterr().out == "OK step 8: 1 file, 2.0 MB verified\n"  # stdout stays for scripts
-    assert re.fullmatch(rf"verified 1 files, 2\.0 MB in {DURATION} \(.+/s\)\n", piped.getvalue()), (
+    assert re.fullmatch(rf"verified 1 file, 2\.0 MB in {DURATION} \(.+/s\)\n", piped.getvalue()), (
         piped.getvalue()
     )
 

@@ -359,6 +359,24 @@ def test_clean_deletes_what_no_live_run_holds_and_nothing_through_a_link(
     assert (outside / "keep.txt").read_text() == "the user's" and (base / "fedcba987654").is_symlink()
 
 
+def test_clean_dry_run_lists_what_clean_would_delete_and_whose_it_was_and_deletes_nothing(
+    tmp_path: Path, holder: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = tmp_path / "base"
+    idle = make_folder(base, "s3://bucket/idle", payload_bytes=2_000_000, age_s=DAY_S)
+    assert main(["scratch", "--root", str(base), "--clean", "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    summary = next(line for line in lines if line.startswith("would delete"))
+    assert summary.startswith(
+        "would delete 1 folder (2.0 MB); would keep 1 a live run holds; nothing deleted"
+    )
+    listed = [line for line in lines if line.startswith("  ")]
+    assert len(listed) == 1 and idle.name in listed[0] and "s3://bucket/idle" in listed[0], lines
+    assert idle.is_dir() and holder.is_dir()  # nothing deleted
+    assert main(["scratch", "--root", str(base), "--dry-run"]) == 1  # --dry-run alone is refused
+    assert "--dry-run goes with --clean" in capsys.readouterr().err
+
+
 def test_clean_older_than_keeps_recent_folders(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     base = tmp_path / "base"
     old = make_folder(base, "s3://bucket/old", age_s=8 * DAY_S)

@@ -40,7 +40,7 @@ from typing import Any
 import fsspec
 
 from spot_callbacks import __version__
-from spot_callbacks._format import human_size, printable
+from spot_callbacks._format import count_of, human_size, printable
 from spot_callbacks.accounting.costs import plan_job
 from spot_callbacks.accounting.plan_inputs import plan_inputs, shown_rate, shown_seconds
 from spot_callbacks.accounting.report import (
@@ -287,6 +287,10 @@ def _add_scratch_command(commands: Any) -> None:
     scratch.add_argument(
         "--clean", action="store_true", help="delete the folders no live run on this host holds"
     )
+    scratch.add_argument(
+        "--dry-run", action="store_true",
+        help="with --clean: list the folders it would delete (and whose run last used each), delete nothing",
+    )  # fmt: skip
     scratch.add_argument(
         "--older-than", type=_duration, metavar="DURATION",
         help="only the folders not used for this long ('7d', '12h', seconds)",
@@ -757,6 +761,22 @@ def _cmd_scratch(args: argparse.Namespace, storage_options: dict[str, Any]) -> i
     for line in plain_table(rows, SCRATCH_HEADERS, right_aligned={2}) if rows else ():
         print(line)
     if not args.clean:
+        if args.dry_run:
+            raise CliError(
+                "--dry-run goes with --clean: `scratch --clean --dry-run` lists what --clean deletes"
+            )
+        return EXIT_OK
+    if args.dry_run:
+        doomed = [folder for folder in folders if not folder.held]
+        print(
+            f"would delete {count_of(len(doomed), 'folder')} "
+            f"({human_size(sum(folder.size_bytes for folder in doomed))}); "
+            f"would keep {len(folders) - len(doomed)} a live run holds; nothing deleted (--dry-run)"
+        )
+        for folder in doomed:
+            print(
+                f"  {folder.name}  {printable(folder.dirpath or '(unknown)')}  {human_size(folder.size_bytes)}"
+            )
         return EXIT_OK
     deleted = [folder for folder in folders if not folder.held and delete_scratch_folder(folder, base)]
     held = [folder for folder in folders if folder not in deleted]

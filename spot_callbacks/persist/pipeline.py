@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from spot_callbacks._format import human_rate, human_size
 from spot_callbacks.persist.emergency import measured_bytes_per_s, plan_emergency
 from spot_callbacks.persist.scratch import NewestCommittedFolder, discard_folder, folder_bytes, prune_scratch
 from spot_callbacks.persist.tracking import CheckpointJob, Outcome, PersistRecord, StepTracker
@@ -305,8 +306,8 @@ class Persister(StepTracker):
         record = PersistRecord(info, job.write_s, upload_s, info.size_bytes, queued_s)
         newest = self._record_commit(job.step, record)
         log.info(
-            "spot_callbacks: committed %s (%s, %.1f MB in %.2fs, %.0f MB/s)",
-            info.url, job.reason, info.size_bytes / 1e6, upload_s, record.mb_per_s,
+            "spot_callbacks: committed %s (%s, %s in %.2fs, %s)",
+            info.url, job.reason, human_size(info.size_bytes), upload_s, human_rate(info.size_bytes, upload_s),
         )  # fmt: skip
         if not newest:  # an older upload that finished after an emergency checkpoint: only say if it was late
             discard_folder(job.local_dir, job.owns_local_dir)
