@@ -45,7 +45,7 @@ def _foreign_lock(url: str, options: dict, run_id: str) -> None:
 
 def _racer(url: str, options: dict, host: str) -> subprocess.Popen[str]:
     racer = subprocess.Popen(
-        [sys.executable, str(RACER), url, json.dumps(options), "0.5", host],
+        [sys.executable, str(RACER), url, json.dumps(options), "1", host],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     assert racer.stdout is not None and racer.stdout.readline().strip() == "ready"
@@ -56,7 +56,7 @@ def test_two_hosts_racing_for_one_stale_lock_never_both_hold_it(lock_target) -> 
     url, options = lock_target
     store = CheckpointStore(url, storage_options=options)
     for round_ in range(ROUNDS):
-        _foreign_lock(url, options, run_id=f"{round_:032x}")  # the dead run's lock, stale after 0.5 s
+        _foreign_lock(url, options, run_id=f"{round_:032x}")  # the dead run's lock, stale after 1 s
         racers = [_racer(url, options, f"host-{round_}-{side}") for side in "ab"]
         for racer in racers:
             assert racer.stdin is not None

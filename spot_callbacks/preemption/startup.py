@@ -4,7 +4,7 @@ process at once, cleanly.
 Before training runs there is nothing to save: the preemption watcher (which turns a notice into an
 emergency checkpoint at the next step boundary) would only act after a long lock wait or pull, when
 the machine may be gone. While :func:`exit_on_notice` is active, the configured grace signals raise
-:class:`StartupInterrupted` (a ``SystemExit`` with code 143) in the main thread; the exception unwinds
+``SystemExit(143)`` in the main thread; the exception unwinds
 through the caller's ``finally`` blocks, which release the run lock if it was taken. Nothing is
 half-written to the store: a pull writes only local files, into a hidden folder renamed when whole.
 
@@ -28,10 +28,6 @@ from spot_callbacks.preemption.signals import GRACE_SIGNALS
 log = logging.getLogger("spot_callbacks")
 
 
-class StartupInterrupted(SystemExit):
-    """A preemption notice arrived before training began: the process exits with 143."""
-
-
 @contextlib.contextmanager
 def exit_on_notice(sources: Iterable[str], doing: str) -> Iterator[None]:
     """While the block runs (``doing``: what it does, in the exit line), a grace signal among
@@ -48,7 +44,7 @@ def exit_on_notice(sources: Iterable[str], doing: str) -> Iterator[None]:
             "the store. Run the same command again: it resumes from the newest committed checkpoint",
             name, doing, PREEMPTED_EXIT_CODE,
         )  # fmt: skip
-        raise StartupInterrupted(PREEMPTED_EXIT_CODE)
+        raise SystemExit(PREEMPTED_EXIT_CODE)  # unwinds through the callers' finally blocks
 
     previous = {name: signal.signal(getattr(signal, name), interrupted) for name in names}
     try:

@@ -82,6 +82,7 @@ CLAIM_ATTEMPTS = 8  # each failed attempt means another run claimed the lock in 
 CONFIRM_HEARTBEATS = 1.5
 MAX_LOCK_BYTES = 64 * 1024  # a lock is about 200 bytes; a larger one is no run's, and never read whole
 MAX_PID = 2**22  # Linux's pid_max limit: a larger (or negative) pid names no process to check
+STORE_STAMP_RESOLUTION_S = 1.0  # S3 and others stamp LastModified in whole seconds
 CLOCK_PROBE_PREFIX = ".spot-clock-"  # <dirpath>/.spot-clock-<run id>: written, read, deleted at once
 _said_no_conditional_writes: set[str] = set()
 
@@ -257,7 +258,9 @@ class RunLock:
         written = self._written_at()
         now = self._store_now() if written is not None else None
         if written is not None and now is not None:
-            return max(now - written, 0.0), "store"
+            # Stores stamp whole seconds (S3's LastModified): a lock may look up to one second older
+            # than it is, so that second is not counted against a live owner.
+            return max(now - written - STORE_STAMP_RESOLUTION_S, 0.0), "store"
         heartbeat = _heartbeat(doc)
         return (time.time() - heartbeat if heartbeat is not None else float("inf")), "heartbeat"
 
@@ -316,7 +319,8 @@ class RunLock:
             age_s, basis = self._age(current)
             if basis == "heartbeat" and age_s > self.stale_s and unchanged_s >= confirm_s:
                 return current, f"{self._stale_reason(age_s, basis)}, unchanged for {unchanged_s:.0f}s"
-            if unchanged_s >= self.stale_s:  # its clock says fresh (or the future), ours says dead
+            # Its clock says fresh (or the future), ours says dead; the store's own clock judges first.
+            if unchanged_s >= self.stale_s + (STORE_STAMP_RESOLUTION_S if basis == "store" else 0.0):
                 return current, (
                     f"it has not changed for {unchanged_s:.0f}s of this host's clock ({STALE_ENV}), "
                     "whatever its heartbeat says"
