@@ -21,7 +21,7 @@ import yaml
 import spot_callbacks.settings as settings
 from spot_callbacks._format import parse_duration
 from spot_callbacks.errors import ConfigError
-from spot_callbacks.store.backends import glob_in_dirpath, is_local_path, misread_url
+from spot_callbacks.store.backends import glob_in_dirpath, is_local_path, misread_url, odd_segment_in_dirpath
 
 PREEMPTION_SOURCES = ("SIGTERM", "SIGUSR1", "SIGINT", "aws", "gcp", "azure")
 ON_PREEMPTION_CHOICES = ("stop", "continue")
@@ -302,6 +302,9 @@ def _check_dirpath(dirpath: Any) -> str:
         raise ConfigError(f"dirpath={dirpath!r} has {cause}; {fix}")
     if (glob := glob_in_dirpath(dirpath)) is not None:
         cause, fix = glob
+        raise ConfigError(f"dirpath={dirpath!r} {cause}; {fix}")
+    if (odd := odd_segment_in_dirpath(dirpath)) is not None:
+        cause, fix = odd
         raise ConfigError(f"dirpath={dirpath!r} {cause}; {fix}")
     return dirpath
 

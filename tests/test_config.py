@@ -346,3 +346,24 @@ def test_the_adapters_arguments_are_spot_configs_fields_with_the_same_types_and_
         expected = fields[name].default
         assert parameter.default == (parameter.empty if expected is dataclasses.MISSING else expected), name
         assert adapter_hints[name] == config_hints[name], f"{cls.__name__}({name}): {adapter_hints[name]}"
+
+
+@pytest.mark.parametrize(
+    ("dirpath", "named"),
+    [
+        ("s3://bucket/x/./run", "'.'"),
+        ("gs://bucket/x/../run", "'..'"),
+        ("s3://bucket/x//run", "empty path segment"),
+    ],
+)
+def test_a_dirpath_the_fast_client_cannot_read_back_is_refused_before_training(
+    dirpath: str, named: str
+) -> None:
+    # boto3 and s3fs keep such keys literally; obstore's parser refuses them: every pull would fail.
+    with pytest.raises(ConfigError, match=named) as refused:
+        SpotConfig(dirpath=dirpath)
+    assert (
+        dirpath in str(refused.value)
+        and "without" in str(refused.value)
+        or "single slashes" in str(refused.value)
+    )

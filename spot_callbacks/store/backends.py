@@ -56,7 +56,9 @@ def resolve_filesystem(dirpath: str, storage_options: dict[str, Any] | None) -> 
         ...
         spot_callbacks.errors.UnknownStoreError: dirpath='s4://bucket/run' cannot hold checkpoints: ...
     """
-    if (misread := misread_url(dirpath) or glob_in_dirpath(dirpath)) is not None:
+    if (
+        misread := misread_url(dirpath) or glob_in_dirpath(dirpath) or odd_segment_in_dirpath(dirpath)
+    ) is not None:
         raise UnknownStoreError(dirpath, *misread)
     protocol, _ = fsspec.core.split_protocol(dirpath)
     if protocol is not None:
@@ -70,6 +72,33 @@ def resolve_filesystem(dirpath: str, storage_options: dict[str, Any] | None) -> 
 
 
 GLOB_CHARACTERS = "*?["
+
+
+def odd_segment_in_dirpath(dirpath: str) -> tuple[str, str] | None:
+    """``(cause, fix)`` when an object-store ``dirpath`` has a ``.``, ``..`` or empty segment: s3fs and
+    boto3 keep such a key literally, but obstore's path parser refuses it, so the run could write and
+    commit checkpoints it can never pull.
+
+    Example:
+        >>> odd_segment_in_dirpath("s3://bucket/x/./run")[0]
+        "has the path segment '.', which object stores keep literally but the fast client cannot read back"
+        >>> odd_segment_in_dirpath("s3://bucket/x//run")[0][:30], odd_segment_in_dirpath("s3://bucket/x/run/") is None
+        ("has an empty path segment ('//", True)
+        >>> odd_segment_in_dirpath("./runs/../exp1") is None  # a local path: the OS resolves it
+        True
+    """
+    protocol, path = fsspec.core.split_protocol(dirpath)
+    if protocol is None or family_of(protocol) not in ("s3", "gs", "az"):
+        return None
+    segments = path.rstrip("/").split("/")
+    if "" in segments:
+        cause = "has an empty path segment ('//'), which object stores keep literally but the fast client cannot read back"
+        return cause, "write the URL with single slashes between folders"
+    odd = next((segment for segment in segments if segment in (".", "..")), None)
+    if odd is None:
+        return None
+    cause = f"has the path segment {odd!r}, which object stores keep literally but the fast client cannot read back"
+    return cause, "write the folder path without '.' and '..' segments"
 
 
 def glob_in_dirpath(dirpath: str) -> tuple[str, str] | None:
