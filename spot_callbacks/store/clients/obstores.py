@@ -19,7 +19,6 @@ obstore's errors are told as the builtin classes fsspec's backends raise (a miss
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import math
 import mmap
@@ -37,9 +36,8 @@ import spot_callbacks.settings as settings
 from spot_callbacks.errors import CheckpointError, CorruptCheckpointError
 from spot_callbacks.store.checksums import CHECKSUM_ALGORITHM, FileDigest
 from spot_callbacks.store.clients.base import PULL_STREAMS, MiB, TransferBudget
-from spot_callbacks.store.clients.streams import Deadline
+from spot_callbacks.store.clients.streams import Deadline, write_through_temporary
 from spot_callbacks.store.meter import Moved, ignore_moved
-from spot_callbacks.store.transfer import open_new_temporary
 
 OBSTORE_PACKAGE = "obstore"
 # object_store's own retries run inside one attempt of the store's RetryPolicy: keep them few.
@@ -115,18 +113,12 @@ class ObstoreReader:
     ) -> FileDigest:
         """Write the object to ``local_path`` (through a new temporary beside it, renamed once whole)."""
         what, deadline = f"download {url}", Deadline(timeout_s)
-        folder, base = os.path.split(local_path)
-        os.makedirs(folder or ".", exist_ok=True)
-        partial, handle = open_new_temporary(folder or ".", base, ".part")
-        try:
-            with handle:
-                digest = self._fetch(stores, key, url, expected_size, partial, handle, deadline, what, moved)
-            os.replace(partial, local_path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.remove(partial)
-            raise
-        return digest
+        return write_through_temporary(
+            local_path,
+            lambda partial, handle: self._fetch(
+                stores, key, url, expected_size, partial, handle, deadline, what, moved
+            ),
+        )
 
     def digest(
         self,

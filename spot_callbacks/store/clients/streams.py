@@ -10,8 +10,8 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import xxhash
 
@@ -19,6 +19,8 @@ from spot_callbacks.errors import AttemptTimeoutError
 from spot_callbacks.store.checksums import CHECKSUM_ALGORITHM, FileDigest
 from spot_callbacks.store.meter import Moved, ignore_moved
 from spot_callbacks.store.transfer import open_new_temporary
+
+T = TypeVar("T")
 
 
 class Deadline:
@@ -53,18 +55,33 @@ def stream_to_file(
         >>> stream_to_file([b"he", b"llo"], path, Deadline(None), "get a.bin").size, open(path, "rb").read()
         (5, b'hello')
     """
+    return write_through_temporary(
+        local_path, lambda partial, handle: _hash_chunks(chunks, deadline, what, handle.write, moved)
+    )
+
+
+def write_through_temporary(local_path: str, write: Callable[[str, Any], T]) -> T:
+    """``write(partial_path, handle)`` into a new temporary beside ``local_path``, renamed over it once
+    ``write`` returns; removed if it raises. ``write``'s value is returned.
+
+    Example:
+        >>> import tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "b.bin")
+        >>> write_through_temporary(path, lambda partial, handle: handle.write(b"ok")), open(path, "rb").read()
+        (2, b'ok')
+    """
     folder, base = os.path.split(local_path)
     os.makedirs(folder or ".", exist_ok=True)
     partial, handle = open_new_temporary(folder or ".", base, ".part")
     try:
         with handle:
-            digest = _hash_chunks(chunks, deadline, what, handle.write, moved)
+            value = write(partial, handle)
         os.replace(partial, local_path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.remove(partial)
         raise
-    return digest
+    return value
 
 
 def digest_stream(
