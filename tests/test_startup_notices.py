@@ -33,6 +33,14 @@ def _start(url: str, options: dict[str, Any], **env: str) -> subprocess.Popen[st
     )  # fmt: skip
 
 
+def _terminate(child: subprocess.Popen[str]) -> tuple[str, str, float]:
+    """SIGTERM ``child``; its stdout, stderr and the seconds it took to exit after the signal."""
+    signalled = time.monotonic()
+    child.send_signal(signal.SIGTERM)
+    out, err = child.communicate(timeout=30)
+    return out, err, time.monotonic() - signalled
+
+
 def _until(condition: Any, what: str, timeout_s: float = 60.0) -> None:
     waiter, deadline = threading.Event(), time.monotonic() + timeout_s
     while not condition():
@@ -63,10 +71,7 @@ def test_sigterm_while_waiting_for_the_run_lock_exits_143_at_once(s3_server, tmp
             line = child.stderr.readline()
             assert line, "the child ended before waiting for the lock: " + "".join(lines)
             lines.append(line)
-        signalled = time.monotonic()
-        child.send_signal(signal.SIGTERM)
-        _, err = child.communicate(timeout=30)
-        took_s = time.monotonic() - signalled
+        _, err, took_s = _terminate(child)
     finally:
         child.kill()
         alive.set()
@@ -88,10 +93,7 @@ def test_sigterm_while_pulling_the_resume_point_exits_143_and_releases_the_lock(
         child = _start(url, {**s3_server.storage_options, "endpoint_url": proxy.url})
         try:
             _until(lambda: proxy.answered["GET"] >= 1, "the pull's first GET")
-            signalled = time.monotonic()
-            child.send_signal(signal.SIGTERM)
-            out, err = child.communicate(timeout=30)
-            took_s = time.monotonic() - signalled
+            out, err, took_s = _terminate(child)
         finally:
             child.kill()
     assert child.returncode == 143, err

@@ -85,7 +85,7 @@ def diagnose(error: BaseException, protocol: str, bucket: str, *, reading: bool 
         >>> diagnose(FileNotFoundError("NoSuchBucket"), "s3", "b").cause
         "the bucket 'b' does not exist"
     """
-    chain = list(_chain(error))
+    chain = list(causes(error))
     text = " ".join(f"{type(err).__name__}: {err}" for err in chain)
     found = _diagnose_reachability(chain, text) or _diagnose_refusal(chain, text, protocol, bucket, reading)
     if found is not None:
@@ -198,7 +198,8 @@ def one_line(error: BaseException, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _chain(error: BaseException) -> Iterator[BaseException]:
+def causes(error: BaseException) -> Iterator[BaseException]:
+    """``error`` and what caused it (``__cause__``, else ``__context__``), each once."""
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:

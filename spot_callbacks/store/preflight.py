@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 import spot_callbacks.settings as settings
 from spot_callbacks.errors import AttemptTimeoutError, SpotError, StoreUnavailableError
-from spot_callbacks.store.diagnosis import Diagnosis, diagnose
+from spot_callbacks.store.diagnosis import Diagnosis, causes, diagnose
 from spot_callbacks.store.layout import fs_protocols, list_folder, missing_root_reason, remove_file
 from spot_callbacks.store.retry import call_with_timeout
 from spot_callbacks.store.transfer import put_bytes
@@ -132,11 +132,7 @@ def preflight_budget_s() -> float:
 
 def _is_connect_timeout(error: BaseException) -> bool:
     """A connection that never opened (botocore's ConnectTimeoutError, aiohttp's, a socket's)."""
-    chain: list[BaseException] = []
-    while error is not None and error not in chain and len(chain) < 8:
-        chain.append(error)
-        error = error.__cause__ or error.__context__  # type: ignore[assignment]
-    return any("ConnectTimeout" in type(e).__name__ or "Connect timeout" in str(e) for e in chain)
+    return any("ConnectTimeout" in type(e).__name__ or "Connect timeout" in str(e) for e in causes(error))
 
 
 class _Probe:
