@@ -156,3 +156,26 @@ def test_a_take_over_conditions_on_the_lock_it_judged_not_on_a_racing_winners(s3
     finally:
         winner.release()
         slower.release()
+
+
+def test_a_watcher_whose_lock_is_taken_over_mid_look_names_the_new_owner(tmp_path) -> None:
+    """A lock rewritten between the watcher's read of its content and of its stamp is refused in the
+    name of whoever holds it now, not of the run it had read (CI once named the dead run)."""
+    url = str(tmp_path / "run")
+    _foreign_lock(url, {}, run_id="c" * 32)  # fresh: watched, not taken over at once
+    watcher = RunLock(CheckpointStore(url), stale_s=30.0)
+    read = watcher.holder
+    reads = 0
+
+    def read_then_another_host_takes_it_over() -> dict | None:
+        nonlocal reads
+        doc = read()
+        reads += 1
+        if reads == 2:  # the watch's first look: its content is read, its stamp not yet
+            _foreign_lock(url, {}, run_id="f" * 32)
+        return doc
+
+    watcher.holder = read_then_another_host_takes_it_over  # type: ignore[method-assign]
+    with pytest.raises(RunLockedError, match="ffffffff"):
+        watcher.acquire()
+    assert reads >= 3

@@ -311,7 +311,10 @@ class RunLock:
                     continue  # caught mid-write (a local write is not atomic): its owner is writing
                 return doc, "it was released"
             if (current.get("heartbeat"), current.get("run_id"), self._written_at()) != first:
-                return current, None  # rewritten: its owner is alive
+                # Rewritten: by its owner (alive) or by a run that took it over between our read of
+                # the content and of its stamp. Read it again so the refusal names who holds it now.
+                latest = self.holder()
+                return (latest, None) if latest is not None else (doc, "it was released")
             why = self._why_free(current)
             if why is not None:
                 return current, why
