@@ -32,11 +32,12 @@ from spot_callbacks._dist import (
     local_rank,
     rank,
 )
+from spot_callbacks.accounting.attempts import AttemptLog
 from spot_callbacks.accounting.clock import RunAccounts
 from spot_callbacks.accounting.region import RegionCheck
 from spot_callbacks.accounting.watch import PersistWatch
 from spot_callbacks.config import SpotConfig
-from spot_callbacks.errors import PersistError
+from spot_callbacks.errors import PersistError, RunLockedError, StoreUnavailableError
 from spot_callbacks.log import show_info_lines
 from spot_callbacks.persist import PersistRecord
 from spot_callbacks.persist.scratch_folders import claim_scratch_root
@@ -56,6 +57,7 @@ log = logging.getLogger("spot_callbacks")
 
 # Even past a deadline a local lock is deleted in far less; an object store that slow leaves it to go stale.
 RELEASE_FLOOR_S = 0.5
+ATTEMPT_CLOSE_TIMEOUT_S = 5.0  # the attempt record's last write, before the lock's release
 
 __all__ = ["EXIT_MARGIN_S", "STATE_FILE", "ResumeInfo", "SpotEngine"]
 
@@ -103,6 +105,8 @@ class SpotEngine:
             self.trigger,
         )
         self.lease = RunLease(self.store)
+        # This process's record in the store, from its start: what `report` counts billed time from.
+        self.attempt = AttemptLog(self.store)
         self.running = False  # between start() and finish()/stop(): the run holds its lock and workers
         self._first_boundary = True
         self.resumed: ResumeInfo | None = None
@@ -139,8 +143,17 @@ class SpotEngine:
         # The interval counts training time, not the set-up before it (model build, a long pull).
         self.trigger.mark_checkpoint()
         self.accounts.start_clock()
-        with exit_on_notice(self.watcher.sources, "waiting for the store and the run lock"):
-            self.lease.acquire()
+        self._begin_attempt()
+        try:
+            with exit_on_notice(self.watcher.sources, "waiting for the store and the run lock"):
+                self.lease.acquire()
+        except (RunLockedError, StoreUnavailableError):
+            self.attempt.discard()  # not a process of the run in this dirpath (or none could be kept)
+            raise
+        except SystemExit:
+            self.attempt.close("preempted")
+            raise
+        self.attempt.note(lock_wait_s=self.lease.lock_wait_s, lock_cause=self.lease.lock_cause())
         self.accounts.dead_run = self.lease.dead_run()  # a run that died uncommitted: an interruption
         self.watcher.clear()  # a notice acted on in an earlier fit() in this process is spent
         self.watcher.start()
@@ -152,7 +165,10 @@ class SpotEngine:
         self.running = False
         self.watcher.stop()
         self.saves.stop_persister()
-        self._release(self.emergency.active_notice())
+        notice = self.emergency.active_notice()
+        self._release(
+            notice, "preempted" if notice is not None or self.watcher.notice is not None else "stopped"
+        )
 
     def abandon(self, error: BaseException | None) -> None:
         """Training unwound without :meth:`finish` (``error``: what ended it; ``None``: it returned):
@@ -167,12 +183,23 @@ class SpotEngine:
         finally:
             self.stop()
 
-    def _release(self, notice: Notice | None) -> None:
-        """Release the run lock within what is left before the deadline; a preempted exit is armed to end
-        with 143 by then, whatever a worker is still doing (``preemption/exit_guard.py``)."""
+    def _release(self, notice: Notice | None, end: str) -> None:
+        """Close this process's attempt record (``end``) and release the run lock within what is left
+        before the deadline; a preempted exit is armed to end with 143 by then, whatever a worker is
+        still doing (``preemption/exit_guard.py``)."""
         left = max(time_left_s(notice, RELEASE_TIMEOUT_S) or 0.0, RELEASE_FLOOR_S)
         exit_guard.arm_for(notice, self.config.on_preemption == "stop", self.watcher.interrupted_twice)
+        self.attempt.close(end, min(left / 2, ATTEMPT_CLOSE_TIMEOUT_S))
         self.lease.release(left)
+
+    def _note_checkpoint(self, step: int) -> None:
+        if self.is_writer:
+            self.attempt.checkpoint_taken(step)
+
+    def _begin_attempt(self) -> None:
+        """Keep this process's attempt record from now (the writer's; idempotent)."""
+        if self.is_writer:
+            self.attempt.begin()
 
     @property
     def region_check(self) -> RegionCheck | None:
@@ -194,6 +221,10 @@ class SpotEngine:
         if extra_notice is not None:
             self.watcher.report(extra_notice)
         self.accounts.time_step(persisting=self.saves.persisting)
+        if self.is_writer:
+            if self._first_boundary:
+                self.attempt.note(lineage=self.accounts.lineage["id"])
+            self.attempt.step(step)
         if self.is_writer:
             self.watch.observe(
                 self.saves.all_records(), self.saves.persister, self.trigger.interval_s, self.resumed
@@ -250,7 +281,9 @@ class SpotEngine:
         self, step: int, epoch: int | None, state: Any, reason: str, extra: dict[str, Any] | None = None
     ) -> float:
         """Snapshot ``state`` and persist it in the background (see :meth:`CheckpointWriter.save_state`)."""
-        return self.saves.save_state(step, epoch, state, reason, extra)
+        result = self.saves.save_state(step, epoch, state, reason, extra)
+        self._note_checkpoint(step)  # the snapshot is taken: training goes on from here
+        return result
 
     def save_sharded_state(
         self,
@@ -262,7 +295,9 @@ class SpotEngine:
         extra: dict[str, Any] | None = None,
     ) -> float:
         """Every rank persists its shards (see :meth:`CheckpointWriter.save_sharded_state`)."""
-        return self.saves.save_sharded_state(step, epoch, state, reason, meta, extra)
+        result = self.saves.save_sharded_state(step, epoch, state, reason, meta, extra)
+        self._note_checkpoint(step)  # the snapshot is taken: training goes on from here
+        return result
 
     def save_folder(
         self,
@@ -275,7 +310,9 @@ class SpotEngine:
         extra: dict[str, Any] | None = None,
     ) -> bool:
         """Persist a folder the framework wrote (see :meth:`CheckpointWriter.save_folder`)."""
-        return self.saves.save_folder(step, epoch, folder, reason, stall_s, owns_folder, extra)
+        result = self.saves.save_folder(step, epoch, folder, reason, stall_s, owns_folder, extra)
+        self._note_checkpoint(step)  # the snapshot is taken: training goes on from here
+        return result
 
     def new_failures(self) -> list[PersistError]:
         return self.saves.new_failures()
@@ -319,7 +356,8 @@ class SpotEngine:
         self.running = False
         self.watcher.stop()
         lost = agree_at_step(False, False, None, None, self.lease.lost)[4]  # lost after the last step
-        self._release(self.emergency.active_notice())
+        notice = self.emergency.active_notice()
+        self._release(notice, "finished" if notice is None and self.watcher.notice is None else "preempted")
         self.barrier()
         if lost:
             raise self.lease.lost_error(None, self.last_saved_step)
@@ -364,12 +402,18 @@ class SpotEngine:
         already holds exactly this checkpoint is not downloaded again.
         """
         in_scratch = lambda step: self.scratch_root / step_dirname(step)  # noqa: E731
-        with exit_on_notice(self.watcher.sources, "pulling the checkpoint to resume from"):
-            resumed = pull_latest(self.store, dest or in_scratch, rank(), local_rank(), check)
+        self._begin_attempt()
+        try:
+            with exit_on_notice(self.watcher.sources, "pulling the checkpoint to resume from"):
+                resumed = pull_latest(self.store, dest or in_scratch, rank(), local_rank(), check)
+        except SystemExit:
+            self.attempt.close("preempted")
+            raise
         if resumed is None:
             return None
         self.resumed = resumed
         self.accounts.continue_lineage(resumed.info)
+        self.attempt.note(resumed_from=resumed.info.step, lineage=self.accounts.lineage["id"])
         self.saves.resumed_from(resumed.info.step, resumed.local_dir)  # not rewritten; older copies go
         self._resume_recorded = False
         return resumed.local_dir

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -45,6 +46,7 @@ class RunLease:
     def __init__(self, store: CheckpointStore) -> None:
         self.store = store
         self.lock: RunLock | None = None
+        self.lock_wait_s: float | None = None  # how long taking the lock took (the writer's)
 
     def acquire(self) -> None:
         """Prove the store usable and take the lock on the writer (collective), before anything is
@@ -55,7 +57,9 @@ class RunLease:
             try:
                 self.store.warm_data_plane()  # meanwhile: the resume's pull finds its clients built
                 preflight(self.store)
+                waiting_since = time.monotonic()
                 lock.acquire()
+                self.lock_wait_s = time.monotonic() - waiting_since
                 self.lock = lock
             except (StoreUnavailableError, RunLockedError) as err:
                 refusal = err
@@ -72,6 +76,15 @@ class RunLease:
         """``(started, last_heartbeat)`` of a previous run seen dead through its stale lock at
         :meth:`acquire` (writer only; see :meth:`RunLock.dead_run`): an interruption no manifest records."""
         return self.lock.dead_run() if self.lock is not None else None
+
+    def lock_cause(self) -> str | None:
+        """Why taking the lock took the time it did, in a few words (writer only), or None."""
+        if self.lock is None:
+            return None
+        taken = self.lock.taken_from
+        if taken is None:
+            return "free"
+        return f"took over the lock of a dead run on {taken.get('host', 'an unknown host')}"
 
     @property
     def lost(self) -> bool:

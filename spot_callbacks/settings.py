@@ -196,6 +196,11 @@ LOCK_STALE_S = Knob(
     "a run lock not rewritten for this long, by the store's own clock, belongs to a dead run and is taken "
     "over at once (its owner rewrites it every quarter of this); raise it on a store with long stalls",
 )  # fmt: skip
+ATTEMPT_RECORD_S = Knob(
+    "SPOT_ATTEMPT_RECORD_S", 1.0, seconds,
+    "how often a run rewrites its attempt record (`.spot-attempts/` in `dirpath`: process start, lock wait, "
+    "last step), from which `spot-callbacks report` counts billed time and lost work; one small PUT each",
+)  # fmt: skip
 FORCE_LOCK = Knob(
     "SPOT_FORCE_LOCK", False, switch,
     "take the run lock of `dirpath` even from a live owner (you know the other run is gone)",

@@ -15,6 +15,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from spot_callbacks._format import format_money, format_seconds, human_size, printable
+from spot_callbacks.accounting.attempts import AttemptsSummary
 from spot_callbacks.accounting.costs import SECONDS_PER_HOUR, SpotPlan
 from spot_callbacks.accounting.ledger import EMERGENCY_REASONS, RunLedger, finite_number
 
@@ -82,11 +83,14 @@ def history_rows(
     spot_price: float | None = None,
     on_demand_price: float | None = None,
     records: Sequence[Any] = (),
+    attempts: AttemptsSummary | None = None,
 ) -> list[tuple[str, str]]:
     """The run's costs as (label, value) rows: what ``spot-callbacks report`` and the end-of-training summary show.
 
     ``records``: this process's :class:`~spot_callbacks.persist.PersistRecord` (the summary);
-    without them, persist times come from the manifests at hand.
+    without them, persist times come from the manifests at hand. ``attempts``: the processes'
+    records (:mod:`~spot_callbacks.accounting.attempts`); with them, billed time, lost work and
+    goodput count every process from its start to its exit, else they come from the ledger.
     """
     ledger = history.ledger
     rows: list[tuple[str, str]] = [("checkpoints", _checkpoints_row(history))]
@@ -97,23 +101,30 @@ def history_rows(
     if persist:
         rows.append(("persist (background)", persist))
     rows.append(("interruptions", _interruptions_row(history)))
-    lost = f"{format_seconds(ledger.lost_work_measured_s)} measured"
-    if ledger.lost_work_estimated_s > 0 or any(not r.lost_work_measured for r in ledger.recent_resumes):
-        lost += f" + up to {format_seconds(ledger.lost_work_estimated_s)} estimated (resumes after a crash)"
-    rows.append(("lost work", lost))
+    if attempts is not None and attempts.outcomes:
+        rows.extend(_attempt_summary_rows(attempts))
+    else:
+        lost = f"{format_seconds(ledger.lost_work_measured_s)} measured"
+        if ledger.lost_work_estimated_s > 0 or any(not r.lost_work_measured for r in ledger.recent_resumes):
+            lost += (
+                f" + up to {format_seconds(ledger.lost_work_estimated_s)} estimated (resumes after a crash)"
+            )
+        rows.append(("lost work", lost))
     if ledger.resumes:
         rows.append(("resumes", _resumes_row(history)))
-    goodput = ledger.goodput
-    rows.append(
-        (
-            "goodput",
-            "n/a"
-            if goodput is None
-            else f"{100 * goodput:.1f}% of {format_seconds(ledger.billed_s)} billed was productive training",
+    if attempts is None or not attempts.outcomes:
+        goodput = ledger.goodput
+        rows.append(
+            (
+                "goodput",
+                "n/a"
+                if goodput is None
+                else f"{100 * goodput:.1f}% of {format_seconds(ledger.billed_s)} billed was productive training",
+            )
         )
-    )
+    billed_s = attempts.billed_s if attempts is not None and attempts.outcomes else ledger.billed_s
     if spot_price is not None:
-        rows.extend(_price_rows(history, spot_price, on_demand_price))
+        rows.extend(_price_rows(history, spot_price, on_demand_price, billed_s))
     if not history.from_ledger:
         rows.append(("note", "these manifests carry no ledger: totals cover the checkpoints at hand only"))
     return rows
@@ -170,11 +181,80 @@ def _resumes_row(history: RunHistory) -> str:
     return f"{resume}; {downtime}"
 
 
+def _attempt_summary_rows(attempts: AttemptsSummary) -> list[tuple[str, str]]:
+    processes = len(attempts.outcomes)
+    hard = sum(outcome.hard_loss for outcome in attempts.outcomes[:-1])  # the last may still be running
+    waits = [
+        outcome.record.lock_wait_s for outcome in attempts.outcomes if outcome.record.lock_wait_s is not None
+    ]
+    lock = f"; waiting for the run lock {format_seconds(sum(waits))} in all" if waits else ""
+    goodput = attempts.goodput
+    return [
+        ("billed time", f"{format_seconds(attempts.billed_s)} in {processes} process{'es' if processes > 1 else ''}, "
+                        f"each from its start to its exit (imports, lock, pull and uploads included){lock}"),
+        ("lost work", f"{format_seconds(attempts.lost_s)}: steps trained past the point the next process "
+                      f"resumed from ({hard} hard loss{'es' if hard != 1 else ''} without a notice)"),
+        ("goodput", "n/a" if goodput is None else
+                    f"{100 * goodput:.1f}% of {format_seconds(attempts.billed_s)} billed was training kept"),
+    ]  # fmt: skip
+
+
+def attempt_table_rows(attempts: AttemptsSummary) -> list[tuple[str, ...]]:
+    """The processes as table rows (:data:`ATTEMPT_HEADERS`), oldest first."""
+    rows: list[tuple[str, ...]] = []
+    for outcome in attempts.outcomes:
+        record = outcome.record
+        when = datetime.fromtimestamp(record.started, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        resumed = "fresh" if record.resumed_from is None else str(record.resumed_from)
+        wait = "-" if record.lock_wait_s is None else format_seconds(record.lock_wait_s)
+        if record.lock_cause and record.lock_cause != "free":
+            wait += f" ({record.lock_cause})"
+        end = record.end or "no end (killed, or running)"
+        rows.append(
+            (
+                when, record.host, resumed, wait,
+                "-" if outcome.downtime_s is None else format_seconds(outcome.downtime_s),
+                format_seconds(outcome.trained_s), format_seconds(outcome.lost_s),
+                format_seconds(outcome.billed_s), end,
+            )
+        )  # fmt: skip
+    return rows
+
+
+ATTEMPT_HEADERS = (
+    "STARTED (UTC)",
+    "HOST",
+    "FROM STEP",
+    "LOCK WAIT",
+    "TO FIRST STEP",
+    "TRAINED",
+    "LOST",
+    "BILLED",
+    "END",
+)
+
+
+def attempt_json(attempts: AttemptsSummary) -> list[dict[str, Any]]:
+    """The processes for ``report --json`` (the schema in docs/cli.md)."""
+    return [
+        {
+            "run_id": outcome.record.run_id, "host": outcome.record.host, "started": outcome.record.started,
+            "resumed_from": outcome.record.resumed_from, "lock_wait_s": outcome.record.lock_wait_s,
+            "lock_cause": outcome.record.lock_cause, "first_step": outcome.record.first_step,
+            "last_step": outcome.record.last_step, "to_first_step_s": outcome.downtime_s,
+            "trained_s": round(outcome.trained_s, 3), "lost_s": round(outcome.lost_s, 3),
+            "lost_steps": outcome.lost_steps, "billed_s": round(outcome.billed_s, 3),
+            "end": outcome.record.end, "hard_loss": outcome.hard_loss,
+        }
+        for outcome in attempts.outcomes
+    ]  # fmt: skip
+
+
 def _price_rows(
-    history: RunHistory, spot_price: float, on_demand_price: float | None
+    history: RunHistory, spot_price: float, on_demand_price: float | None, billed_s: float
 ) -> list[tuple[str, str]]:
     ledger = history.ledger
-    billed_h = ledger.billed_s / SECONDS_PER_HOUR
+    billed_h = billed_s / SECONDS_PER_HOUR
     spot_cost = billed_h * spot_price
     rows = [
         ("spot cost", f"{format_money(spot_cost)} ({billed_h:.2f} h billed x {format_money(spot_price)}/h)")

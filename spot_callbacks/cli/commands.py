@@ -41,11 +41,15 @@ import fsspec
 
 from spot_callbacks import __version__
 from spot_callbacks._format import count_of, human_size, printable
+from spot_callbacks.accounting.attempts import attempt_outcomes, attempts_of_lineage, read_attempts
 from spot_callbacks.accounting.costs import plan_job
 from spot_callbacks.accounting.plan_inputs import plan_inputs, shown_rate, shown_seconds
 from spot_callbacks.accounting.report import (
+    ATTEMPT_HEADERS,
     RESUME_HEADERS,
     RunHistory,
+    attempt_json,
+    attempt_table_rows,
     format_rows,
     history_rows,
     plan_rows,
@@ -67,7 +71,7 @@ from spot_callbacks.persist.scratch import scratch_base
 from spot_callbacks.persist.scratch_folders import delete_scratch_folder, list_scratch
 from spot_callbacks.progress import is_terminal, showing_progress
 from spot_callbacks.store import CheckpointInfo, CheckpointStore
-from spot_callbacks.store.commit import Verdict, resume_order
+from spot_callbacks.store.commit import Verdict, lineage_of, resume_order
 from spot_callbacks.store.diagnosis import diagnose
 from spot_callbacks.store.layout import list_folder
 from spot_callbacks.store.meter import TransferMeter
@@ -597,16 +601,23 @@ def _cmd_report(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
         return EXIT_OK
     lineage, notes = newest_valid_lineage(store, committed_checkpoints)
     history = RunHistory.from_checkpoints(store.url, lineage)
-    rows = history_rows(history, args.spot_price, args.on_demand_price)
+    newest = history.newest
+    records = attempts_of_lineage(read_attempts(store), {lineage_of(info) for info in lineage})
+    attempts = attempt_outcomes(records, resume_point=newest.step) if records else None
+    rows = history_rows(history, args.spot_price, args.on_demand_price, attempts=attempts)
     resumes = resume_rows(history)
     kept = len(resumes)
+    processes = attempt_table_rows(attempts) if attempts is not None else []
+    processes_kept = len(processes)
     if not args.all:
         resumes = resumes[-REPORT_RESUME_ROWS:]
-    newest = history.newest
+        processes = processes[-REPORT_RESUME_ROWS:]
     created = newest.created.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     if args.json:
-        records = list(history.ledger.recent_resumes)
+        resume_records = list(history.ledger.recent_resumes)
         ledger = history.ledger
+        measured = attempts is not None and bool(attempts.outcomes)
+        attempt_docs = attempt_json(attempts) if attempts is not None else []
         _print_json({
             "url": store.url,
             "framework": newest.framework,
@@ -614,13 +625,21 @@ def _cmd_report(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
             "newest_created": created,
             "summary": dict(rows),
             "notes": notes,
-            "goodput": ledger.goodput,
-            "billed_s": ledger.billed_s,
+            "goodput": attempts.goodput if attempts is not None and measured else ledger.goodput,
+            "goodput_basis": "attempts" if measured else "ledger",
+            "billed_s": attempts.billed_s if attempts is not None and measured else ledger.billed_s,
+            "lost_work_s": attempts.lost_s if attempts is not None and measured else ledger.lost_work_s,
             "interruptions": history.interruptions,
             "ledger": ledger.to_json(),
-            "recent_resumes": [r.to_json() for r in (records if args.all else records[-REPORT_RESUME_ROWS:])],
+            "recent_resumes": [
+                r.to_json() for r in (resume_records if args.all else resume_records[-REPORT_RESUME_ROWS:])
+            ],
+            "attempts": attempt_docs if args.all else attempt_docs[-REPORT_RESUME_ROWS:],
         })  # fmt: skip
         return EXIT_OK
+    process_title = f"processes ({len(processes)} of {processes_kept})"
+    if len(processes) < processes_kept:
+        process_title += "; --all lists every one"
     title = printable(f"{store.url} ({newest.framework}), newest checkpoint committed {created}")
     # The ledger's count covers resumes older than the records it keeps; never fewer than those.
     resume_title = f"recent resumes ({len(resumes)} of {max(history.ledger.resumes, kept)})"
@@ -635,6 +654,10 @@ def _cmd_report(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
         if resumes:
             print(f"\n{resume_title}")
             for line in plain_table(resumes, RESUME_HEADERS, right_aligned={1, 3, 4, 5, 6}):
+                print(f"  {line}")
+        if processes:
+            print(f"\n{process_title}")
+            for line in plain_table(processes, ATTEMPT_HEADERS, right_aligned={2, 4, 5, 6, 7}):
                 print(f"  {line}")
         return EXIT_OK
     from rich import box
@@ -654,6 +677,13 @@ def _cmd_report(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
         for col, header in enumerate(RESUME_HEADERS):
             table.add_column(header.lower(), justify="right" if col in {1, 3, 4, 5, 6} else "left")
         for row in resumes:
+            table.add_row(*(Text(printable(cell)) for cell in row))
+        console.print(table)
+    if processes:
+        table = Table(title=process_title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD)
+        for col, header in enumerate(ATTEMPT_HEADERS):
+            table.add_column(header.lower(), justify="right" if col in {2, 4, 5, 6, 7} else "left")
+        for row in processes:
             table.add_row(*(Text(printable(cell)) for cell in row))
         console.print(table)
     return EXIT_OK

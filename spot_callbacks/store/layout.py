@@ -25,6 +25,8 @@ STATE_FILE = "state.ckpt"  # the one payload file of a single-writer checkpoint 
 # torch.distributed.checkpoint's index of every shard: a hidden name, yet payload.
 DCP_METADATA_FILE = ".metadata"
 HF_TRAINER_STATE_FILE = "trainer_state.json"  # the HF Trainer reads it first on every resume
+# Beside the step folders: one record per process that trained here (accounting/attempts.py).
+ATTEMPTS_FOLDER = ".spot-attempts"
 _STEP_DIR = re.compile(r"^step-(\d{9,})$")
 # s3fs uploads a file's parts max_concurrency at a time, each held twice in RAM (the part and
 # botocore's copy): 10 (its default) x 50 MiB x 2 is ~1 GB per file in flight, beside the staged

@@ -1,0 +1,131 @@
+"""`spot-callbacks report` counts every billed second: each process from its start to its exit.
+
+A run is killed outright (SIGKILL: no notice, nothing more written) in the middle of training, and
+a second process resumes it on the same dirpath and finishes. From outside, the test measures what a
+cloud bills (each process from spawn to exit) and the work the kill lost (the steps the second
+process redid); the report, from the processes' attempt records alone, must agree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from spot_callbacks.accounting.attempts import AttemptRecord, attempt_outcomes, read_attempts
+from spot_callbacks.cli import main
+from spot_callbacks.store import CheckpointStore
+
+SCRIPT = Path(__file__).parent / "scripts" / "paced_run.py"
+STEPS, STEP_S, EVERY, KILL_AT = 40, 0.1, 10, 27
+RECORD_S = 0.2
+EXIT_S = 2.5  # an interpreter's exit after atexit, with torch loaded, on a busy 2-core machine
+
+
+def _spawn(tmp_path: Path, url: str, machine: str) -> tuple[subprocess.Popen[str], float]:
+    env = {
+        **os.environ,
+        "SPOT_SCRATCH": str(tmp_path / f"scratch-{machine}"),
+        "SPOT_ATTEMPT_RECORD_S": str(RECORD_S),
+    }
+    spawned = time.time()
+    child = subprocess.Popen(
+        [sys.executable, str(SCRIPT), url, str(STEPS), str(STEP_S), str(EVERY)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+    )  # fmt: skip
+    return child, spawned
+
+
+def _steps(lines: list[str]) -> dict[int, float]:
+    return {
+        int(parts[1]): float(parts[2]) for parts in (line.split() for line in lines) if parts[:1] == ["step"]
+    }
+
+
+@pytest.mark.slow
+def test_the_report_counts_billed_time_from_process_start_and_lost_work_from_the_step_records(
+    tmp_path, capsys
+) -> None:
+    url = str(tmp_path / "run")
+    first, first_spawned = _spawn(tmp_path, url, "a")
+    assert first.stdout is not None
+    first_lines = []
+    for line in first.stdout:
+        first_lines.append(line)
+        if line.startswith(f"step {KILL_AT} "):
+            first.send_signal(signal.SIGKILL)  # a hard loss: no handler runs, nothing more is written
+            killed_at = time.time()
+            break
+    first.wait(timeout=60)
+    first_billed = killed_at - first_spawned
+
+    second, second_spawned = _spawn(tmp_path, url, "b")
+    out, _ = second.communicate(timeout=240)
+    second_billed = time.time() - second_spawned
+    assert second.returncode == 0 and "done" in out, out[-2000:]
+    first_steps, second_steps = _steps(first_lines), _steps(out.splitlines())
+    resumed_from = min(second_steps) - 1
+    assert resumed_from < KILL_AT and max(second_steps) == STEPS
+    # Measured from outside: the work redone is the first process's steps past the resume point, up to its kill.
+    lost_measured = killed_at - first_steps[resumed_from]
+    billed_measured = first_billed + second_billed
+    trained = (max(first_steps) - min(first_steps) + 1 + max(second_steps) - min(second_steps) + 1) * STEP_S
+    goodput_measured = (trained - lost_measured) / billed_measured
+
+    assert main(["report", "--json", url]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["goodput_basis"] == "attempts"
+    [killed, finished] = report["attempts"]
+    assert killed["hard_loss"] and not finished["hard_loss"] and finished["resumed_from"] == resumed_from
+    # Not seen by any record: the interpreter's own exit after its last write (1-2 s with torch loaded).
+    assert abs(report["billed_s"] - billed_measured) <= 0.1 * billed_measured + 2 * EXIT_S, (
+        report["billed_s"], billed_measured, first_billed, [a["billed_s"] for a in report["attempts"]],
+    )  # fmt: skip
+    assert abs(report["lost_work_s"] - lost_measured) <= 0.2 * lost_measured + RECORD_S, (
+        report["lost_work_s"], lost_measured, json.dumps(report["attempts"][0]), max(first_steps),
+    )  # fmt: skip
+    assert abs(report["goodput"] - goodput_measured) <= 0.10, (report["goodput"], goodput_measured)
+    # The imports and start-up before the first step are billed: the process start is the kernel's, not ours.
+    assert finished["to_first_step_s"] >= second_steps[min(second_steps)] - second_spawned - 1.0
+    assert "billed time" in report["summary"] and "2 processes" in report["summary"]["billed time"]
+
+
+def test_a_record_no_run_writes_is_left_out_and_the_rest_are_counted(tmp_path, caplog) -> None:
+    store = CheckpointStore(str(tmp_path / "run"))
+    folder = tmp_path / "run" / ".spot-attempts"
+    folder.mkdir(parents=True)
+    good = {"version": 1, "run_id": "a" * 32, "host": "h", "started": 100.0, "alive_at": 160.0,
+            "first_step": 1, "first_step_at": 110.0, "last_step": 50, "last_step_at": 159.0}  # fmt: skip
+    (folder / "0000000100000-a.json").write_text(json.dumps(good))
+    forged = [
+        {**good, "started": -5.0},  # out of range
+        {**good, "alive_at": 50.0},  # written before it started
+        {**good, "last_step": 10**40},  # a step no run reaches
+        {**good, "first_step_at": None},  # a step without its time
+        {**good, "host": "x" * 10_000},  # a text too long
+    ]
+    for index, doc in enumerate(forged):
+        (folder / f"00000001000{index:02d}-f.json").write_text(json.dumps(doc))
+    (folder / "0000000100099-big.json").write_bytes(b"{" + b" " * 100_000 + b"}")
+    (folder / "0000000100098-nan.json").write_text('{"version": 1, "started": NaN}')
+    records = read_attempts(store)
+    assert [record.run_id for record in records] == ["a" * 32]
+    assert "ignoring 7 attempt record(s)" in caplog.text
+
+
+def test_a_process_that_never_trained_is_billed_and_loses_nothing() -> None:
+    waited = AttemptRecord(
+        "w", "h", started=0.0, alive_at=30.0, lock_wait_s=25.0, end="preempted", ended_at=30.0
+    )
+    trained = AttemptRecord("t", "h", 40.0, 100.0, first_step=1, first_step_at=45.0, last_step=56,
+                            last_step_at=100.0, end="finished", ended_at=100.0)  # fmt: skip
+    summary = attempt_outcomes([waited, trained], resume_point=56, period_s=1.0)
+    assert [outcome.billed_s for outcome in summary.outcomes] == [30.0, 60.0]
+    assert summary.lost_s == 0.0 and summary.outcomes[0].downtime_s is None
+    assert summary.goodput == pytest.approx(56.0 / 90.0)
