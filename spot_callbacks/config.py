@@ -21,9 +21,10 @@ import yaml
 import spot_callbacks.settings as settings
 from spot_callbacks._format import parse_duration
 from spot_callbacks.errors import ConfigError
+from spot_callbacks.preemption.sources import NOTICE_SOURCES
 from spot_callbacks.store.backends import glob_in_dirpath, is_local_path, misread_url, odd_segment_in_dirpath
 
-PREEMPTION_SOURCES = ("SIGTERM", "SIGUSR1", "SIGINT", "aws", "gcp", "azure")
+PREEMPTION_SOURCES = tuple(NOTICE_SOURCES)  # the one table of notice sources' names
 ON_PREEMPTION_CHOICES = ("stop", "continue")
 
 
@@ -49,9 +50,10 @@ class SpotConfig:
             value is the environment variable ``NAME``. Keep credentials out of configs that are
             saved (LightningCLI's ``config.yaml``) with either; see :func:`load_storage_options`.
         preemption: notice sources: ``"SIGTERM"``, ``"SIGUSR1"``, ``"SIGINT"`` (Ctrl-C: the first
-            checkpoints and stops, a second stops at once), ``"aws"``, ``"gcp"``, ``"azure"``;
-            ``"auto"`` is SIGTERM (and SIGUSR1 inside a SLURM job), SIGINT, plus the cloud
-            detected; ``[]`` is none.
+            checkpoints and stops, a second stops at once), ``"aws"``, ``"gcp"``, ``"azure"``,
+            ``"file"`` (``$SPOT_NOTICE_FILE`` appears); ``"auto"`` is SIGTERM (and SIGUSR1 inside
+            a SLURM job), SIGINT, plus the cloud detected and the notice file if one is set;
+            ``[]`` is none. The names are those of ``preemption.sources.NOTICE_SOURCES``.
         on_preemption: after the emergency checkpoint commits, ``"stop"`` training gracefully
             or ``"continue"``.
         interruptions_per_hour: expected interruption rate, for ``interval="auto"``; ``None``:
@@ -90,7 +92,8 @@ class SpotConfig:
         },
     )
     preemption: Union[str, list[str]] = field(  # noqa: UP007
-        default="auto", metadata={"help": "notice sources: SIGTERM SIGUSR1 aws gcp azure, 'auto' or none"}
+        default="auto",
+        metadata={"help": f"notice sources: {' '.join(PREEMPTION_SOURCES)}, 'auto' or none"},
     )
     on_preemption: Literal["stop", "continue"] = field(
         default="stop", metadata={"help": "after the emergency checkpoint: stop or continue"}
@@ -453,6 +456,9 @@ def _normalize_preemption(value: Any) -> str | list[str]:
                     f"preemption source {source!r} is not known; use 'auto', [] (none) or a list of "
                     f"{list(PREEMPTION_SOURCES)}"
                 )
+            problem = NOTICE_SOURCES[name].problem()
+            if problem is not None:
+                raise ConfigError(f"preemption source {name!r} cannot be watched: {problem}")
             if name not in normalized:
                 normalized.append(name)
         return normalized

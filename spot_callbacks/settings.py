@@ -230,6 +230,11 @@ SIGNAL_GRACE_S = Knob(
 METADATA_POLL_S = Knob(
     "SPOT_METADATA_POLL_S", 5.0, seconds, "seconds between two polls of the cloud's preemption notice"
 )
+NOTICE_FILE = Knob(
+    "SPOT_NOTICE_FILE", None, text,
+    "the file whose appearance is a preemption notice (`preemption` source `file`, e.g. touched by a "
+    "Kubernetes preStop hook); its content, if any, is the time left, else `SPOT_SIGNAL_GRACE_S`", "path",
+)  # fmt: skip
 AZURE_METADATA_ENDPOINT = Knob(
     "SPOT_AZURE_METADATA_ENDPOINT", None, text,
     "Azure's metadata service for Scheduled Events (default `http://169.254.169.254`)", "URL",

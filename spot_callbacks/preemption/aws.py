@@ -24,17 +24,19 @@ class AwsPoller(CloudPoller):
     """EC2 spot interruption notices and rebalance recommendations through IMDSv2.
 
     Example:
-        >>> notice = AwsPoller.parse_instance_action(b'{"action": "terminate", "time": "2030-01-01T00:00:00Z"}')
+        >>> poller = AwsPoller("aws", "http://127.0.0.1:9")
+        >>> notice = poller.parse_instance_action(b'{"action": "terminate", "time": "2030-01-01T00:00:00Z"}')
         >>> notice.source, notice.deadline
         ('aws', 1893456000.0)
     """
 
-    name = "aws"
     env_var = "AWS_EC2_METADATA_SERVICE_ENDPOINT"
     TOKEN_TTL_S = 21600
 
-    def __init__(self, endpoint: str | None = None, request_timeout_s: float = REQUEST_TIMEOUT_S) -> None:
-        super().__init__(endpoint, request_timeout_s)
+    def __init__(
+        self, name: str, endpoint: str | None = None, request_timeout_s: float = REQUEST_TIMEOUT_S
+    ) -> None:
+        super().__init__(name, endpoint, request_timeout_s)
         self._token: str | None = None
         self._token_renew_at = 0.0
         self._seen_actions: set[str] = set()
@@ -75,8 +77,7 @@ class AwsPoller(CloudPoller):
             raise MetadataError(f"GET {path}: HTTP {response.status}")
         return response.body
 
-    @staticmethod
-    def parse_instance_action(body: bytes, now: float | None = None) -> Notice:
+    def parse_instance_action(self, body: bytes, now: float | None = None) -> Notice:
         """The notice in a ``spot/instance-action`` body; MetadataError when it is not the documented JSON."""
         doc = json_object(body, "spot/instance-action")
         action = doc.get("action")
@@ -85,7 +86,7 @@ class AwsPoller(CloudPoller):
         received = time.time() if now is None else now
         deadline = parse_time(str(doc.get("time", "")))
         return Notice(
-            "aws",
+            self.name,
             deadline if deadline is not None else received + AWS_NOTICE_S,
             f"spot instance-action {action} at {doc.get('time', '?')}",
             received_at=received,

@@ -37,7 +37,6 @@ class AzurePoller(CloudPoller):
         (True, False)
     """
 
-    name = "azure"
     env_var = "SPOT_AZURE_METADATA_ENDPOINT"
     EVENTS = "/metadata/scheduledevents?api-version=2020-07-01"
     VM_NAME = "/metadata/instance/compute/name?api-version=2021-02-01&format=text"
@@ -45,8 +44,10 @@ class AzurePoller(CloudPoller):
     HEADERS: ClassVar[dict[str, str]] = {"Metadata": "true"}
     GOING_AWAY = ("Preempt", "Terminate")
 
-    def __init__(self, endpoint: str | None = None, request_timeout_s: float = REQUEST_TIMEOUT_S) -> None:
-        super().__init__(endpoint, request_timeout_s)
+    def __init__(
+        self, name: str, endpoint: str | None = None, request_timeout_s: float = REQUEST_TIMEOUT_S
+    ) -> None:
+        super().__init__(name, endpoint, request_timeout_s)
         self._vm_name: str | None = None
         self._asked_name = False
         self._first_request = True
@@ -101,7 +102,7 @@ class AzurePoller(CloudPoller):
             deadline = parse_time(str(event.get("NotBefore") or ""))
             return Poll(
                 notice=Notice(
-                    "azure",
+                    self.name,
                     deadline if deadline is not None else now + AZURE_NOTICE_S,
                     f"{event['EventType']} event {event_id} (NotBefore {event.get('NotBefore') or '?'})",
                     received_at=now,

@@ -1,24 +1,28 @@
-"""The clouds: each notice source's metadata service, and how they are asked in turn.
+"""The clouds: each cloud notice source's metadata service, and how they are asked in turn.
 
-One table, :data:`CLOUDS`, names the class that knows each cloud (its poller and its region
-lookup); the preemption watcher polls from it and the in-region check asks it for the region.
+:data:`CLOUDS` is read off :data:`~spot_callbacks.preemption.sources.NOTICE_SOURCES`: each cloud's
+poller (which also looks up the region), made with its name; the in-region check asks it for the region.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 from spot_callbacks.errors import MetadataError
-from spot_callbacks.preemption.aws import AwsPoller
-from spot_callbacks.preemption.azure import AzurePoller
-from spot_callbacks.preemption.gcp import GcpPoller
 from spot_callbacks.preemption.poller import CloudPoller
+from spot_callbacks.preemption.sources import CLOUD_SOURCES, NOTICE_SOURCES
 
 Answer = TypeVar("Answer")
 
-CLOUDS: dict[str, type[CloudPoller]] = {"aws": AwsPoller, "gcp": GcpPoller, "azure": AzurePoller}
-CLOUD_SOURCES = tuple(CLOUDS)
+# name -> (endpoint=None, request_timeout_s=...) -> that cloud's poller
+CLOUDS: dict[str, Callable[..., CloudPoller]] = {
+    name: functools.partial(kind.cloud, name)
+    for name, kind in NOTICE_SOURCES.items()
+    if kind.cloud is not None
+}
+__all__ = ["CLOUDS", "CLOUD_SOURCES", "ask_each"]
 
 
 def ask_each(

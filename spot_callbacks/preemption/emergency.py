@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 import sys
 import time
 from datetime import datetime, timezone
 from typing import Any, Protocol
 
 from spot_callbacks.preemption.notice import PREEMPTED_EXIT_CODE, Notice
-from spot_callbacks.preemption.signals import GRACE_SIGNALS, signal_grace_s
+from spot_callbacks.preemption.signals import signal_grace_s
+from spot_callbacks.preemption.sources import GRACE_SIGNALS
 from spot_callbacks.preemption.watcher import PreemptionWatcher
 from spot_callbacks.progress import is_terminal, progress_every_s, progress_line, showing_progress
 from spot_callbacks.store.meter import TransferMeter
@@ -291,7 +293,7 @@ def _log_outcome(
             waited_s, step, since_notice_s, notice.source,
             f", {left:.1f}s left before the deadline" if left is not None else "",
         )  # fmt: skip
-        if notice.source == "SIGINT":
+        if notice.source == signal.Signals.SIGINT.name:
             log.warning(
                 "spot_callbacks: stopping after Ctrl-C: step %d is committed; run the same command again "
                 "to resume from it", step,

@@ -34,17 +34,18 @@ class GcpPoller(CloudPoller):
     """GCE spot/preemptible VMs: ``instance/preempted`` turns ``TRUE`` about 30 s before the stop.
 
     Example:
-        >>> GcpPoller("127.0.0.1:9").describe()
+        >>> GcpPoller("gcp", "127.0.0.1:9").describe()
         'gcp metadata at http://127.0.0.1:9'
     """
 
-    name = "gcp"
     env_var = "GCE_METADATA_HOST"
     PATH = "/computeMetadata/v1/instance/preempted"
     HEADERS: ClassVar[dict[str, str]] = {"Metadata-Flavor": "Google"}
 
-    def __init__(self, endpoint: str | None = None, request_timeout_s: float = REQUEST_TIMEOUT_S) -> None:
-        super().__init__(endpoint, request_timeout_s)
+    def __init__(
+        self, name: str, endpoint: str | None = None, request_timeout_s: float = REQUEST_TIMEOUT_S
+    ) -> None:
+        super().__init__(name, endpoint, request_timeout_s)
         self._etag: str | None = None
         self._reported = False
 
@@ -88,4 +89,6 @@ class GcpPoller(CloudPoller):
             return Poll()
         self._reported = True
         now = time.time()
-        return Poll(notice=Notice("gcp", now + GCP_NOTICE_S, "instance/preempted is TRUE", received_at=now))
+        return Poll(
+            notice=Notice(self.name, now + GCP_NOTICE_S, "instance/preempted is TRUE", received_at=now)
+        )

@@ -25,23 +25,27 @@ class Poll:
 
 
 class CloudPoller(ABC):
-    """One cloud's metadata service. Subclasses know the endpoints and what their answers mean.
+    """One cloud's metadata service, a :class:`~spot_callbacks.preemption.sources.NoticeSource`.
 
-    The endpoint is ``endpoint``, else the cloud's variable (``env_var``), else the link-local address.
+    Subclasses know the endpoints and what their answers mean. ``name`` is the source's name in
+    :data:`~spot_callbacks.preemption.sources.NOTICE_SOURCES` (its notices' ``source``). The
+    endpoint is ``endpoint``, else the cloud's variable (``env_var``), else the link-local address.
 
     Example:
         >>> class Nowhere(CloudPoller):
-        ...     name, env_var = "nowhere", "NOWHERE_METADATA"
+        ...     env_var = "NOWHERE_METADATA"
         ...     detect = poll = region = lambda self, timeout_s: None
-        >>> Nowhere("http://127.0.0.1:9").describe()
+        >>> Nowhere("nowhere", "http://127.0.0.1:9").describe()
         'nowhere metadata at http://127.0.0.1:9'
     """
 
-    name: ClassVar[str]
     env_var: ClassVar[str]
     default_endpoint: ClassVar[str] = f"http://{LINK_LOCAL}"
 
-    def __init__(self, endpoint: str | None = None, request_timeout_s: float = REQUEST_TIMEOUT_S) -> None:
+    def __init__(
+        self, name: str, endpoint: str | None = None, request_timeout_s: float = REQUEST_TIMEOUT_S
+    ) -> None:
+        self.name = name
         self.client = MetadataClient(
             endpoint or settings.environment_variable(self.env_var) or self.default_endpoint
         )

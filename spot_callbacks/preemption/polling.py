@@ -1,9 +1,10 @@
-"""The clouds' notices, polled in one daemon thread.
+"""The polled notice sources (the clouds, the notice file), polled in one daemon thread.
 
-A timeout, a 5xx, a body that is not what the cloud documents or a missing token is "no notice",
-logged once per poller. With ``detect=True`` (``preemption="auto"``) the thread first asks each
-service, with short timeouts and no logging, whether this machine runs on that cloud, and ends
-when none answers. ``$SPOT_METADATA_POLL_S`` sets the poll interval (default 5 s).
+A timeout, a 5xx, a body that is not what the cloud documents, a missing token or an unreadable
+file is "no notice", logged once per source. With ``detect=True`` (``preemption="auto"``) the
+thread first asks each cloud's service, with short timeouts and no logging, whether this machine
+runs on that cloud, and ends when none answers and nothing else is polled.
+``$SPOT_METADATA_POLL_S`` sets the poll interval (default 5 s).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from spot_callbacks.preemption.clouds import ask_each
 from spot_callbacks.preemption.metadata import DETECT_TIMEOUT_S
 from spot_callbacks.preemption.notice import Notice
 from spot_callbacks.preemption.poller import CloudPoller
+from spot_callbacks.preemption.sources import NoticeSource
 
 log = logging.getLogger("spot_callbacks")
 
@@ -30,21 +32,21 @@ def default_poll_interval_s() -> float:
     return settings.METADATA_POLL_S.value()
 
 
-class CloudNoticeThread:
-    """Runs cloud pollers in one daemon thread and hands what they find to callbacks.
+class NoticePollingThread:
+    """Polls notice sources in one daemon thread and hands what they find to callbacks.
 
     Args:
-        pollers: the clouds to watch.
+        pollers: the sources to poll (the clouds, the notice file).
         on_notice: called (in the thread) with each new :class:`Notice`.
         on_hint: called (in the thread) with the description of each early hint.
-        detect: first keep only the clouds this machine runs on (short timeouts, no log lines);
-            end at once when there is none.
+        detect: first keep only the clouds this machine runs on (short timeouts, no log lines),
+            and the sources that are no cloud; end at once when none is left.
         poll_interval_s: seconds between polls (default ``$SPOT_METADATA_POLL_S``, else 5).
         detect_timeout_s: timeout of one detection request.
 
     Example:
         >>> from spot_callbacks.preemption.aws import AwsPoller
-        >>> thread = CloudNoticeThread([AwsPoller("http://127.0.0.1:9")], print, print, detect=True)
+        >>> thread = NoticePollingThread([AwsPoller("aws", "http://127.0.0.1:9")], print, print, detect=True)
         >>> thread.start(); thread.detected.wait(5), thread.watched  # nothing listens there
         (True, [])
         >>> thread.stop()
@@ -53,7 +55,7 @@ class CloudNoticeThread:
 
     def __init__(
         self,
-        pollers: Sequence[CloudPoller],
+        pollers: Sequence[NoticeSource],
         on_notice: Callable[[Notice], None],
         on_hint: Callable[[str], None],
         detect: bool = False,
@@ -66,8 +68,8 @@ class CloudNoticeThread:
         self.detect = detect
         self.poll_interval_s = poll_interval_s if poll_interval_s is not None else default_poll_interval_s()
         self.detect_timeout_s = detect_timeout_s
-        self.watched: list[CloudPoller] = []
-        self.detected = threading.Event()  # set once the clouds to watch are known
+        self.watched: list[NoticeSource] = []
+        self.detected = threading.Event()  # set once the sources to poll are known
         self._stop = threading.Event()
         self._failing: set[str] = set()
         self._thread = threading.Thread(target=self._run, name="spot-notices", daemon=True)
@@ -109,9 +111,10 @@ class CloudNoticeThread:
             # A long poll (GCP) already spent the interval waiting for a change.
             self._stop.wait(max(0.0, self.poll_interval_s - (time.monotonic() - started)))
 
-    def _detect(self) -> list[CloudPoller]:
-        not_stopped = (poller for poller in self.pollers if not self._stop.is_set())
-        return [poller for poller, here in ask_each(not_stopped, self._runs_on) if here]
+    def _detect(self) -> list[NoticeSource]:
+        clouds = (p for p in self.pollers if isinstance(p, CloudPoller) and not self._stop.is_set())
+        here = {id(poller) for poller, runs_here in ask_each(clouds, self._runs_on) if runs_here}
+        return [p for p in self.pollers if id(p) in here or not isinstance(p, CloudPoller)]
 
     def _runs_on(self, poller: CloudPoller) -> bool:
         try:
@@ -122,7 +125,7 @@ class CloudNoticeThread:
             log.debug("spot_callbacks: %s: detection failed: %s", poller.describe(), err)
             return False
 
-    def _poll_one(self, poller: CloudPoller) -> None:
+    def _poll_one(self, poller: NoticeSource) -> None:
         try:
             result = poller.poll(self.poll_interval_s)
         except Exception as err:  # noqa: BLE001 - a poller must never end the thread or reach training

@@ -27,13 +27,12 @@ from typing import Any
 
 import spot_callbacks.settings as settings
 from spot_callbacks.preemption.notice import Notice
+from spot_callbacks.preemption.poller import Poll
 
 log = logging.getLogger("spot_callbacks")
 
 # Kubernetes' default terminationGracePeriodSeconds; SLURM and clouds give as much or more.
 DEFAULT_SIGNAL_GRACE_S = settings.SIGNAL_GRACE_S.default
-GRACE_SIGNALS = ("SIGTERM", "SIGUSR1")  # SIGKILL follows them after the grace period
-SIGNAL_SOURCES = (*GRACE_SIGNALS, "SIGINT")
 
 
 def signal_grace_s() -> float:
@@ -91,11 +90,11 @@ class ChainedSignalHandlers:
             if callable(previous):
                 previous(received, frame)
 
-        self._handlers[signum] = self._on_interrupt(previous) if signum == signal.SIGINT else handler
+        self._handlers[signum] = self._on_interrupt(previous, name) if signum == signal.SIGINT else handler
         self._start_relay()
         signal.signal(signum, self._handlers[signum])
 
-    def _on_interrupt(self, previous: Any) -> Callable[[int, FrameType | None], None]:
+    def _on_interrupt(self, previous: Any, name: str) -> Callable[[int, FrameType | None], None]:
         """The Ctrl-C handler: the first is a notice without deadline, the second stops now (as before)."""
 
         def handler(received: int, frame: FrameType | None) -> None:
@@ -105,7 +104,7 @@ class ChainedSignalHandlers:
                     "spot_callbacks: Ctrl-C: checkpointing the last completed step, then stopping once it "
                     "is committed (as long as the upload takes); press Ctrl-C again to stop at once"
                 )
-                self._received.put(Notice("SIGINT", None, "Ctrl-C"))
+                self._received.put(Notice(name, None, "Ctrl-C"))
                 return
             self._received.put(
                 "spot_callbacks: second Ctrl-C: stopping at once, not waiting for uploads; a restart resumes "
@@ -177,3 +176,38 @@ class ChainedSignalHandlers:
         relay, self._relay = self._relay, None
         if relay is not None and relay.is_alive():
             self._received.put(None)  # the relay ends after what is queued before it
+
+
+class SignalSource:
+    """One signal as a notice source: making it installs its handler in the watcher's ``handlers``.
+
+    The handler pushes the notice as the signal arrives (see the module docstring), so there is
+    nothing to ask: :meth:`poll` hands over what has arrived and finds nothing of its own.
+    ``handlers.restore()`` takes the handler out again.
+
+    Example:
+        >>> import os
+        >>> notices = []; handlers = ChainedSignalHandlers(notices.append)
+        >>> source = SignalSource("SIGUSR1", handlers); os.kill(os.getpid(), signal.SIGUSR1)
+        >>> source.poll(0.0).notice, [n.source for n in notices]
+        (None, ['SIGUSR1'])
+        >>> handlers.restore()
+    """
+
+    def __init__(self, name: str, handlers: ChainedSignalHandlers) -> None:
+        self.name = name
+        self.handlers = handlers
+        handlers.install(signal.Signals[name])
+
+    def poll(self, wait_s: float) -> Poll:
+        self.handlers.deliver()
+        return Poll()
+
+    def acknowledge(self) -> None:
+        """Nothing listens for it."""
+
+    def abort(self) -> None:
+        """Nothing in flight; the watcher restores the handlers."""
+
+    def describe(self) -> str:
+        return f"the {self.name} signal"

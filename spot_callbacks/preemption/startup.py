@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from spot_callbacks.preemption.notice import PREEMPTED_EXIT_CODE
-from spot_callbacks.preemption.signals import GRACE_SIGNALS
+from spot_callbacks.preemption.sources import GRACE_SIGNALS
 
 log = logging.getLogger("spot_callbacks")
 

@@ -1,26 +1,25 @@
-"""What happens on a preemption notice: every source (signals, the clouds) -> the first :class:`Notice`.
+"""What happens on a preemption notice: every source (signals, the clouds, a file) -> the first :class:`Notice`.
 
-:class:`PreemptionWatcher` installs the signal handlers (:mod:`~spot_callbacks.preemption.signals`)
-and starts the clouds' polling thread (:mod:`~spot_callbacks.preemption.polling`); the first notice
-is kept for the engine, an early hint (AWS rebalance) apart from it, and once the emergency
-checkpoint has committed, the clouds that ask for it (Azure) are told. ``"auto"`` watches SIGTERM,
-SIGUSR1 too inside a SLURM job, and the cloud this machine runs on.
+:class:`PreemptionWatcher` makes each source it watches from the table of them
+(:data:`~spot_callbacks.preemption.sources.NOTICE_SOURCES`): a signal's installs its handler
+(:mod:`~spot_callbacks.preemption.signals`), the others are polled in one thread
+(:mod:`~spot_callbacks.preemption.polling`). The first notice is kept for the engine, an early
+hint (AWS rebalance) apart from it, and once the emergency checkpoint has committed, the sources
+that ask for it (Azure) are told. ``"auto"`` watches what the table says (SIGTERM, SIGUSR1 too
+inside a SLURM job, SIGINT, the cloud this machine runs on, the notice file when one is set).
 """
 
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 from typing import Any
 
-import spot_callbacks.settings as settings
-from spot_callbacks.preemption.clouds import CLOUD_SOURCES, CLOUDS
 from spot_callbacks.preemption.metadata import REQUEST_TIMEOUT_S
 from spot_callbacks.preemption.notice import Notice
-from spot_callbacks.preemption.poller import CloudPoller
-from spot_callbacks.preemption.polling import CloudNoticeThread
-from spot_callbacks.preemption.signals import SIGNAL_SOURCES, ChainedSignalHandlers
+from spot_callbacks.preemption.polling import NoticePollingThread
+from spot_callbacks.preemption.signals import ChainedSignalHandlers
+from spot_callbacks.preemption.sources import NOTICE_SOURCES, NoticeSource, SourceContext, auto_sources
 
 log = logging.getLogger("spot_callbacks")
 
@@ -28,18 +27,15 @@ log = logging.getLogger("spot_callbacks")
 def resolve_sources(preemption: str | list[str]) -> list[str]:
     """The notice sources a ``SpotConfig.preemption`` value may watch.
 
-    With ``"auto"``, the clouds are candidates: only the one this machine runs on is polled.
+    With ``"auto"``, the table's (:func:`~spot_callbacks.preemption.sources.auto_sources`); the
+    clouds are candidates there: only the one this machine runs on is polled.
 
     Example:
         >>> resolve_sources(["SIGUSR1", "gcp"])
         ['SIGUSR1', 'gcp']
-        >>> resolve_sources("auto")[-3:]
-        ['aws', 'gcp', 'azure']
     """
     if preemption == "auto":
-        # SLURM sends the signal chosen with --signal (SIGUSR1 by convention) before its time limit.
-        signals = ["SIGTERM", "SIGUSR1"] if settings.environment_variable("SLURM_JOB_ID") else ["SIGTERM"]
-        return [*signals, "SIGINT", *CLOUD_SOURCES]  # Ctrl-C: a graceful stop, the second one at once
+        return auto_sources()
     return list(preemption)
 
 
@@ -52,14 +48,15 @@ class PreemptionWatcher:
     for :meth:`take_hint`.
 
     Args:
-        sources: signal names and clouds (see :func:`resolve_sources`).
+        sources: names in :data:`~spot_callbacks.preemption.sources.NOTICE_SOURCES` (see
+            :func:`resolve_sources`); a ``ValueError`` lists them when one is not among them.
         detect_cloud: poll only the cloud this machine runs on, found with short timeouts in the
             polling thread (``preemption="auto"``); off-cloud that thread ends after the probes.
         poll_interval_s: seconds between polls (default ``$SPOT_METADATA_POLL_S``, else 5).
         request_timeout_s: timeout of one metadata request.
 
     Example:
-        >>> import os
+        >>> import os, signal
         >>> watcher = PreemptionWatcher(["SIGUSR1"]); watcher.start()
         >>> os.kill(os.getpid(), signal.SIGUSR1)
         >>> watcher.wait(timeout=5).source
@@ -74,6 +71,9 @@ class PreemptionWatcher:
         poll_interval_s: float | None = None,
         request_timeout_s: float | None = None,
     ) -> None:
+        unknown = [name for name in sources if name not in NOTICE_SOURCES]
+        if unknown:
+            raise ValueError(f"unknown notice source(s) {unknown}; known: {list(NOTICE_SOURCES)}")
         self.sources = list(sources)
         self.detect_cloud = detect_cloud
         self.poll_interval_s = poll_interval_s
@@ -83,7 +83,7 @@ class PreemptionWatcher:
         self._hint: str | None = None
         self._lock = threading.Lock()
         self._signals = ChainedSignalHandlers(on_notice=self.report)
-        self._clouds: CloudNoticeThread | None = None  # while started
+        self._polled: NoticePollingThread | None = None  # while started
 
     @classmethod
     def from_setting(cls, preemption: str | list[str], **kwargs: Any) -> PreemptionWatcher:
@@ -139,57 +139,57 @@ class PreemptionWatcher:
         return hint
 
     def acknowledge(self) -> None:
-        """Tell the clouds that asked (Azure) that the emergency checkpoint is done."""
-        clouds = self._clouds
-        if clouds is not None:
-            for poller in clouds.pollers:
-                poller.acknowledge()
+        """Tell the sources that asked (Azure) that the emergency checkpoint is done."""
+        polled = self._polled
+        if polled is not None:
+            for source in polled.pollers:
+                source.acknowledge()
 
     # --------------------------------------------------------- lifecycle
     @property
     def clouds(self) -> list[str]:
-        """The clouds being polled (after detection; see :meth:`detected`)."""
-        clouds = self._clouds
-        return [p.name for p in clouds.watched] if clouds is not None else []
+        """The polled sources being polled: the clouds (after detection; see :meth:`detected`), the file."""
+        polled = self._polled
+        return [p.name for p in polled.watched] if polled is not None else []
 
     @property
     def polling(self) -> bool:
         """Whether the polling thread runs."""
-        clouds = self._clouds
-        return clouds is not None and clouds.alive
+        polled = self._polled
+        return polled is not None and polled.alive
 
     def detected(self, timeout: float | None = None) -> list[str]:
-        """Wait until the clouds to poll are known (detection is quick); their names."""
-        clouds = self._clouds
-        if clouds is not None:
-            clouds.detected.wait(timeout)
+        """Wait until the sources to poll are known (cloud detection is quick); their names."""
+        polled = self._polled
+        if polled is not None:
+            polled.detected.wait(timeout)
         return self.clouds
 
     def start(self) -> None:
         """Install the signal handlers and start polling; returns at once."""
+        context = SourceContext(self.request_timeout_s or REQUEST_TIMEOUT_S, self._signals)
+        polling = self.polling
+        polled: list[NoticeSource] = []
         for name in self.sources:
-            if name in SIGNAL_SOURCES:
-                self._signals.install(getattr(signal, name))
-        clouds = [name for name in self.sources if name in CLOUD_SOURCES]
-        if clouds and not self.polling:
-            self._clouds = CloudNoticeThread(
-                self._pollers(clouds),
+            kind = NOTICE_SOURCES[name]
+            if polling and not kind.signal:
+                continue
+            try:
+                source = kind.make(name, context)
+            except ValueError as err:  # a malformed endpoint variable must not stop training
+                log.warning("spot_callbacks: %s notices are not watched: %s", name, err)
+                continue
+            if not kind.signal:
+                polled.append(source)
+        if polled:
+            self._polled = NoticePollingThread(
+                polled,
                 on_notice=self.report,
                 on_hint=self.report_hint,
                 detect=self.detect_cloud,
                 poll_interval_s=self.poll_interval_s,
             )
-            self._clouds.start()
-
-    def _pollers(self, clouds: list[str]) -> list[CloudPoller]:
-        timeout_s = self.request_timeout_s or REQUEST_TIMEOUT_S
-        pollers = []
-        for name in clouds:
-            try:
-                pollers.append(CLOUDS[name](request_timeout_s=timeout_s))
-            except ValueError as err:  # a malformed endpoint variable must not stop training
-                log.warning("spot_callbacks: %s notices are not watched: %s", name, err)
-        return pollers
+            self._polled.start()
 
     def reassert(self) -> None:
         """Put our handlers back in front after a framework replaced them with its own.
@@ -201,6 +201,6 @@ class PreemptionWatcher:
     def stop(self) -> None:
         """Restore the previous signal handlers and end the polling thread."""
         self._signals.restore()
-        clouds = self._clouds
-        if clouds is not None and not clouds.stop():
+        polled = self._polled
+        if polled is not None and not polled.stop():
             log.warning("spot_callbacks: the preemption notice thread did not end within 5s")
