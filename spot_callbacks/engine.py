@@ -381,7 +381,8 @@ class SpotEngine:
 
     def log_cost_summary(self) -> None:
         """Log :meth:`cost_summary` on rank 0, after a run that committed a checkpoint (not after a failed
-        start, a second Ctrl-C or a run with nothing committed: ``spot-callbacks report`` gives it on request)."""
+        start, a second Ctrl-C or a run with nothing committed: ``spot-callbacks report`` gives it on request);
+        after a notice that stops the run, then the line that says what happens next (:meth:`next_step_line`)."""
         if not self.is_writer:
             return
         if self.watcher.interrupted_twice or not self.saves.all_records():
@@ -389,8 +390,34 @@ class SpotEngine:
                 "spot_callbacks: no cost summary: %s",
                 "stopped at once" if self.watcher.interrupted_twice else "nothing committed",
             )
-            return
-        log.info("%s", self.cost_summary())
+        else:
+            log.info("%s", self.cost_summary())
+        line = self.next_step_line()
+        if line is not None:
+            log.warning("spot_callbacks: %s", line)
+
+    def next_step_line(self) -> str | None:
+        """After a notice that stops the run: which step the resume point is (and whether the newest
+        checkpoint committed or was abandoned), and what to do; None when no notice stopped it."""
+        notice = self.emergency.active_notice()
+        if (
+            notice is None
+            or rules.after_emergency(self.config.on_preemption, notice) is not rules.AfterEmergency.STOP
+        ):
+            return None
+        committed = [record.info.step for record in self.saves.all_records()]
+        resumed = self.resumed.info.step if self.resumed is not None else None
+        newest = max([*committed, *([resumed] if resumed is not None else [])], default=None)
+        taken = self.last_saved_step
+        head = f"stopped for the {notice.source} notice"
+        if taken is not None and taken != newest and taken != resumed:
+            head += f"; the checkpoint of step {taken} did not commit in time and was abandoned"
+        if newest is None:
+            return f"{head}; nothing is committed in {self.store.url}: rerunning the same command starts from scratch"
+        return (
+            f"{head}; the resume point is step {newest}, committed in {self.store.url}: rerun the same "
+            "command to continue from it"
+        )
 
     # --------------------------------------------------------- resuming
     def pull_latest(self, dest: Callable[[int], Path] | None = None, check: Any = None) -> Path | None:
