@@ -31,6 +31,7 @@ listing means, what retention may delete) and never calls back into the store.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -161,12 +162,52 @@ def resumed_from(info: CheckpointInfo) -> int | None:
     return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
 
 
+# A manifest dated further than this past this host's clock was written by a host whose clock is off
+# (or forged): it is suspect, and never makes its lineage the current one while another is at hand.
+FUTURE_SLACK_S = 15 * 60.0
+_said_future: set[str] = set()
+
+
+def is_future_dated(info: CheckpointInfo, now: float | None = None) -> bool:
+    """``info``'s manifest says it was committed more than :data:`FUTURE_SLACK_S` from now.
+
+    Example:
+        >>> from datetime import datetime, timezone
+        >>> info = CheckpointInfo(1, "memory://run/1", datetime(2100, 1, 1, tzinfo=timezone.utc), "end", 1, "demo")
+        >>> is_future_dated(info)
+        True
+    """
+    return info.created.timestamp() > (time.time() if now is None else now) + FUTURE_SLACK_S
+
+
 def current_lineage(infos: list[CheckpointInfo]) -> str | None:
     """The lineage of the newest commit (by its manifest's ``created``, then step): the one
-    ``latest()`` follows and retention prunes. ``None`` also when ``infos`` is empty."""
+    ``latest()`` follows and retention prunes. ``None`` also when ``infos`` is empty.
+
+    A manifest dated in the future (:func:`is_future_dated`: a skewed clock, or forged) does not
+    count as the newest commit while one dated sanely is at hand; it is logged once.
+
+    Example:
+        >>> from datetime import datetime, timezone
+        >>> def ckpt(step, year, lineage):
+        ...     return CheckpointInfo(step, f"memory://run/{step}", datetime(year, 1, 1, tzinfo=timezone.utc),
+        ...                           "interval", 1, "demo", extra={"lineage": {"id": lineage}})
+        >>> current_lineage([ckpt(10, 2026, "ours"), ckpt(99, 2999, "forged")])
+        'ours'
+    """
     if not infos:
         return None
-    return lineage_of(max(infos, key=lambda info: (info.created, info.step)))
+    now = time.time()
+    sane = [info for info in infos if not is_future_dated(info, now)]
+    for info in infos:
+        if info not in sane and info.url not in _said_future:
+            _said_future.add(info.url)
+            log.warning(
+                "spot_callbacks: %s says it was committed at %s, in the future by this host's clock: its "
+                "writer's clock is off (or the manifest is not a run's); it does not decide which run's "
+                "checkpoints a resume follows", info.url, info.created.isoformat(),
+            )  # fmt: skip
+    return lineage_of(max(sane or infos, key=lambda info: (info.created, info.step)))
 
 
 def resume_order(infos: list[CheckpointInfo]) -> list[CheckpointInfo]:
