@@ -23,6 +23,7 @@ from spot_callbacks.errors import DeleteIncompleteError, RunLockedError, UnsafeD
 from spot_callbacks.store import MANIFEST_NAME, step_dirname
 from spot_callbacks.store.retry import RetryPolicy
 from spot_callbacks.store.runlock import RunLock
+from spot_callbacks.store.writer import CommitWriter
 from tests.helpers.faultfs import FaultyFileSystem
 
 FAST_RETRY = RetryPolicy(attempts=2, initial_backoff_s=0.01, max_backoff_s=0.05)
@@ -33,7 +34,7 @@ def commit(store: CheckpointStore, tmp_path: Path, step: int, reason: str = "int
     folder.mkdir(parents=True, exist_ok=True)
     data = f"{step}:state:".encode() * 100
     (folder / "state.pt").write_bytes(data)
-    store.write_checkpoint(step, folder, reason=reason, framework="test")
+    CommitWriter(store).write_checkpoint(step, folder, reason=reason, framework="test")
     return data
 
 

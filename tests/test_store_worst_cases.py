@@ -27,6 +27,7 @@ from spot_callbacks.engine import SpotEngine
 from spot_callbacks.errors import CorruptCheckpointError, ForeignCheckpointError, ManifestError
 from spot_callbacks.store.layout import MANIFEST_NAME, step_dirname
 from spot_callbacks.store.runlock import LOCK_NAME, RunLock
+from spot_callbacks.store.writer import CommitWriter
 from tests.helpers.faultfs import FaultyFileSystem
 
 EVIL = "\x1b[2J\x1b]0;pwned\x07"
@@ -41,7 +42,9 @@ def _payload(tmp_path: Path, size: int = 10) -> Path:
 
 
 def _commit(store: CheckpointStore, step: int, src: Path, **extra: Any) -> None:
-    store.write_checkpoint(step, src, reason="interval", framework="lightning", extra=extra or None)
+    CommitWriter(store).write_checkpoint(
+        step, src, reason="interval", framework="lightning", extra=extra or None
+    )
 
 
 def _tamper(root: Path, step: int, **fields: Any) -> None:

@@ -1,7 +1,8 @@
 """`CheckpointStore`: the checkpoints of one run, over any fsspec filesystem.
 
-The I/O steps of the commit protocol are its methods, in the order of the protocol's rules
-(:mod:`~spot_callbacks.store.commit` states them and holds the pure decisions they take); the
+The reading and deleting steps of the commit protocol are here, in the order of the protocol's
+rules (:mod:`~spot_callbacks.store.commit` states them and holds the pure decisions they take); the
+writing steps are :class:`~spot_callbacks.store.writer.CommitWriter`'s, built on a store. The
 layout (:mod:`~spot_callbacks.store.layout`), the manifest (:mod:`~spot_callbacks.store.manifest`)
 and the transfers (:mod:`~spot_callbacks.store.transfer`) are below it.
 """
@@ -12,7 +13,6 @@ import logging
 import os
 import posixpath
 import threading
-import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -23,21 +23,16 @@ import spot_callbacks.store.layout as layout
 import spot_callbacks.store.retention as retention
 import spot_callbacks.store.transfer as transfer
 from spot_callbacks.errors import (
-    CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     DeleteIncompleteError,
     ForeignCheckpointError,
     ManifestError,
 )
-from spot_callbacks.store.checksums import FileDigest
 from spot_callbacks.store.clients.base import DataPlane
 from spot_callbacks.store.layout import MANIFEST_NAME, step_dirname
 from spot_callbacks.store.manifest import (
     CheckpointInfo,
-    check_payload_name,
-    encode_manifest,
-    new_manifest,
     parse_manifest,
 )
 from spot_callbacks.store.manifest_limits import ManifestLimits
@@ -67,8 +62,9 @@ class CheckpointStore:
     Example:
         >>> import tempfile, pathlib
         >>> src = pathlib.Path(tempfile.mkdtemp()); _ = (src / "state.bin").write_bytes(b"weights")
+        >>> from spot_callbacks.store.writer import CommitWriter
         >>> store = CheckpointStore("memory://doc-store/run")
-        >>> store.write_checkpoint(100, src, reason="manual", framework="demo").step
+        >>> CommitWriter(store).write_checkpoint(100, src, reason="manual", framework="demo").step
         100
         >>> store.latest().step, store.verify(100)
         (100, True)
@@ -119,11 +115,8 @@ class CheckpointStore:
         return f"CheckpointStore({self.url!r})"
 
     def payload_plane(self) -> DataPlane:
-        """The data plane that moves payload bytes now: :attr:`data_plane` when it serves :attr:`fs`,
-        else fsspec on :attr:`fs` (said once in the log, with the reason)."""
-        plane = dataplane.plane_for(self.data_plane, self.fs)
-        dataplane.announce(self.url, plane)
-        return plane
+        """:func:`payload_plane` of this store."""
+        return payload_plane(self)
 
     def warm_data_plane(self) -> threading.Thread | None:
         """Build the payload clients in a thread, once per store (:func:`dataplane.warm_in_background`)."""
@@ -355,118 +348,6 @@ class CheckpointStore:
         """True when ``folder`` holds exactly this checkpoint: same manifest, every file verified."""
         return transfer.local_copy_matches(info, folder)
 
-    # ---------------------------------------------------------------- writing
-    def clear_stale_step(self, step: int) -> None:
-        """Prepare the folder of ``step`` for a new checkpoint.
-
-        A folder that already exists (a run that resumed from an older checkpoint reached this
-        step again) loses its manifest first, so it is never committed with mixed payloads.
-        """
-        if self._delete(step):
-            log.info("spot_callbacks: replacing the existing checkpoint %s", self.step_url(step))
-
-    def upload_file(
-        self, local_path: str | os.PathLike[str], step: int, name: str, meter: TransferMeter | None = None
-    ) -> None:
-        """Upload one payload file into the folder of ``step`` (multipart through the backend).
-
-        An attempt still running after :attr:`upload_timeout` allows for its size is abandoned
-        and retried like a failed one. ``meter`` is told the bytes sent.
-        """
-        remote = posixpath.join(self.step_path(step), check_payload_name(name))
-        what = f"upload {self.step_url(step)}/{name}"
-        plane, source = self.payload_plane(), os.fspath(local_path)
-        transfer.upload_file(plane, self.retry, self.upload_timeout, source, remote, what, meter, name)
-
-    def upload_files(
-        self,
-        step: int,
-        folder: str | os.PathLike[str],
-        names: list[str],
-        digests: dict[str, FileDigest] | None = None,
-        meter: TransferMeter | None = None,
-    ) -> dict[str, FileDigest]:
-        """Upload ``names`` (relative to ``folder``) into the folder of ``step`` in parallel; return their digests.
-
-        Digests known from writing the files are reused, the others are computed while the upload
-        runs. Nothing is committed: :meth:`commit` does that once every file of the checkpoint
-        (from every rank, for a sharded one) is durable. ``meter`` is told the bytes sent.
-        """
-        meter = meter or TransferMeter("upload")
-
-        def upload(local: Path, name: str) -> None:
-            self.upload_file(local, step, name, meter)
-
-        return transfer.upload_with_digests(upload, Path(folder), names, digests, meter)
-
-    def commit(self, manifest: dict[str, Any]) -> CheckpointInfo:
-        """Write the manifest, which makes the checkpoint visible; every payload file must be durable.
-
-        A write that failed (or whose answer was lost) may still have landed: before saying so the
-        manifest is read back, and one equal to what was written means the checkpoint is committed.
-        """
-        step = manifest["step"]
-        raw = encode_manifest(manifest)
-        info = parse_manifest(raw, step, self.step_url(step))  # never commit what a reader would refuse
-        path = posixpath.join(self.step_path(step), MANIFEST_NAME)
-        what = f"write {self.step_url(step)}/{MANIFEST_NAME}"
-        try:
-            transfer.call_in_time(
-                self.retry,
-                lambda: transfer.put_bytes(self.fs, path, raw),
-                self.upload_timeout.seconds_for(len(raw)),
-                what,
-            )
-        except Exception as err:
-            if protocol.landed(self._read_back(path), raw):
-                log.warning(
-                    "spot_callbacks: %s reported %s: %s, but the manifest is in the store as written: "
-                    "checkpoint %s is committed", what, type(err).__name__, err, info.url,
-                )  # fmt: skip
-                return info
-            raise
-        return info
-
-    def _read_back(self, path: str) -> bytes | None:
-        try:
-            read = transfer.read_files(self.fs, self.retry, [path], path, f"read back {self.url_of(path)}")
-        except Exception:  # noqa: BLE001 - the read-back is a second chance; the write's error is the one to tell
-            return None
-        found = read.get(path)
-        return found if isinstance(found, bytes) else None
-
-    def write_checkpoint(
-        self,
-        step: int,
-        folder: str | os.PathLike[str],
-        *,
-        reason: str,
-        framework: str,
-        epoch: int | None = None,
-        digests: dict[str, FileDigest] | None = None,
-        metrics: dict[str, Any] | None = None,
-        extra: dict[str, Any] | None = None,
-        meter: TransferMeter | None = None,
-    ) -> CheckpointInfo:
-        """Upload every file of a local folder as checkpoint ``step`` and commit it (synchronously).
-
-        Files are uploaded in parallel; ``digests`` known from writing them are reused,
-        the others are computed while the upload runs (``meter``: the bytes sent). The
-        background :class:`Persister` calls this; use it directly for a blocking save.
-        """
-        names = layout.local_payload_names(Path(folder))
-        if not names:
-            raise CheckpointError(f"{folder} holds no files to checkpoint")
-        upload_started = time.perf_counter()
-        self.clear_stale_step(step)
-        files = self.upload_files(step, folder, names, digests, meter)
-        # Known only now, and recorded with the rest: the manifest is the run's cost record (ledger.py).
-        metrics = {**(metrics or {}), "upload_s": round(time.perf_counter() - upload_started, 6)}
-        manifest = new_manifest(
-            step, files, metrics=metrics, reason=reason, framework=framework, epoch=epoch, extra=extra
-        )
-        return self.commit(manifest)
-
     # ---------------------------------------------------------------- deleting
     def delete(self, step: int) -> None:
         """Delete one checkpoint: its manifest first (it stops counting), then its payload.
@@ -476,37 +357,7 @@ class CheckpointStore:
         keeps its payload (the checkpoint stays committed and whole). A step folder that is a
         symbolic link is another run's: :class:`ForeignCheckpointError`.
         """
-        self._delete(step)
-
-    def _delete(self, step: int) -> bool:
-        """:meth:`delete`; whether the step had a manifest."""
-        folder = self.step_path(step)
-        self.refuse_foreign(step)
-        manifest = posixpath.join(folder, MANIFEST_NAME)
-        had_manifest = self._exists(manifest)
-        if had_manifest:
-            url = f"{self.step_url(step)}/{MANIFEST_NAME}"
-            self.retry.call(lambda: layout.remove_file(self.fs, manifest), f"delete {url}")
-            if self._exists(manifest):
-                raise DeleteIncompleteError(
-                    f"the store kept {url} although it answered the delete as done (a bucket policy or an "
-                    f"object lock?): checkpoint {self.step_url(step)} is still committed, its files untouched",
-                    [url],
-                )
-        if self._exists(folder):
-            self.retry.call(lambda: layout.remove_tree(self.fs, folder), f"delete {self.url_of(folder)}")
-            remaining = sorted(
-                transfer.file_sizes(self.fs, self.retry, folder, f"list {self.url_of(folder)}")
-            )
-            if remaining:
-                urls = [f"{self.url_of(folder)}/{name}" for name in remaining]
-                raise DeleteIncompleteError(
-                    f"the store kept {len(urls)} file(s) of {self.url_of(folder)} although it answered the "
-                    f"delete as done: {', '.join(urls[:5])}{' ...' if len(urls) > 5 else ''} (its manifest is "
-                    "gone: it is no longer committed)",
-                    urls,
-                )
-        return had_manifest
+        delete_step(self, step)
 
     def _exists(self, path: str) -> bool:
         return self.retry.call(lambda: layout.exists_fresh(self.fs, path), f"check {self.url_of(path)}")
@@ -525,34 +376,48 @@ class CheckpointStore:
         """
         return retention.prune(self, keep_last, lineage, protected, FOLLOWED_LINEAGE)
 
-    def settle_commit(self, info: CheckpointInfo, keep_last: int, deadline: float | None) -> None:
-        """What follows a commit: a late emergency is said, and retention runs unless it was an emergency.
-
-        Retention failing never fails the commit; it is retried after the next one.
-        """
-        self.retention_memory.forget(info.step)  # read again: what retention remembers of it is older
-        if not protocol.retention_follows(deadline):
-            if deadline is not None and time.time() > deadline:
-                log.warning(
-                    "spot_callbacks: the emergency checkpoint of step %d committed %.1fs after its deadline",
-                    info.step, time.time() - deadline,
-                )  # fmt: skip
-            return
-        try:
-            # The committing run's lineage; what it resumed from stays while it runs (its fallback).
-            resumed = protocol.resumed_from(info)
-            protected = {info.step} if resumed is None else {info.step, resumed}
-            self.prune(keep_last, protocol.lineage_of(info), protected)
-        except Exception as err:  # noqa: BLE001 - retention failing must not fail the commit
-            log.warning(
-                "spot_callbacks: retention in %s failed, will retry after the next commit: %s", self.url, err
-            )
-
 
 def _stray(why: str) -> str:
     return (
         f"{why}; no run wrote that, so it is never read as a checkpoint nor deleted here (remove it by hand)"
     )
+
+
+def payload_plane(store: CheckpointStore) -> DataPlane:
+    """The data plane that moves payload bytes now: ``store.data_plane`` when it serves ``store.fs``,
+    else fsspec on ``store.fs`` (said once in the log, with the reason)."""
+    plane = dataplane.plane_for(store.data_plane, store.fs)
+    dataplane.announce(store.url, plane)
+    return plane
+
+
+def delete_step(store: CheckpointStore, step: int) -> bool:
+    """:meth:`CheckpointStore.delete`; whether the step had a manifest (the writer's ``begin`` says so)."""
+    folder = store.step_path(step)
+    store.refuse_foreign(step)
+    manifest = posixpath.join(folder, MANIFEST_NAME)
+    had_manifest = store._exists(manifest)
+    if had_manifest:
+        url = f"{store.step_url(step)}/{MANIFEST_NAME}"
+        store.retry.call(lambda: layout.remove_file(store.fs, manifest), f"delete {url}")
+        if store._exists(manifest):
+            raise DeleteIncompleteError(
+                f"the store kept {url} although it answered the delete as done (a bucket policy or an "
+                f"object lock?): checkpoint {store.step_url(step)} is still committed, its files untouched",
+                [url],
+            )
+    if store._exists(folder):
+        store.retry.call(lambda: layout.remove_tree(store.fs, folder), f"delete {store.url_of(folder)}")
+        remaining = sorted(transfer.file_sizes(store.fs, store.retry, folder, f"list {store.url_of(folder)}"))
+        if remaining:
+            urls = [f"{store.url_of(folder)}/{name}" for name in remaining]
+            raise DeleteIncompleteError(
+                f"the store kept {len(urls)} file(s) of {store.url_of(folder)} although it answered the "
+                f"delete as done: {', '.join(urls[:5])}{' ...' if len(urls) > 5 else ''} (its manifest is "
+                "gone: it is no longer committed)",
+                urls,
+            )
+    return had_manifest
 
 
 def _read_manifests(
