@@ -102,7 +102,7 @@ def hang(store: CheckpointStore, ops: set[str], times: int | None) -> HangingFil
         ({"ls"}, lambda store: store.step_folders()),
         ({"cat_file"}, lambda store: store.read_manifest(2)),
         ({"cat"}, lambda store: store.committed()),
-        ({"find"}, lambda store: store.check_sizes(store.read_manifest(2))),
+        ({"find"}, lambda store: store.damage(store.read_manifest(2))),
         ({"exists", "rm"}, lambda store: store.delete(1)),
     ],
     ids=["listing", "read", "manifests", "sizes", "delete"],

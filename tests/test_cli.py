@@ -22,6 +22,7 @@ from spot_callbacks.accounting.ledger import RunLedger, measure_resume
 from spot_callbacks.cli import commands as cli
 from spot_callbacks.cli import main
 from spot_callbacks.store import MANIFEST_NAME, step_dirname
+from spot_callbacks.store.layout import is_local_fs
 from spot_callbacks.store.retry import RetryPolicy
 from spot_callbacks.store.writer import CommitWriter
 
@@ -85,7 +86,7 @@ def assert_one_error_line(err: str) -> str:
 
 
 def test_ls_lists_steps_and_marks_a_truncated_one_invalid(store, store_url, run, tmp_path):
-    if store.is_local:  # an existing empty folder: as empty as a prefix with nothing under it
+    if is_local_fs(store.fs):  # an existing empty folder: as empty as a prefix with nothing under it
         Path(store.root).mkdir(parents=True)
     code, out, err = run("ls", store_url.url)
     assert (code, out) == (1, "") and f"nothing is stored under {store.url}" in assert_one_error_line(err)

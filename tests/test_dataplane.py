@@ -25,6 +25,7 @@ from spot_callbacks import CheckpointStore, SpotConfig, load_state
 from spot_callbacks.engine import STATE_FILE, SpotEngine
 from spot_callbacks.errors import AttemptTimeoutError, ConfigError, CorruptCheckpointError
 from spot_callbacks.store import MANIFEST_NAME, step_dirname
+from spot_callbacks.store.checkpoint_store import payload_plane
 from spot_callbacks.store.clients.base import MiB, TransferBudget
 from spot_callbacks.store.clients.s3 import S3Plane
 from spot_callbacks.store.clients.streams import Deadline, stream_to_file
@@ -193,7 +194,7 @@ def test_a_filesystem_replaced_by_a_wrapper_keeps_the_wrapper_in_the_path(s3_ser
         s3_url(s3_server, tmp_path, "wrapped"), storage_options=dict(s3_server.storage_options)
     )
     store.fs = wrapper = FaultyFileSystem(store.fs)
-    plane = store.payload_plane()
+    plane = payload_plane(store)
     assert isinstance(plane, FsspecPlane) and "replaced by a FaultyFileSystem" in plane.reason
     payload_folder(tmp_path, {"state.pt": 100})
     CommitWriter(store).write_checkpoint(1, tmp_path / "src", reason="manual", framework="test")

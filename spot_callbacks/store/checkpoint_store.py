@@ -9,6 +9,7 @@ and the transfers (:mod:`~spot_callbacks.store.transfer`) are below it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import posixpath
@@ -102,7 +103,7 @@ class CheckpointStore:
         return layout.url_of(self.fs, path, self._url_protocol)
 
     @property
-    def is_local(self) -> bool:
+    def _is_local(self) -> bool:
         return layout.is_local_fs(self.fs)
 
     def step_path(self, step: int) -> str:
@@ -113,10 +114,6 @@ class CheckpointStore:
 
     def __repr__(self) -> str:
         return f"CheckpointStore({self.url!r})"
-
-    def payload_plane(self) -> DataPlane:
-        """:func:`payload_plane` of this store."""
-        return payload_plane(self)
 
     def warm_data_plane(self) -> threading.Thread | None:
         """Build the payload clients in a thread, once per store (:func:`dataplane.warm_in_background`)."""
@@ -142,15 +139,17 @@ class CheckpointStore:
             if step is None:
                 continue
             if layout.is_link(self.fs, self.step_path(step)):
-                self.warn_once(step, f"spot_callbacks: ignoring {self.step_url(step)}: {self._foreign(step)}")
+                self._warn_once(
+                    step, f"spot_callbacks: ignoring {self.step_url(step)}: {self._foreign(step)}"
+                )
                 continue
             if (stray := layout.local_stray(self.fs, self.step_path(step), folder=True)) is not None:
-                self.warn_once(step, f"spot_callbacks: ignoring {self.step_url(step)}: {_stray(stray)}")
+                self._warn_once(step, f"spot_callbacks: ignoring {self.step_url(step)}: {_stray(stray)}")
                 continue
             folders[step] = self.step_path(step)
         return folders
 
-    def refuse_foreign(self, step: int) -> None:
+    def _refuse_foreign(self, step: int) -> None:
         """Raise :class:`ForeignCheckpointError` when the folder of ``step`` is a symbolic link, or (local
         disk: ``layout.local_stray``) not a readable folder, or its ``manifest.json`` not a regular file."""
         if layout.is_link(self.fs, self.step_path(step)):
@@ -174,13 +173,13 @@ class CheckpointStore:
 
         Reads one listing and the manifests (fetched concurrently by async filesystems), never a payload.
         """
-        return self._infos(self.manifest_verdicts())
+        return self._infos(manifest_verdicts(self))
 
     def _infos(self, verdicts: list[protocol.Verdict]) -> list[CheckpointInfo]:
         infos = []
         for verdict in verdicts:
             if verdict.info is None:
-                self.warn_once(
+                self._warn_once(
                     verdict.step, f"spot_callbacks: ignoring checkpoint {verdict.url}: {verdict.problem}"
                 )
             else:
@@ -192,7 +191,7 @@ class CheckpointStore:
         path = posixpath.join(self.step_path(step), MANIFEST_NAME)
         limits = ManifestLimits.from_env()
         try:
-            self.refuse_foreign(step)
+            self._refuse_foreign(step)
             raw = self.retry.call(lambda: self.fs.cat_file(path), f"read {self.url_of(path)}")
         except (FileNotFoundError, ForeignCheckpointError) as err:
             why = (
@@ -203,14 +202,8 @@ class CheckpointStore:
             ) from None
         return parse_manifest(raw, step, self.step_url(step), limits)
 
-    def manifest_verdicts(self) -> list[protocol.Verdict]:
-        """Every step folder holding a manifest, oldest first, with the manifest parsed or why it
-        cannot be trusted (one listing and the manifests, none parsed past
-        ``SPOT_MANIFEST_MAX_BYTES``; never a payload)."""
-        return self.verdicts_of(self.step_folders())
-
-    def verdicts_of(self, folders: dict[int, str]) -> list[protocol.Verdict]:
-        """:meth:`manifest_verdicts` of the step ``folders`` (step -> path), in one concurrent read; a
+    def _verdicts_of(self, folders: dict[int, str]) -> list[protocol.Verdict]:
+        """:func:`manifest_verdicts` of the step ``folders`` (step -> path), in one concurrent read; a
         ``manifest.json`` that is not a regular file (a fifo would block forever) or that the store
         will not let us read is damage, never read."""
         manifests = {step: posixpath.join(path, MANIFEST_NAME) for step, path in folders.items()}
@@ -235,12 +228,12 @@ class CheckpointStore:
 
     def damage(self, info: CheckpointInfo) -> str | None:
         """Why the committed checkpoint ``info`` cannot be used (``None``: its files have the
-        manifest's sizes): THE verdict, which :meth:`newest_valid` and ``spot-callbacks ls`` share.
+        manifest's sizes): THE verdict, which :func:`newest_valid` and ``spot-callbacks ls`` share.
 
         A checkpoint deleted since it was listed is damaged; an unreachable store raises.
         """
         try:
-            self.check_sizes(info)
+            self._check_sizes(info)
         except protocol.DAMAGE_ERRORS as err:
             return str(err) or type(err).__name__
         return None
@@ -257,29 +250,12 @@ class CheckpointStore:
         """
         return _walk_down(self)
 
-    def newest_valid(
-        self,
-        infos: list[CheckpointInfo],
-        on_damaged: Callable[[CheckpointInfo, str], None] | None = None,
-    ) -> CheckpointInfo | None:
-        """The newest of ``infos`` (oldest first) whose files have the manifest's sizes; each one
-        skipped goes to ``on_damaged(info, reason)`` (default: a warning), none is deleted."""
-        for info in reversed(infos):
-            problem = self.damage(info)
-            if problem is None:
-                return info
-            if on_damaged is not None:
-                on_damaged(info, problem)
-            else:
-                self.warn_once(info.step, protocol.damaged_message(info.url, problem))
-        return None
-
-    def check_sizes(self, info: CheckpointInfo) -> None:
+    def _check_sizes(self, info: CheckpointInfo) -> None:
         """Raise :class:`CorruptCheckpointError` unless every payload file exists with its manifest size."""
         folder = self.step_path(info.step)
         sizes = transfer.file_sizes(self.fs, self.retry, folder, f"list {info.url}")
         protocol.check_size_problem(info, sizes)
-        if self.is_local:  # a fifo listed with size 0 would block verify and pull forever
+        if self._is_local:  # a fifo listed with size 0 would block verify and pull forever
             for name in info.files:
                 if (
                     stray := layout.local_stray(self.fs, posixpath.join(folder, name), folder=False)
@@ -293,12 +269,12 @@ class CheckpointStore:
         checks existence and sizes only. ``meter`` is told the bytes read.
         """
         info = self.read_manifest(step)
-        self.check_sizes(info)
+        self._check_sizes(info)
         if deep:
-            transfer.verify_checksums(self.payload_plane(), self.retry, info, self.step_path(step), meter)
+            transfer.verify_checksums(payload_plane(self), self.retry, info, self.step_path(step), meter)
         return True
 
-    def warn_once(self, step: int, message: str) -> None:
+    def _warn_once(self, step: int, message: str) -> None:
         """Log ``message`` about ``step`` once per store (a listing repeats, its warnings need not)."""
         if (step, message) not in self._warned:
             self._warned.add((step, message))
@@ -332,21 +308,10 @@ class CheckpointStore:
         if transfer.local_copy_matches(info, target):
             log.info("spot_callbacks: %s already holds %s; not downloading", target, info.url)
             return target
-        check_pull_dest(self.url, self.committed_at, info, target, force=force)
+        check_pull_dest(self.url, functools.partial(committed_at, self), info, target, force=force)
         return transfer.pull_into(
-            self.fs, self.payload_plane(), self.retry, info, self.step_path(info.step), target, meter
+            self.fs, payload_plane(self), self.retry, info, self.step_path(info.step), target, meter
         )
-
-    def committed_at(self, step: int) -> CheckpointInfo | None:
-        """The manifest of ``step`` when it is committed, else ``None``."""
-        try:
-            return self.read_manifest(step)
-        except (CheckpointNotFoundError, ManifestError):
-            return None
-
-    def local_copy_matches(self, info: CheckpointInfo, folder: Path) -> bool:
-        """True when ``folder`` holds exactly this checkpoint: same manifest, every file verified."""
-        return transfer.local_copy_matches(info, folder)
 
     # ---------------------------------------------------------------- deleting
     def delete(self, step: int) -> None:
@@ -383,6 +348,45 @@ def _stray(why: str) -> str:
     )
 
 
+def manifest_verdicts(store: CheckpointStore) -> list[protocol.Verdict]:
+    """Every step folder of ``store`` holding a manifest, oldest first, with the manifest parsed or
+    why it cannot be trusted (one listing and the manifests, none parsed past
+    ``SPOT_MANIFEST_MAX_BYTES``; never a payload): what ``spot-callbacks ls`` lists."""
+    return store._verdicts_of(store.step_folders())
+
+
+def newest_valid(
+    store: CheckpointStore,
+    infos: list[CheckpointInfo],
+    on_damaged: Callable[[CheckpointInfo, str], None] | None = None,
+) -> CheckpointInfo | None:
+    """The newest of ``infos`` (oldest first) whose files have the manifest's sizes; each one
+    skipped goes to ``on_damaged(info, reason)`` (default: a warning), none is deleted."""
+    for info in reversed(infos):
+        problem = store.damage(info)
+        if problem is None:
+            return info
+        if on_damaged is not None:
+            on_damaged(info, problem)
+        else:
+            store._warn_once(info.step, protocol.damaged_message(info.url, problem))
+    return None
+
+
+def committed_at(store: CheckpointStore, step: int) -> CheckpointInfo | None:
+    """The manifest of ``step`` in ``store`` when it is committed, else ``None``."""
+    try:
+        return store.read_manifest(step)
+    except (CheckpointNotFoundError, ManifestError):
+        return None
+
+
+def refuse_foreign(store: CheckpointStore, step: int) -> None:
+    """Raise :class:`ForeignCheckpointError` when the folder of ``step`` is a symbolic link, or (local
+    disk: ``layout.local_stray``) not a readable folder, or its ``manifest.json`` not a regular file."""
+    store._refuse_foreign(step)
+
+
 def payload_plane(store: CheckpointStore) -> DataPlane:
     """The data plane that moves payload bytes now: ``store.data_plane`` when it serves ``store.fs``,
     else fsspec on ``store.fs`` (said once in the log, with the reason)."""
@@ -394,7 +398,7 @@ def payload_plane(store: CheckpointStore) -> DataPlane:
 def delete_step(store: CheckpointStore, step: int) -> bool:
     """:meth:`CheckpointStore.delete`; whether the step had a manifest (the writer's ``begin`` says so)."""
     folder = store.step_path(step)
-    store.refuse_foreign(step)
+    store._refuse_foreign(step)
     manifest = posixpath.join(folder, MANIFEST_NAME)
     had_manifest = store._exists(manifest)
     if had_manifest:
@@ -469,12 +473,12 @@ def walk_down(
         if info.step not in judged:
             problem = judged[info.step] = problem_of(info)
             if problem is not None:
-                store.warn_once(info.step, protocol.damaged_message(info.url, problem))
+                store._warn_once(info.step, protocol.damaged_message(info.url, problem))
         return judged[info.step] is None
 
     for start in range(0, len(steps), LATEST_BATCH):
         batch = {step: folders[step] for step in steps[start : start + LATEST_BATCH]}
-        seen = store._infos(store.verdicts_of(batch)) + seen
+        seen = store._infos(store._verdicts_of(batch)) + seen
         lineage = protocol.current_lineage(seen)
         for info in reversed(seen):
             if protocol.lineage_of(info) == lineage and valid(info):

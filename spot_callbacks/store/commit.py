@@ -6,7 +6,7 @@ The rules:
    ``manifest.json`` exists and parses. A single-object PUT is atomic on S3, GCS and Azure, and
    rename is not, so the manifest is the commit; nothing relies on rename.
 2. It is **valid** when, besides, every file it lists exists with the listed size
-   (:func:`size_problem`, checked by ``CheckpointStore.check_sizes``) and every file its
+   (:func:`size_problem`, checked by ``CheckpointStore.damage``) and every file its
    framework needs. ``latest()``, what a resume uses, is the newest valid one **of the current
    lineage** (:func:`resume_order`: the lineage of the newest commit; another lineage's only when
    none of it is valid), and ``verify()`` also compares every checksum. A checkpoint that fails is
