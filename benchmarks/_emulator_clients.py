@@ -6,7 +6,7 @@ each client is built and warmed (its first request made) before the clock starts
 
 Clients (``spec["backend"]/spec["client"]``):
 
-* ``az/project``, ``gs/project``: ``CheckpointStore.write_checkpoint`` (digests computed while
+* ``az/project``, ``gs/project``: ``CommitWriter.write_checkpoint`` (digests computed while
   uploading) and ``CheckpointStore.pull`` into an empty folder (every checksum verified), default
   data plane (obstore moves az:// payload bytes, gcsfs gs://);
 * ``az/adlfs``: ``AzureBlobFileSystem.put`` / ``get`` of all files (its ``_put_file`` /
@@ -49,15 +49,19 @@ def _remote(spec: dict[str, Any]) -> list[str]:
 
 
 def project(spec: dict[str, Any]) -> Any:
-    from spot_callbacks.store import CheckpointStore
+    from spot_callbacks.store import CheckpointStore, CommitWriter
 
     store = CheckpointStore(_url(spec), storage_options=_options(spec))
     if spec["direction"] == "upload":
         warm = Path(spec["scratch"]) / "warm"
         warm.mkdir(parents=True, exist_ok=True)
         (warm / "w.bin").write_bytes(b"warm")
-        store.write_checkpoint(0, warm, reason="manual", framework="bench")  # clients built, connections open
-        return lambda: store.write_checkpoint(1, Path(spec["src"]), reason="manual", framework="bench")
+        CommitWriter(store).write_checkpoint(
+            0, warm, reason="manual", framework="bench"
+        )  # clients built, connections open
+        return lambda: CommitWriter(store).write_checkpoint(
+            1, Path(spec["src"]), reason="manual", framework="bench"
+        )
     store.pull(0, Path(spec["scratch"]) / "warm-pull")  # the tiny step the upload's warm-up wrote
     return lambda: store.pull(1, Path(spec["dest"]))
 

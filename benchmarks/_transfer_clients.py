@@ -7,7 +7,7 @@ the bytes is timed, for the project as for the raw clients.
 
 Clients (``--clients`` of ``transfer.py``):
 
-* ``project``: ``CheckpointStore.write_checkpoint`` (digests computed while uploading, as when the
+* ``project``: ``CommitWriter.write_checkpoint`` (digests computed while uploading, as when the
   writer did not hand them over) and ``CheckpointStore.pull`` into an empty folder (every checksum
   verified);
 * ``s3fs``: ``fs.put`` / ``fs.get`` of all files (s3fs' own concurrency), default options;
@@ -49,7 +49,7 @@ def s3_options(endpoint: str) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------- clients
 def project(spec: dict[str, Any]) -> Any:
-    from spot_callbacks.store import CheckpointStore
+    from spot_callbacks.store import CheckpointStore, CommitWriter
 
     store = CheckpointStore(
         f"s3://{spec['bucket']}/{spec['prefix']}", storage_options=s3_options(spec["endpoint"])
@@ -58,8 +58,12 @@ def project(spec: dict[str, Any]) -> Any:
         warm = Path(spec["scratch"]) / "warm"
         warm.mkdir(parents=True, exist_ok=True)
         (warm / "w.bin").write_bytes(b"warm")
-        store.write_checkpoint(0, warm, reason="manual", framework="bench")  # clients built, connections open
-        return lambda: store.write_checkpoint(1, Path(spec["src"]), reason="manual", framework="bench")
+        CommitWriter(store).write_checkpoint(
+            0, warm, reason="manual", framework="bench"
+        )  # clients built, connections open
+        return lambda: CommitWriter(store).write_checkpoint(
+            1, Path(spec["src"]), reason="manual", framework="bench"
+        )
     store.pull(0, Path(spec["scratch"]) / "warm-pull")  # the tiny step the upload's warm-up wrote
     return lambda: store.pull(1, Path(spec["dest"]))
 

@@ -54,6 +54,7 @@ from _servers import BACKENDS, open_store
 
 from spot_callbacks.persist import Persister, PersistJob
 from spot_callbacks.store import CheckpointStore
+from spot_callbacks.store.layout import is_local_fs
 
 BENCH_NAME = "persist: background persister vs raw fsspec put/get"
 TARGET = "Target: ≥ 0.9× the raw throughput both ways"
@@ -174,7 +175,7 @@ class Repeat:
         self.store = CheckpointStore(f"{self.prefix}/persister", self.target.storage_options)
         self.fs = self.store.fs  # the raw baseline uses the persister's filesystem object (its options too)
         _, self.raw_root = fsspec.core.url_to_fs(f"{self.prefix}/raw", **self.target.storage_options)
-        self.local = self.store.is_local
+        self.local = is_local_fs(self.store.fs)
         self.folders: list[Path] = []
 
     def folder(self, kind: str) -> Path:

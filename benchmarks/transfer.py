@@ -1,7 +1,7 @@
 """Benchmark: the project's payload transfers vs the raw S3 clients, on a fast local S3 server.
 
 In one run, interleaved (the client order rotates every repeat), for one file and for 8 files of
-the same total size: ``CheckpointStore.write_checkpoint`` / ``CheckpointStore.pull`` against raw
+the same total size: ``CommitWriter.write_checkpoint`` / ``CheckpointStore.pull`` against raw
 s3fs, boto3's TransferManager tuned and obstore (see ``_transfer_clients.py``). Each transfer
 runs in a fresh process, measured for wall time, MB/s, CPU-s per GB (all its threads) and peak
 extra RSS (sampled during the transfer, over the RSS before it); every pull is checked byte-exact
@@ -221,13 +221,13 @@ def lightning_checkpoint(path: Path, size_bytes: int) -> str:
 
 
 def resumes(args: argparse.Namespace, endpoint: str, scratch: Path) -> list[dict]:
-    from spot_callbacks.store import CheckpointStore
+    from spot_callbacks.store import CheckpointStore, CommitWriter
 
     folder = scratch / "resume-src"
     name = lightning_checkpoint(folder / "state.ckpt", args.resume_mb * MiB)
     store = CheckpointStore(f"s3://{BUCKET}/resume", storage_options={"key": KEY, "secret": SECRET,
                                                                       "endpoint_url": endpoint})  # fmt: skip
-    store.write_checkpoint(1, folder, reason="interval", framework="lightning")
+    CommitWriter(store).write_checkpoint(1, folder, reason="interval", framework="lightning")
     size = (folder / name).stat().st_size
     results = []
     for repeat in range(args.repeats):
@@ -333,7 +333,7 @@ def report(
         "(client order rotated); each transfer a fresh process, clients built and warmed before the clock; "
         "every pull checked byte-exact (xxh3) against the source. Server: nanio "
         f"({args.server_workers} workers) on loopback, same 2 cores.",
-        "- Project = `CheckpointStore.write_checkpoint` (xxh3 computed while uploading) and `CheckpointStore.pull` "
+        "- Project = `CommitWriter.write_checkpoint` (xxh3 computed while uploading) and `CheckpointStore.pull` "
         "(every checksum verified) with the default data plane (`SPOT_DATA_PLANE=auto`).",
         f"- Load average (1/5/15 min) at start: {load_before}; at end: {load_average()}.",
     ]

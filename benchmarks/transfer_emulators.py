@@ -222,7 +222,7 @@ def report(args: argparse.Namespace, results: list[dict], load_before: str, took
         "- **Read CPU-s/GB, not MB/s**: both emulators are slow servers sharing the cores (Azurite is "
         "single-threaded node), so their MB/s measures the server; CPU-s/GB is what the client process "
         "spends per GB moved (all its threads).",
-        "- Project = `CheckpointStore.write_checkpoint` (xxh3 computed while uploading) and `CheckpointStore.pull` "
+        "- Project = `CommitWriter.write_checkpoint` (xxh3 computed while uploading) and `CheckpointStore.pull` "
         "(every checksum verified), default data plane: az:// payload bytes through obstore, gs:// through gcsfs. "
         "Raw: adlfs / gcsfs `fs.put` / `fs.get` of the file list (default options); obstore `AzureStore` "
         "put (16 MiB parts, 8 in flight) and one streamed GET per file, 8 files at once.",

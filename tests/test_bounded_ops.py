@@ -26,6 +26,7 @@ from spot_callbacks.store.retry import (
     is_transient,
     store_timeout_from_env,
 )
+from spot_callbacks.store.writer import CommitWriter
 
 ATTEMPT_S = 0.5
 QUICK = RetryPolicy(attempts=3, initial_backoff_s=0.01, max_backoff_s=0.05, attempt_timeout_s=ATTEMPT_S)
@@ -85,7 +86,7 @@ def real_store(request, tmp_path: Path) -> Iterator[CheckpointStore]:
     folder.mkdir()
     (folder / "state.bin").write_bytes(b"weights" * 100)
     for step in (1, 2):
-        store.write_checkpoint(step, folder, reason="manual", framework="test")
+        CommitWriter(store).write_checkpoint(step, folder, reason="manual", framework="test")
     yield store
 
 
@@ -101,7 +102,7 @@ def hang(store: CheckpointStore, ops: set[str], times: int | None) -> HangingFil
         ({"ls"}, lambda store: store.step_folders()),
         ({"cat_file"}, lambda store: store.read_manifest(2)),
         ({"cat"}, lambda store: store.committed()),
-        ({"find"}, lambda store: store.check_sizes(store.read_manifest(2))),
+        ({"find"}, lambda store: store.damage(store.read_manifest(2))),
         ({"exists", "rm"}, lambda store: store.delete(1)),
     ],
     ids=["listing", "read", "manifests", "sizes", "delete"],

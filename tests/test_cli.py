@@ -22,7 +22,9 @@ from spot_callbacks.accounting.ledger import RunLedger, measure_resume
 from spot_callbacks.cli import commands as cli
 from spot_callbacks.cli import main
 from spot_callbacks.store import MANIFEST_NAME, step_dirname
+from spot_callbacks.store.layout import is_local_fs
 from spot_callbacks.store.retry import RetryPolicy
+from spot_callbacks.store.writer import CommitWriter
 
 FAST_RETRY = RetryPolicy(attempts=2, initial_backoff_s=0.01, max_backoff_s=0.05)
 FAKE_SECRET = "FAKE-SECRET-d3adb33f-spot-cli"
@@ -58,7 +60,7 @@ def commit(store: CheckpointStore, tmp_path: Path, step: int) -> dict[str, bytes
     for name, data in contents.items():
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_bytes(data)
-    store.write_checkpoint(step, folder, reason="interval", framework="test")
+    CommitWriter(store).write_checkpoint(step, folder, reason="interval", framework="test")
     return contents
 
 
@@ -84,7 +86,7 @@ def assert_one_error_line(err: str) -> str:
 
 
 def test_ls_lists_steps_and_marks_a_truncated_one_invalid(store, store_url, run, tmp_path):
-    if store.is_local:  # an existing empty folder: as empty as a prefix with nothing under it
+    if is_local_fs(store.fs):  # an existing empty folder: as empty as a prefix with nothing under it
         Path(store.root).mkdir(parents=True)
     code, out, err = run("ls", store_url.url)
     assert (code, out) == (1, "") and f"nothing is stored under {store.url}" in assert_one_error_line(err)
@@ -213,8 +215,9 @@ def test_rm_asks_on_a_terminal_and_requires_yes_otherwise(store, store_url, run,
 def test_rm_removes_an_uncommitted_folder(store, store_url, run, tmp_path):
     commit(store, tmp_path, 1)
     (tmp_path / "partial.bin").write_bytes(b"x" * 100)
-    store.clear_stale_step(5)
-    store.upload_file(tmp_path / "partial.bin", 5, "state.pt")  # never committed
+    writer = CommitWriter(store)
+    writer.begin(5)
+    writer.upload_file(tmp_path / "partial.bin", 5, "state.pt")  # never committed
     code, out, err = run("rm", store_url.url, "--step", "5", "--yes")
     assert code == 0, err
     assert out.startswith("deleted uncommitted folder")
@@ -353,7 +356,7 @@ def commit_with_ledger(store: CheckpointStore, tmp_path: Path, step: int, reason
     folder = tmp_path / f"costs-{step}"
     folder.mkdir()
     (folder / "state.pt").write_bytes(b"w" * 5000)
-    store.write_checkpoint(
+    CommitWriter(store).write_checkpoint(
         step, folder, reason=reason, framework="test", metrics=metrics, extra={"ledger": ledger.to_json()}
     )
 

@@ -22,6 +22,7 @@ from spot_callbacks import CheckpointStore, SpotConfig
 from spot_callbacks.cli import main
 from spot_callbacks.engine import SpotEngine
 from spot_callbacks.errors import ConfigError
+from spot_callbacks.store.writer import CommitWriter
 
 BUDGET_S = 10  # $SPOT_PREFLIGHT_TIMEOUT_S for these runs: the default 60 s works the same, slower
 
@@ -139,7 +140,7 @@ def test_a_prefix_typo_is_an_error_with_the_name_it_meant(s3_server, capsys, tmp
     run = f"s3://{s3_server.bucket}/ux-{uuid.uuid4().hex[:8]}/runs"
     store = CheckpointStore(f"{run}/demo", s3_server.storage_options)
     (tmp_path / "state.pt").write_bytes(b"weights")
-    store.write_checkpoint(3, tmp_path, reason="manual", framework="test")
+    CommitWriter(store).write_checkpoint(3, tmp_path, reason="manual", framework="test")
     options = json.dumps(s3_server.storage_options)
     for argv in (["ls"], ["verify"], ["pull"]):
         extra = [str(tmp_path / "dest")] if argv == ["pull"] else []

@@ -32,6 +32,7 @@ from spot_callbacks.resume import pull_latest
 from spot_callbacks.store.checksums import FileDigest
 from spot_callbacks.store.manifest import CheckpointInfo
 from spot_callbacks.store.meter import TransferMeter
+from spot_callbacks.store.writer import CommitWriter
 
 SIZES = {"state.pt": 3_000_000, "extra/rng.bin": 1_000, "optimizer.pt": 2_000_000}
 LOGGER = "spot_callbacks"
@@ -90,8 +91,10 @@ def test_piped_pull_and_verify_print_a_line_every_interval_while_one_file_moves(
 ):
     # One 5 MB file through a 2 MB/s link: lines while it moves (not only when it ends), bytes rising.
     random_file(tmp_path / "src" / "state.ckpt", 5_000_000)
-    CheckpointStore(f"s3://{s3_server.bucket}/cli-{tmp_path.name}", storage_options=s3_server.storage_options
-                    ).write_checkpoint(3, tmp_path / "src", reason="end", framework="test")  # fmt: skip
+    piped = CheckpointStore(
+        f"s3://{s3_server.bucket}/cli-{tmp_path.name}", storage_options=s3_server.storage_options
+    )
+    CommitWriter(piped).write_checkpoint(3, tmp_path / "src", reason="end", framework="test")
     url = f"s3://{s3_server.bucket}/cli-{tmp_path.name}"
     dest = tmp_path / "pulled"
     with throttled(s3_server.port, RATE) as proxy:
@@ -124,7 +127,7 @@ def test_a_pull_already_done_downloads_nothing_and_prints_no_total(tmp_path):
     for name, size in SIZES.items():
         random_file(source / name, size)
     store = CheckpointStore((tmp_path / "run").as_uri())
-    store.write_checkpoint(1, source, reason="end", framework="test")
+    CommitWriter(store).write_checkpoint(1, source, reason="end", framework="test")
     dest = tmp_path / "pulled"
     first = subprocess.run(
         [sys.executable, "-m", "spot_callbacks.cli", "pull", store.url, str(dest)],
@@ -180,7 +183,7 @@ def committed_store(tmp_path, step: int = 8) -> CheckpointStore:
     payload = tmp_path / "payload"
     payload.mkdir()
     (payload / "state.ckpt").write_bytes(b"\x01" * 2_000_000)
-    store.write_checkpoint(step, payload, reason="interval", framework="test")
+    CommitWriter(store).write_checkpoint(step, payload, reason="interval", framework="test")
     return store
 
 
@@ -232,7 +235,7 @@ def test_a_throttled_resume_pull_into_a_log_gets_a_line_every_interval(
     random_file(tmp_path / "src" / "state.ckpt", 4_000_000)
     with throttled(s3_server.port, RATE) as proxy:
         store = s3_store_through(proxy.url, s3_server, tmp_path, "resume")
-        store.write_checkpoint(6, tmp_path / "src", reason="end", framework="test")
+        CommitWriter(store).write_checkpoint(6, tmp_path / "src", reason="end", framework="test")
         monkeypatch.setattr(sys, "stderr", io.StringIO())  # a log file's stderr: no bars
         pulled = pull_latest(store, lambda step: tmp_path / "local" / f"step-{step}", rank=0, local_rank=0)
     assert pulled.info.step == 6 and (pulled.local_dir / "state.ckpt").stat().st_size == 4_000_000

@@ -25,11 +25,13 @@ from spot_callbacks import CheckpointStore, SpotConfig, load_state
 from spot_callbacks.engine import STATE_FILE, SpotEngine
 from spot_callbacks.errors import AttemptTimeoutError, ConfigError, CorruptCheckpointError
 from spot_callbacks.store import MANIFEST_NAME, step_dirname
+from spot_callbacks.store.checkpoint_store import payload_plane
 from spot_callbacks.store.clients.base import MiB, TransferBudget
 from spot_callbacks.store.clients.s3 import S3Plane
 from spot_callbacks.store.clients.streams import Deadline, stream_to_file
 from spot_callbacks.store.dataplane import FsspecPlane, select_data_plane, transfer_budget
 from spot_callbacks.store.retry import RetryPolicy
+from spot_callbacks.store.writer import CommitWriter
 
 PATIENT_RETRY = RetryPolicy(attempts=10, initial_backoff_s=0.001, max_backoff_s=0.01)
 FAST_RETRY = RetryPolicy(attempts=3, initial_backoff_s=0.01, max_backoff_s=0.05)
@@ -67,7 +69,7 @@ def test_warming_builds_the_clients_a_pull_then_uses_and_nothing_for_a_replaced_
     built = (plane._manager, dict(plane._obstores))
     assert built[0] is not None and list(built[1]) == [s3_server.bucket]
     payload_folder(tmp_path, {"state.pt": 3 * MiB})
-    store.write_checkpoint(1, tmp_path / "src", reason="manual", framework="test")
+    CommitWriter(store).write_checkpoint(1, tmp_path / "src", reason="manual", framework="test")
     store.pull(1, tmp_path / "pulled")
     assert (plane._manager, plane._obstores) == built  # the pull found them, built nothing again
 
@@ -93,10 +95,10 @@ def test_an_s3_store_moves_payload_through_boto3_up_and_obstore_down_and_says_so
         setattr(store.fs, method, spy)
     try:
         with caplog.at_level(logging.INFO, logger="spot_callbacks"):
-            store.write_checkpoint(4, tmp_path / "src", reason="manual", framework="test")
+            CommitWriter(store).write_checkpoint(4, tmp_path / "src", reason="manual", framework="test")
             assert store.verify(4)
             pulled = store.pull(4, tmp_path / "pulled")
-            store.write_checkpoint(5, tmp_path / "src", reason="manual", framework="test")
+            CommitWriter(store).write_checkpoint(5, tmp_path / "src", reason="manual", framework="test")
     finally:
         del store.fs.put_file, store.fs.get_file, store.fs.open
     assert {name: (pulled / name).read_bytes() for name in contents} == contents
@@ -114,7 +116,7 @@ def test_the_fast_clients_take_endpoint_and_credentials_from_the_environment_as_
     store = CheckpointStore(s3_url(s3_env, tmp_path, "env"), retry=FAST_RETRY)
     assert isinstance(store.data_plane, S3Plane)
     contents = payload_folder(tmp_path, {"state.pt": 3 * MiB})
-    store.write_checkpoint(1, tmp_path / "src", reason="manual", framework="test")
+    CommitWriter(store).write_checkpoint(1, tmp_path / "src", reason="manual", framework="test")
     assert store.verify(1)
     assert (store.pull(1, tmp_path / "pulled") / "state.pt").read_bytes() == contents["state.pt"]
 
@@ -132,7 +134,7 @@ def test_spot_data_plane_chooses_who_moves_the_bytes(choice, s3_server, tmp_path
         assert isinstance(plane, S3Plane) and plane.pull_with == choice
     contents = payload_folder(tmp_path, {"state.pt": 2 * MiB + 17, "b.bin": 5})
     with caplog.at_level(logging.INFO, logger="spot_callbacks"):
-        store.write_checkpoint(2, tmp_path / "src", reason="manual", framework="test")
+        CommitWriter(store).write_checkpoint(2, tmp_path / "src", reason="manual", framework="test")
     assert store.verify(2)
     pulled = store.pull(2, tmp_path / "pulled")
     assert {name: (pulled / name).read_bytes() for name in contents} == contents
@@ -163,7 +165,7 @@ def test_an_option_the_fast_client_cannot_honour_leaves_the_bytes_on_fsspec_and_
     assert "session=" in store.data_plane.reason and "cannot drive boto3" in store.data_plane.reason
     contents = payload_folder(tmp_path, {"state.pt": 1000})
     with caplog.at_level(logging.INFO, logger="spot_callbacks"):
-        store.write_checkpoint(1, tmp_path / "src", reason="manual", framework="test")
+        CommitWriter(store).write_checkpoint(1, tmp_path / "src", reason="manual", framework="test")
     assert (store.pull(1, tmp_path / "pulled") / "state.pt").read_bytes() == contents["state.pt"]
     assert (
         f"payload bytes of {store.url} move through fsspec (S3FileSystem) (storage_options session="
@@ -192,10 +194,10 @@ def test_a_filesystem_replaced_by_a_wrapper_keeps_the_wrapper_in_the_path(s3_ser
         s3_url(s3_server, tmp_path, "wrapped"), storage_options=dict(s3_server.storage_options)
     )
     store.fs = wrapper = FaultyFileSystem(store.fs)
-    plane = store.payload_plane()
+    plane = payload_plane(store)
     assert isinstance(plane, FsspecPlane) and "replaced by a FaultyFileSystem" in plane.reason
     payload_folder(tmp_path, {"state.pt": 100})
-    store.write_checkpoint(1, tmp_path / "src", reason="manual", framework="test")
+    CommitWriter(store).write_checkpoint(1, tmp_path / "src", reason="manual", framework="test")
     assert ("put_file", posixpath.join(store.step_path(1), "state.pt")) in wrapper.calls
 
 
@@ -286,7 +288,7 @@ def test_a_lost_manifest_answer_is_read_back_while_the_fast_client_moves_the_pay
     store.data_plane = fast
     payload_folder(tmp_path, {"state.pt": 4000})
     with caplog.at_level(logging.WARNING, logger="spot_callbacks"):
-        store.write_checkpoint(3, tmp_path / "src", reason="interval", framework="test")
+        CommitWriter(store).write_checkpoint(3, tmp_path / "src", reason="interval", framework="test")
     assert store.latest().step == 3 and lost.injected >= 1
     assert "is committed" in caplog.text
     assert fast.calls == [("upload", posixpath.join(store.step_path(3), "state.pt"))]
@@ -319,7 +321,7 @@ def test_a_transfer_broken_mid_file_is_retried_and_leaves_no_partial_file(
                             retry=FAST_RETRY)  # fmt: skip
     size = MiB + MiB // 2 if how == "stream" else 5 * MiB + 5
     contents = payload_folder(tmp_path, {"state.pt": size})
-    store.write_checkpoint(1, tmp_path / "src", reason="manual", framework="test")
+    CommitWriter(store).write_checkpoint(1, tmp_path / "src", reason="manual", framework="test")
     broken = breaking_once(monkeypatch, 0 if how == "stream" else 2 * MiB)
     pulled = store.pull(1, tmp_path / "out" / "pulled")
     assert broken and (pulled / "state.pt").read_bytes() == contents["state.pt"]
@@ -341,7 +343,7 @@ def test_streams_in_flight_never_pass_the_budget_and_segments_take_only_free_str
     store = CheckpointStore(s3_url(s3_server, tmp_path, "streams"), storage_options=dict(s3_server.storage_options),
                             retry=FAST_RETRY)  # fmt: skip
     contents = payload_folder(tmp_path, {f"f{index}.bin": 4 * MiB + index for index in range(12)})
-    store.write_checkpoint(1, tmp_path / "src", reason="manual", framework="test")
+    CommitWriter(store).write_checkpoint(1, tmp_path / "src", reason="manual", framework="test")
     real_get_chunks, lock, now, most, spans = obstore_calls.get_chunks, threading.Lock(), [0], [0], []
 
     def counted(*args: Any, **kwargs: Any) -> Any:
@@ -383,7 +385,7 @@ def test_damaged_and_missing_payloads_are_caught_by_the_fast_pull_and_the_deep_v
     store = CheckpointStore(s3_url(s3_server, tmp_path, f"damage-{segment_mb}"), storage_options=dict(s3_server.storage_options),
                             retry=FAST_RETRY)  # fmt: skip
     contents = payload_folder(tmp_path, {"state.pt": 2 * MiB, "extra.bin": 100})
-    store.write_checkpoint(1, tmp_path / "src", reason="manual", framework="test")
+    CommitWriter(store).write_checkpoint(1, tmp_path / "src", reason="manual", framework="test")
     remote = posixpath.join(store.step_path(1), "state.pt")
     flipped = bytearray(contents["state.pt"])
     flipped[MiB] ^= 0xFF  # same size: only the checksum can tell
@@ -423,7 +425,7 @@ def test_an_az_store_moves_payload_through_obstore_both_ways(azurite_server, tmp
         setattr(store.fs, method, spy)
     try:
         with caplog.at_level(logging.INFO, logger="spot_callbacks"):
-            store.write_checkpoint(4, tmp_path / "src", reason="manual", framework="test")
+            CommitWriter(store).write_checkpoint(4, tmp_path / "src", reason="manual", framework="test")
             assert store.verify(4)
             pulled = store.pull(4, tmp_path / "pulled")
     finally:
@@ -439,7 +441,7 @@ def test_the_azure_client_takes_the_connection_string_from_the_environment_as_ad
     store = CheckpointStore(az_url(az_env, tmp_path, "env"), retry=FAST_RETRY)
     assert isinstance(store.data_plane, AzurePlane)
     contents = payload_folder(tmp_path, {"state.pt": 2 * MiB})
-    store.write_checkpoint(1, tmp_path / "src", reason="manual", framework="test")
+    CommitWriter(store).write_checkpoint(1, tmp_path / "src", reason="manual", framework="test")
     assert store.verify(1)
     assert (store.pull(1, tmp_path / "pulled") / "state.pt").read_bytes() == contents["state.pt"]
 
@@ -456,7 +458,9 @@ def test_with_30_percent_transient_failures_of_the_azure_client_every_checkpoint
     contents = {}
     for step in range(1, 6):
         contents[step] = payload_folder(tmp_path / f"s{step}", {"state.pt": 3 * MiB, "b.bin": 10}, seed=step)
-        store.write_checkpoint(step, tmp_path / f"s{step}" / "src", reason="steps", framework="test")
+        CommitWriter(store).write_checkpoint(
+            step, tmp_path / f"s{step}" / "src", reason="steps", framework="test"
+        )
     broken = breaking_once(monkeypatch, MiB)
     assert [info.step for info in store.committed()] == [1, 2, 3, 4, 5]
     assert all(store.verify(step) for step in range(1, 6))
@@ -473,6 +477,6 @@ def test_gcs_payload_stays_on_gcsfs_and_the_log_says_why(gcs_server, tmp_path, c
     assert isinstance(store.data_plane, FsspecPlane)
     contents = payload_folder(tmp_path, {"state.pt": 3000})
     with caplog.at_level(logging.INFO, logger="spot_callbacks"):
-        store.write_checkpoint(1, tmp_path / "src", reason="manual", framework="test")
+        CommitWriter(store).write_checkpoint(1, tmp_path / "src", reason="manual", framework="test")
     assert (store.pull(1, tmp_path / "pulled") / "state.pt").read_bytes() == contents["state.pt"]
     assert "move through fsspec (GCSFileSystem) (no faster client is verified for gs:// yet)" in caplog.text

@@ -28,6 +28,7 @@ from spot_callbacks.resume import pull_newest_valid
 from spot_callbacks.store import step_dirname
 from spot_callbacks.store.clients.base import MiB
 from spot_callbacks.store.retry import RetryPolicy
+from spot_callbacks.store.writer import CommitWriter
 
 FAST_RETRY = RetryPolicy(attempts=3, initial_backoff_s=0.01, max_backoff_s=0.05)
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,7 +51,7 @@ def two_checkpoints(server: Any, tmp_path: Path, name: str, size: int) -> tuple[
     contents = {}
     for step in (1, 2):
         folder, contents[step] = payload(tmp_path, step, size)
-        store.write_checkpoint(step, folder, reason="manual", framework="test")
+        CommitWriter(store).write_checkpoint(step, folder, reason="manual", framework="test")
     return url, contents
 
 

@@ -49,6 +49,7 @@ from spot_callbacks.persist.dcp_safety import (
 )
 from spot_callbacks.resume import pull_newest_valid
 from spot_callbacks.store import step_dirname
+from spot_callbacks.store.writer import CommitWriter
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO_ROOT / "tests" / "scripts"
@@ -125,7 +126,7 @@ def recommit(store: CheckpointStore, step: int, work: Path, tamper: Callable[[Pa
     info = store.read_manifest(step)
     local = store.pull(step, work / f"forged-{step_dirname(step)}")
     tamper(local)
-    store.write_checkpoint(
+    CommitWriter(store).write_checkpoint(
         step, local, reason=info.reason, framework=info.framework, epoch=info.epoch, extra=info.extra
     )
     assert store.verify(step, deep=True) is True  # every size and xxh3 checksum matches
@@ -165,7 +166,7 @@ def store(tmp_path: Path) -> CheckpointStore:
     for step in (5, 10, 15):
         written = tmp_path / "written" / step_dirname(step)
         dcp.save(state_of(step), checkpoint_id=written, no_dist=True)
-        store.write_checkpoint(step, written, reason="steps", framework="demo")
+        CommitWriter(store).write_checkpoint(step, written, reason="steps", framework="demo")
     return store
 
 

@@ -27,6 +27,7 @@ import transformers
 from spot_callbacks import CheckpointStore, ConfigError, SpotConfig
 from spot_callbacks.accounting.report import RunHistory
 from spot_callbacks.hf import SpotCheckpointCallback
+from spot_callbacks.store.writer import CommitWriter
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = REPO_ROOT / "tests" / "scripts" / "hf_run.py"
@@ -484,7 +485,7 @@ def test_a_checkpoint_naming_our_callback_in_stateful_callbacks_never_rebuilds_i
         "attributes": {"preempted": True},
     }
     (hostile / "trainer_state.json").write_text(json.dumps(state))
-    store.write_checkpoint(5, hostile, reason="interval", framework="hf")
+    CommitWriter(store).write_checkpoint(5, hostile, reason="interval", framework="hf")
     assert store.verify(5)  # committed with a valid manifest
 
     ckpt = SpotCheckpointCallback(dirpath=str(run), interval=None, every_n_steps=5, preemption=[])

@@ -32,6 +32,7 @@ from spot_callbacks import (
 from spot_callbacks.engine import STATE_FILE
 from spot_callbacks.lightning import SpotCheckpoint
 from spot_callbacks.store import step_dirname
+from spot_callbacks.store.writer import CommitWriter
 
 
 class _Exploit:
@@ -132,7 +133,7 @@ def test_a_pickle_that_would_run_code_behind_a_valid_manifest_is_refused_and_not
     hostile.mkdir()
     torch.save(checkpoint, hostile / STATE_FILE)
     store = CheckpointStore(str(run))
-    store.write_checkpoint(5, hostile, reason="manual", framework="lightning")
+    CommitWriter(store).write_checkpoint(5, hostile, reason="manual", framework="lightning")
     assert store.latest().step == 5 and store.verify(5)  # a valid manifest: every byte as committed
 
     # Even where the environment makes torch.load unpickle whole by default...
@@ -179,7 +180,7 @@ def test_a_checkpoint_cannot_set_environment_variables_on_resume(run, tmp_path, 
     hostile.mkdir()
     torch.save(checkpoint, hostile / STATE_FILE)
     store = CheckpointStore(str(run))
-    store.write_checkpoint(5, hostile, reason="interval", framework="lightning")
+    CommitWriter(store).write_checkpoint(5, hostile, reason="interval", framework="lightning")
     assert store.latest().step == 5 and store.verify(5)  # committed with a valid manifest
 
     with caplog.at_level(logging.WARNING, logger="spot_callbacks"):
@@ -208,7 +209,7 @@ def commit_as_step_5(run: Path, tmp_path: Path, payload: bytes) -> CheckpointSto
     folder.mkdir()
     (folder / STATE_FILE).write_bytes(payload)
     store = CheckpointStore(str(run))
-    store.write_checkpoint(5, folder, reason="interval", framework="lightning")
+    CommitWriter(store).write_checkpoint(5, folder, reason="interval", framework="lightning")
     assert store.latest().step == 5 and store.verify(5)
     return store
 

@@ -12,6 +12,7 @@ import pytest
 
 from spot_callbacks import CheckpointStore
 from spot_callbacks.cli import commands as cli
+from spot_callbacks.store.writer import CommitWriter
 
 # Control characters in a payload name are refused by the manifest's reader already (store/manifest.py).
 NAMES = ["[/]", "[link=https://evil.example]w.bin[/link]", "[bold red]x[/bold red].bin", "[/x]"]
@@ -30,7 +31,7 @@ def hostile_run(tmp_path: Path) -> CheckpointStore:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(bytes([index]) * 300_000)
     store = CheckpointStore(str(tmp_path / "run"))
-    store.write_checkpoint(3, folder, reason="interval", framework="test")
+    CommitWriter(store).write_checkpoint(3, folder, reason="interval", framework="test")
     return store
 
 

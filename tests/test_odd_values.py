@@ -25,6 +25,7 @@ from spot_callbacks.accounting.ledger import RunLedger
 from spot_callbacks.cli import main as cli_main
 from spot_callbacks.engine import SpotEngine
 from spot_callbacks.store.runlock import LOCK_NAME, RunLock
+from spot_callbacks.store.writer import CommitWriter
 
 INF = float("inf")
 
@@ -75,7 +76,9 @@ def test_report_of_a_store_whose_ledger_lies_prints_no_absurd_figures(tmp_path: 
     src.mkdir()
     (src / "state.ckpt").write_bytes(b"x" * 10)
     lying = {**_good_ledger(), "stall_s": -1e300, "train_s": 1e308, "lost_work_estimated_s": 1e300}
-    store.write_checkpoint(3, src, reason="interval", framework="lightning", extra={"ledger": lying})
+    CommitWriter(store).write_checkpoint(
+        3, src, reason="interval", framework="lightning", extra={"ledger": lying}
+    )
     assert cli_main(["report", store.url]) == 0
     out = capsys.readouterr().out
     longest = max(len(digits) for digits in re.findall(r"\d[\d.]*", out))

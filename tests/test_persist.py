@@ -14,6 +14,7 @@ from spot_callbacks import CheckpointStore, PersistError
 from spot_callbacks.persist import Persister, PersistJob, default_scratch_root
 from spot_callbacks.store import MANIFEST_NAME
 from spot_callbacks.store.retry import RetryPolicy
+from spot_callbacks.store.transfer import local_copy_matches
 
 FAST_RETRY = RetryPolicy(attempts=4, initial_backoff_s=0.001, max_backoff_s=0.01)
 
@@ -116,7 +117,7 @@ def test_scratch_keeps_only_the_newest_committed_copy_which_pull_reuses(store, t
     assert remaining == ["step-3"]
     assert (tmp_path / "scratch" / "step-3" / MANIFEST_NAME).exists()
     info = store.latest()
-    assert store.local_copy_matches(info, tmp_path / "scratch" / "step-3")
+    assert local_copy_matches(info, tmp_path / "scratch" / "step-3")
 
 
 def test_failed_write_is_reported_and_releases_buffers(store, tmp_path):

@@ -23,6 +23,7 @@ from spot_callbacks.errors import StoreUnavailableError, UnknownStoreError
 from spot_callbacks.store import CheckpointStore
 from spot_callbacks.store.backends import resolve_filesystem, with_backend_defaults
 from spot_callbacks.store.preflight import PROBE_PREFIX, preflight
+from spot_callbacks.store.writer import CommitWriter
 
 WRONG_AZURE_KEY = "d3Jvbmcta2V5LXdyb25nLWtleS13cm9uZy1rZXktd3Jvbmcta2V5LXdyb25nLWtleQ=="
 
@@ -129,7 +130,7 @@ def test_a_usable_store_passes_and_leaves_nothing_behind(backend: str, tmp_path:
         )
         dirpath, options = f"{backend}://{server.bucket}/{uuid.uuid4().hex}", dict(server.storage_options)
     store = store_of(dirpath, options)
-    store.write_checkpoint(1, _payload(tmp_path), reason="manual", framework="test")
+    CommitWriter(store).write_checkpoint(1, _payload(tmp_path), reason="manual", framework="test")
     before = sorted(store.fs.find(store.root))
     started = time.monotonic()
     preflight(store, budget_s=30)

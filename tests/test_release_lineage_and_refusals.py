@@ -31,6 +31,7 @@ from spot_callbacks.errors import CorruptCheckpointError, LockLostError, StoreUn
 from spot_callbacks.hf import SpotCheckpointCallback
 from spot_callbacks.lightning import SpotCheckpoint
 from spot_callbacks.store.runlock import RunLock
+from spot_callbacks.store.writer import CommitWriter
 
 # ------------------------------------------------------------------ item 4: misread URLs
 
@@ -67,7 +68,7 @@ def test_a_dirpath_fsspec_would_glob_on_delete_is_refused_and_another_runs_folde
     neighbour = CheckpointStore((tmp_path / "run1").as_uri())
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "state.ckpt").write_bytes(b"x" * 10)
-    neighbour.write_checkpoint(3, tmp_path / "src", reason="end", framework="test")
+    CommitWriter(neighbour).write_checkpoint(3, tmp_path / "src", reason="end", framework="test")
     dirpath = str(tmp_path / name)
     with pytest.raises(ConfigError) as refused:
         SpotConfig(dirpath=dirpath, preemption=[])
@@ -491,7 +492,9 @@ def test_an_hf_checkpoint_the_trainer_cannot_load_is_damage_and_the_resume_falls
     shutil.copytree(pristine, folder)
     HOSTILE_HF[case](folder)
     # Committed as a writer would: valid manifest, right sizes and checksums.
-    store.write_checkpoint(10, folder, reason="interval", framework="hf", extra=store.read_manifest(10).extra)
+    CommitWriter(store).write_checkpoint(
+        10, folder, reason="interval", framework="hf", extra=store.read_manifest(10).extra
+    )
     caplog.set_level(logging.WARNING, logger="spot_callbacks")
     fresh = SpotCheckpointCallback(dirpath=url, interval=None, preemption=[], scratch_dir=str(tmp_path / "s"))
     trainer = hf_trainer(tmp_path / "out", [fresh], max_steps=12)
@@ -503,7 +506,7 @@ def test_an_hf_checkpoint_the_trainer_cannot_load_is_damage_and_the_resume_falls
         assert trainer.state.global_step == 12
         store.delete(12)  # the store stays 5 and 10 for the next case
     shutil.copytree(pristine, tmp_path / "again")  # put step 10 back for the next case
-    store.write_checkpoint(
+    CommitWriter(store).write_checkpoint(
         10, tmp_path / "again", reason="interval", framework="hf", extra=store.read_manifest(10).extra
     )
 
@@ -519,7 +522,7 @@ def test_a_manifest_without_the_payload_its_framework_needs_is_damaged_everywher
     good.mkdir()
     (good / "state.ckpt").write_bytes(b"x" * 10)
     (good / "trainer_state.json").write_text("{}")
-    store.write_checkpoint(4, good, reason="interval", framework=framework)
+    CommitWriter(store).write_checkpoint(4, good, reason="interval", framework=framework)
     doc = json.loads(Path(store.step_path(4), "manifest.json").read_text())
     doc["step"] = 8
     doc["files"] = {name: doc["files"]["state.ckpt"] for name in files}

@@ -18,6 +18,7 @@ import pytest
 
 from spot_callbacks import CheckpointStore
 from spot_callbacks.store.layout import MANIFEST_NAME, step_dirname
+from spot_callbacks.store.writer import CommitWriter
 from tests.helpers.faultfs import FaultyFileSystem
 
 OLD, OURS = "a" * 32, "b" * 32
@@ -62,7 +63,7 @@ def _payload(tmp_path: Path) -> Path:
 
 
 def _commit(store: CheckpointStore, step: int, src: Path, lineage: str, resumed_from: int | None = None):
-    return store.write_checkpoint(
+    return CommitWriter(store).write_checkpoint(
         step, src, reason="interval", framework="lightning",
         extra={"lineage": {"id": lineage, "resumed_from": resumed_from}},
     )  # fmt: skip
@@ -90,7 +91,7 @@ def test_a_fresh_run_on_2000_old_checkpoints_reads_them_once_not_at_every_commit
     for step in range(3000, 3006):  # a fresh run on that dirpath commits six times, keep_last=2
         info = _commit(store, step, src, OURS)
         counting.reset()
-        store.settle_commit(info, keep_last=2, deadline=None)
+        CommitWriter(store).settle(info, keep_last=2, deadline=None)
         reads.append(counting.manifests_read)
     assert reads[0] <= 2000 + 1  # the first prune of this store reads each manifest once
     # Every later one reads its own lineage's (keep_last + the new one), not the 2,000 others (before: 2,003+).
@@ -105,11 +106,11 @@ def test_memory_never_decides_about_the_pruned_lineage(tmp_path: Path) -> None:
     store = CheckpointStore(str(tmp_path / "store"))
     src = _payload(tmp_path)
     for step in (1, 2, 3):
-        store.settle_commit(_commit(store, step, src, OURS), keep_last=2, deadline=None)
+        CommitWriter(store).settle(_commit(store, step, src, OURS), keep_last=2, deadline=None)
     assert [info.step for info in store.committed()] == [2, 3]
     os.remove(Path(store.step_path(3)) / MANIFEST_NAME)  # a rewrite of 3 that died after clearing it
     info = _commit(store, 4, src, OURS)
-    store.settle_commit(info, keep_last=2, deadline=None)
+    CommitWriter(store).settle(info, keep_last=2, deadline=None)
     # 3 is no checkpoint any more: 2 and 4 are the two kept (a remembered 3 would have cost 2).
     assert [info.step for info in store.committed()] == [2, 4]
 

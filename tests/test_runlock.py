@@ -17,6 +17,7 @@ import torch
 
 from spot_callbacks import CheckpointStore, RunLockedError, SpotConfig
 from spot_callbacks.engine import SpotEngine
+from spot_callbacks.store.layout import is_local_fs
 from spot_callbacks.store.runlock import LOCK_NAME, RunLock
 
 
@@ -36,10 +37,10 @@ def _write_foreign_lock(url: str, options: dict, **fields) -> None:
     store = CheckpointStore(url, storage_options=options)
     doc = {"host": "other-host", "pid": 4242, "run_id": "f" * 32, "started": "2026-01-01T00:00:00+00:00",
            "heartbeat": time.time(), **fields}  # fmt: skip
-    if store.is_local:
+    if is_local_fs(store.fs):
         store.fs.makedirs(store.root, exist_ok=True)
     path = f"{store.root}/{LOCK_NAME}"
-    if store.is_local:  # as the library does: a reader never sees half a lock
+    if is_local_fs(store.fs):  # as the library does: a reader never sees half a lock
         Path(f"{path}.tmp").write_bytes(json.dumps(doc).encode())
         os.replace(f"{path}.tmp", path)
     else:

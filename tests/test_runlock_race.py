@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from spot_callbacks import CheckpointStore, RunLockedError
+from spot_callbacks.store.layout import is_local_fs
 from spot_callbacks.store.runlock import CLOCK_PROBE_PREFIX, LOCK_NAME, RunLock, has_conditional_writes
 
 RACER = Path(__file__).parent / "scripts" / "lock_racer.py"
@@ -38,7 +39,7 @@ def _foreign_lock(url: str, options: dict, run_id: str) -> None:
            "heartbeat": time.time()}  # fmt: skip
     from spot_callbacks.store.transfer import put_bytes
 
-    if store.is_local:
+    if is_local_fs(store.fs):
         store.fs.makedirs(store.root, exist_ok=True)
     put_bytes(store.fs, f"{store.root}/{LOCK_NAME}", json.dumps(doc).encode())
 

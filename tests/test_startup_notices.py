@@ -19,6 +19,7 @@ from test_dataplane_lies import payload
 from spot_callbacks import CheckpointStore
 from spot_callbacks.store.runlock import LOCK_NAME, RunLock
 from spot_callbacks.store.transfer import put_bytes
+from spot_callbacks.store.writer import CommitWriter
 
 SCRIPT = Path(__file__).parent / "scripts" / "startup_notice.py"
 
@@ -88,7 +89,7 @@ def test_sigterm_while_pulling_the_resume_point_exits_143_and_releases_the_lock(
     url = f"s3://{s3_server.bucket}/startup-pull-{tmp_path.name}"
     store = CheckpointStore(url, storage_options=dict(s3_server.storage_options))
     folder, _ = payload(tmp_path, 1, 4 * 2**20)
-    store.write_checkpoint(1, folder, reason="manual", framework="test")
+    CommitWriter(store).write_checkpoint(1, folder, reason="manual", framework="test")
     with hostile_proxy(s3_server.port, "state.pt", "trickle", trickle_s=0.5) as proxy:
         child = _start(url, {**s3_server.storage_options, "endpoint_url": proxy.url})
         try:

@@ -27,15 +27,15 @@ from spot_callbacks import (
 from spot_callbacks.store import (
     MANIFEST_NAME,
     local_payload_names,
-    new_manifest,
     parse_manifest,
     step_dirname,
 )
 from spot_callbacks.store.checksums import FileDigest
 from spot_callbacks.store.layout import open_filesystem, url_of
-from spot_callbacks.store.manifest import encode_manifest
+from spot_callbacks.store.manifest import encode_manifest, new_manifest
 from spot_callbacks.store.retry import RetryPolicy
 from spot_callbacks.store.transfer import call_in_time, put_bytes, put_file, staged_folder
+from spot_callbacks.store.writer import CommitWriter
 
 FAST_RETRY = RetryPolicy(attempts=2, initial_backoff_s=0.01, max_backoff_s=0.05)
 
@@ -61,7 +61,9 @@ def commit_step(store: CheckpointStore, tmp_path: Path, step: int, reason: str =
     folder = tmp_path / f"src-{step}"
     folder.mkdir()
     contents = make_payload(folder, step, **kw)
-    info = store.write_checkpoint(step, folder, reason=reason, framework="test", epoch=step // 10)
+    info = CommitWriter(store).write_checkpoint(
+        step, folder, reason=reason, framework="test", epoch=step // 10
+    )
     return info, contents
 
 
@@ -108,7 +110,7 @@ def test_dcp_metadata_is_payload_while_hidden_temporaries_are_not(store, tmp_pat
     })  # fmt: skip
     assert local_payload_names(source) == sorted(payload)
 
-    info = store.write_checkpoint(7, source, reason="steps", framework="hf")
+    info = CommitWriter(store).write_checkpoint(7, source, reason="steps", framework="hf")
     assert sorted(info.files) == sorted(payload)
     assert store.verify(7, deep=True) is True
     pulled = store.pull(7, tmp_path / "pulled")
@@ -121,8 +123,9 @@ def test_checkpoint_without_manifest_is_invisible(store, tmp_path):
     folder = tmp_path / "partial"
     folder.mkdir()
     make_payload(folder, 20)
-    store.clear_stale_step(20)
-    store.upload_file(folder / "state.pt", 20, "state.pt")  # payload durable, never committed
+    writer = CommitWriter(store)
+    writer.begin(20)
+    writer.upload_file(folder / "state.pt", 20, "state.pt")  # payload durable, never committed
 
     assert [info.step for info in store.committed()] == [10]
     assert store.latest().step == 10
@@ -265,12 +268,13 @@ def test_prune_racing_a_commit_never_touches_the_new_checkpoint(store, tmp_path)
 
 def test_rewriting_an_existing_step_drops_its_manifest_before_any_payload(store, tmp_path):
     commit_step(store, tmp_path, 50)
-    store.clear_stale_step(50)
+    writer = CommitWriter(store)
+    writer.begin(50)
     assert store.committed() == []
     folder = tmp_path / "again"
     folder.mkdir()
     make_payload(folder, 5050, sizes={"state.pt": 10})
-    store.upload_file(folder / "state.pt", 50, "state.pt")
+    writer.upload_file(folder / "state.pt", 50, "state.pt")
     assert store.committed() == []  # the stale manifest is gone while the new payload lands
     assert not store.fs.exists(remote_file(store, 50, "extra/rng.bin"))
 
@@ -307,7 +311,7 @@ def test_listing_thousands_of_checkpoints_reads_manifests_only(tmp_path):
     folder.mkdir()
     make_payload(folder, 0, sizes={"state.pt": 64})
     for step in range(1500):
-        store.write_checkpoint(step, folder, reason="steps", framework="test")
+        CommitWriter(store).write_checkpoint(step, folder, reason="steps", framework="test")
     opened = []
     real_open, real_cat_file = store.fs.open, store.fs.cat_file
     store.fs.open = lambda path, *a, **k: opened.append(path) or real_open(path, *a, **k)
@@ -331,7 +335,8 @@ KILL_CHILD = textwrap.dedent(
 
     url, options, src = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3])
     store = CheckpointStore(url, storage_options=options)
-    real_upload = store.upload_file
+    persister = Persister(store, keep_last=1)
+    real_upload = persister.writer.upload_file
     def upload_then_hang(local, step, name, *rest):
         if name == "b.bin":
             store.fs.makedirs(store.step_path(step), exist_ok=True)
@@ -341,8 +346,7 @@ KILL_CHILD = textwrap.dedent(
                 print("MID-UPLOAD", flush=True)
                 sys.stdin.read()  # the parent kills us here, mid-transfer
         return real_upload(local, step, name, *rest)
-    store.upload_file = upload_then_hang
-    persister = Persister(store, keep_last=1)
+    persister.writer.upload_file = upload_then_hang
     persister.submit(PersistJob(step=2, reason="interval", framework="test", local_dir=src, owns_local_dir=False))
     persister.wait()
     """
@@ -390,19 +394,17 @@ LOCAL_BACKENDS = ["file", "memory"]
 def test_payload_lands_uncommitted_and_the_manifest_is_written_last(store, tmp_path):
     commit_step(store, tmp_path, 8)  # a stale checkpoint of the same step: rewritten below
     seen_during_upload = []
-    real_upload = store.upload_file
+    writer = CommitWriter(store)
+    real_upload = writer.upload_file
 
     def upload_and_look(local, step, name, *rest):
         real_upload(local, step, name, *rest)
         seen_during_upload.append([info.step for info in store.committed()])
 
-    store.upload_file = upload_and_look
-    try:
-        source = tmp_path / "again"
-        contents = make_payload(source, 808)
-        info = store.write_checkpoint(8, source, reason="steps", framework="test")
-    finally:
-        del store.upload_file
+    writer.upload_file = upload_and_look
+    source = tmp_path / "again"
+    contents = make_payload(source, 808)
+    info = writer.write_checkpoint(8, source, reason="steps", framework="test")
     assert seen_during_upload == [[], []]  # the stale manifest went first; the new one comes last
     assert [i.step for i in store.committed()] == [8] and info.metrics["upload_s"] >= 0
     assert {name: (store.pull(8, tmp_path / "out") / name).read_bytes() for name in contents} == contents
@@ -412,9 +414,11 @@ def test_payload_lands_uncommitted_and_the_manifest_is_written_last(store, tmp_p
 def test_commit_refuses_a_manifest_a_reader_would_refuse_and_writes_nothing(store, tmp_path):
     manifest = new_manifest(3, {"state.pt": FileDigest(1, "xxh3_64:00")}, reason="end", framework="test")
     with pytest.raises(ManifestError, match="format_version 99"):
-        store.commit({**manifest, "format_version": 99})
+        CommitWriter(store).commit_manifest({**manifest, "format_version": 99})
     with pytest.raises(ManifestError, match="not a plain relative path"):
-        store.commit({**manifest, "files": {"../x": {"size": 1, "checksum": "xxh3_64:00"}}})
+        CommitWriter(store).commit_manifest(
+            {**manifest, "files": {"../x": {"size": 1, "checksum": "xxh3_64:00"}}}
+        )
     assert store.step_folders() == {} and store.committed() == []
     with pytest.raises(ValueError, match="reason='later' is not one of"):
         new_manifest(3, {}, reason="later", framework="test")
@@ -423,10 +427,11 @@ def test_commit_refuses_a_manifest_a_reader_would_refuse_and_writes_nothing(stor
 @pytest.mark.parametrize("store_url", LOCAL_BACKENDS, indirect=True)
 def test_clearing_a_step_removes_an_uncommitted_folder_and_keeps_the_others(store, tmp_path):
     commit_step(store, tmp_path, 1)
-    store.upload_file(make_payload_file(tmp_path), 2, "state.pt")  # abandoned upload: no manifest
+    writer = CommitWriter(store)
+    writer.upload_file(make_payload_file(tmp_path), 2, "state.pt")  # abandoned upload: no manifest
     assert set(store.step_folders()) == {1, 2}
-    store.clear_stale_step(2)
-    store.clear_stale_step(3)  # nothing there: nothing to do
+    writer.begin(2)
+    writer.begin(3)  # nothing there: nothing to do
     assert set(store.step_folders()) == {1} and store.verify(1)
     with pytest.raises(ValueError, match="keep_last=-1 must be >= 0"):
         store.prune(-1)
@@ -442,19 +447,20 @@ def make_payload_file(tmp_path: Path) -> Path:
 @pytest.mark.parametrize("store_url", LOCAL_BACKENDS, indirect=True)
 def test_settle_commit_prunes_after_a_commit_but_never_for_an_emergency(store, tmp_path, caplog):
     infos = [commit_step(store, tmp_path, step)[0] for step in (1, 2, 3)]
+    writer = CommitWriter(store)
     with caplog.at_level(logging.WARNING, logger="spot_callbacks"):
-        store.settle_commit(infos[-1], keep_last=1, deadline=time.time() - 5)  # an emergency, late
+        writer.settle(infos[-1], keep_last=1, deadline=time.time() - 5)  # an emergency, late
     assert [i.step for i in store.committed()] == [1, 2, 3]  # an emergency spends nothing on deletes
     assert any("step 3 committed" in r.message and "after its deadline" in r.message for r in caplog.records)
 
     store.step_folders = lambda: (_ for _ in ()).throw(ConnectionError("store unreachable"))
     try:
         with caplog.at_level(logging.WARNING, logger="spot_callbacks"):
-            store.settle_commit(infos[-1], keep_last=1, deadline=None)  # never fails the commit
+            writer.settle(infos[-1], keep_last=1, deadline=None)  # never fails the commit
     finally:
         del store.step_folders
     assert any("retention in" in r.message and "store unreachable" in r.message for r in caplog.records)
-    store.settle_commit(infos[-1], keep_last=1, deadline=None)
+    writer.settle(infos[-1], keep_last=1, deadline=None)
     assert [i.step for i in store.committed()] == [3]
 
 

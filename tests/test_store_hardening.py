@@ -21,8 +21,10 @@ from spot_callbacks import CheckpointStore
 from spot_callbacks.cli import main
 from spot_callbacks.errors import DeleteIncompleteError, RunLockedError, UnsafeDestinationError
 from spot_callbacks.store import MANIFEST_NAME, step_dirname
+from spot_callbacks.store.checkpoint_store import manifest_verdicts, newest_valid
 from spot_callbacks.store.retry import RetryPolicy
 from spot_callbacks.store.runlock import RunLock
+from spot_callbacks.store.writer import CommitWriter
 from tests.helpers.faultfs import FaultyFileSystem
 
 FAST_RETRY = RetryPolicy(attempts=2, initial_backoff_s=0.01, max_backoff_s=0.05)
@@ -33,7 +35,7 @@ def commit(store: CheckpointStore, tmp_path: Path, step: int, reason: str = "int
     folder.mkdir(parents=True, exist_ok=True)
     data = f"{step}:state:".encode() * 100
     (folder / "state.pt").write_bytes(data)
-    store.write_checkpoint(step, folder, reason=reason, framework="test")
+    CommitWriter(store).write_checkpoint(step, folder, reason=reason, framework="test")
     return data
 
 
@@ -207,7 +209,7 @@ def test_a_checkpoint_deleted_between_listing_and_reading_is_damaged_not_fatal(t
     os.remove(posixpath.join(store.step_path(2), "state.pt"))
     os.remove(manifest_path(store, 2))
     skipped: list[tuple[int, str]] = []
-    assert store.newest_valid(infos, on_damaged=lambda info, why: skipped.append((info.step, why))).step == 1
+    assert newest_valid(store, infos, on_damaged=lambda info, why: skipped.append((info.step, why))).step == 1
     assert [step for step, _ in skipped] == [2] and "missing" in skipped[0][1]
 
 
@@ -226,7 +228,7 @@ def test_a_manifest_bomb_is_refused_before_any_payload_is_read(tmp_path, monkeyp
         monkeypatch.setenv("SPOT_MANIFEST_MAX_FILES", "20")
         monkeypatch.setenv("SPOT_MANIFEST_MAX_BYTES", "8000" if why != "nests deeper" else "10000000")
         Path(manifest_path(store, 2)).write_bytes(raw)
-        verdicts = {verdict.step: verdict.problem for verdict in store.manifest_verdicts()}
+        verdicts = {verdict.step: verdict.problem for verdict in manifest_verdicts(store)}
         assert verdicts[1] is None and why in verdicts[2]
         assert store.latest().step == 1
 

@@ -25,8 +25,10 @@ from spot_callbacks import CheckpointStore, RunLockedError, SpotConfig
 from spot_callbacks.cli import main as cli_main
 from spot_callbacks.engine import SpotEngine
 from spot_callbacks.errors import CorruptCheckpointError, ForeignCheckpointError, ManifestError
+from spot_callbacks.store.checkpoint_store import manifest_verdicts
 from spot_callbacks.store.layout import MANIFEST_NAME, step_dirname
 from spot_callbacks.store.runlock import LOCK_NAME, RunLock
+from spot_callbacks.store.writer import CommitWriter
 from tests.helpers.faultfs import FaultyFileSystem
 
 EVIL = "\x1b[2J\x1b]0;pwned\x07"
@@ -41,7 +43,9 @@ def _payload(tmp_path: Path, size: int = 10) -> Path:
 
 
 def _commit(store: CheckpointStore, step: int, src: Path, **extra: Any) -> None:
-    store.write_checkpoint(step, src, reason="interval", framework="lightning", extra=extra or None)
+    CommitWriter(store).write_checkpoint(
+        step, src, reason="interval", framework="lightning", extra=extra or None
+    )
 
 
 def _tamper(root: Path, step: int, **fields: Any) -> None:
@@ -183,7 +187,7 @@ def test_an_unreadable_step_folder_is_damage_and_the_others_are_read(tmp_path: P
         _commit(store, step, src)
     store.fs = RefusingFileSystem(store.fs, step_dirname(3))
     assert store.latest().step == 2
-    verdicts = {verdict.step: verdict.problem for verdict in store.manifest_verdicts()}
+    verdicts = {verdict.step: verdict.problem for verdict in manifest_verdicts(store)}
     assert verdicts[1] is None and verdicts[2] is None and "Permission denied" in verdicts[3]
 
 

@@ -39,6 +39,7 @@ from typing import Any
 
 import fsspec
 
+import spot_callbacks.store.checkpoint_store as checkpoint_store
 from spot_callbacks import __version__
 from spot_callbacks._format import count_of, human_size, printable
 from spot_callbacks.accounting.attempts import attempt_outcomes, attempts_of_lineage, read_attempts
@@ -415,7 +416,7 @@ def _cmd_ls(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
     infos = store.committed()
     verdicts = [Verdict(info.step, info.url, info, None) for info in infos]
     if infos or store.step_folders():  # a manifest that cannot be trusted is listed as damaged
-        verdicts = store.manifest_verdicts()
+        verdicts = checkpoint_store.manifest_verdicts(store)
     if not verdicts:  # the folder holds something (an upload that never committed, a lock), not a checkpoint
         if getattr(args, "json", False):
             _print_json({"url": store.url, "newest_valid_step": None, "checkpoints": []})
@@ -497,7 +498,7 @@ def newest_valid_lineage(
         >>> newest_valid_lineage(CheckpointStore("memory://doc-cli/lineage"), [])
         ([], [])
     """
-    newest = store.newest_valid(infos, on_damaged=lambda info, problem: None)
+    newest = checkpoint_store.newest_valid(store, infos, on_damaged=lambda info, problem: None)
     if newest is None:
         return infos, []
     lineage = [info for info in infos if (info.created, info.step) <= (newest.created, newest.step)]
@@ -549,7 +550,7 @@ def _cmd_pull(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
     step = info.step
     dest = Path(os.path.abspath(Path(args.dest).expanduser()))
     check_pull_dest(
-        store.url, store.committed_at, None, dest, force=args.force
+        store.url, lambda step: checkpoint_store.committed_at(store, step), None, dest, force=args.force
     )  # stricter than the library: DEST is the user's
     meter = TransferMeter("pull")
     with showing_progress(meter, f"pull {info.url}", verb="pulled"):
@@ -562,7 +563,7 @@ def _cmd_pull(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
 def _cmd_rm(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
     store = _open_store(args.url, storage_options)
     step: int = args.step
-    store.refuse_foreign(step)
+    checkpoint_store.refuse_foreign(store, step)
     if step not in store.step_folders():
         raise CheckpointNotFoundError(f"no checkpoint at step {step} in {store.url}; `{PROG} ls` lists them")
     try:

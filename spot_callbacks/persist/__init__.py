@@ -8,8 +8,8 @@
   folder written on several nodes; each node uploads its copy, rank 0 commits.
 
 The two multi-rank ones share the round of ``rank_group.py``; all three keep their settled steps,
-records and failures as ``tracking.py`` does, and follow a commit with
-:meth:`spot_callbacks.store.CheckpointStore.settle_commit`. The engine calls them only through
+records and failures as ``tracking.py`` does, and take every step of the commit sequence (begin,
+upload, commit, settle) through one :class:`~spot_callbacks.store.CommitWriter`. The engine calls them only through
 :class:`CheckpointPersister` (and ``submit`` with the job the persister made), never by type.
 The multi-rank persisters import torch.distributed, so they are imported from their own modules.
 """

@@ -25,7 +25,7 @@ from spot_callbacks._format import human_rate, human_size
 from spot_callbacks.persist.emergency import measured_bytes_per_s, plan_emergency
 from spot_callbacks.persist.scratch import NewestCommittedFolder, discard_folder, folder_bytes, prune_scratch
 from spot_callbacks.persist.tracking import CheckpointJob, Outcome, PersistRecord, StepTracker
-from spot_callbacks.store import MANIFEST_NAME, CheckpointStore
+from spot_callbacks.store import MANIFEST_NAME, CheckpointStore, CommitWriter
 from spot_callbacks.store.checksums import FileDigest
 from spot_callbacks.store.transfer import write_local_atomically
 
@@ -93,6 +93,7 @@ class Persister(StepTracker):
     ) -> None:
         super().__init__()
         self.store = store
+        self.writer = CommitWriter(store)  # every step of the commit sequence
         self.keep_last = keep_last
         self.keep_local_copy = keep_local_copy
         self.scratch_root = scratch_root
@@ -291,7 +292,7 @@ class Persister(StepTracker):
         queued_s = time.monotonic() - job.submitted_at
         started = time.perf_counter()
         with self._metering(job.step) as meter:
-            info = self.store.write_checkpoint(
+            info = self.writer.write_checkpoint(
                 job.step,
                 job.local_dir,
                 reason=job.reason,
@@ -312,11 +313,11 @@ class Persister(StepTracker):
         if not newest:  # an older upload that finished after an emergency checkpoint: only say if it was late
             discard_folder(job.local_dir, job.owns_local_dir)
             if job.deadline is not None:
-                self.store.settle_commit(info, self.keep_last, job.deadline)
+                self.writer.settle(info, self.keep_last, job.deadline)
             return
         self._keep_local(job)
         self._prune_scratch(job)
-        self.store.settle_commit(info, self.keep_last, job.deadline)
+        self.writer.settle(info, self.keep_last, job.deadline)
 
     def _keep_local(self, job: PersistJob) -> None:
         if not job.owns_local_dir:

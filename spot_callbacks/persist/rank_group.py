@@ -38,7 +38,7 @@ from spot_callbacks._dist import broadcast_object
 from spot_callbacks.errors import CheckpointError, PersistError
 from spot_callbacks.persist.scratch import discard_folder
 from spot_callbacks.persist.tracking import CheckpointJob, PersistRecord, StepTracker
-from spot_callbacks.store import CheckpointStore, local_payload_names, new_manifest
+from spot_callbacks.store import CheckpointStore, CommitWriter, local_payload_names
 from spot_callbacks.store.checksums import FileDigest
 
 log = logging.getLogger("spot_callbacks")
@@ -128,6 +128,7 @@ class RankGroupPersister(StepTracker, ABC, Generic[JobT]):
     def __init__(self, store: CheckpointStore, keep_last: int = 3) -> None:
         super().__init__()
         self.store = store
+        self.writer = CommitWriter(store)  # every step of the commit sequence
         self.keep_last = keep_last
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -231,7 +232,7 @@ class RankGroupPersister(StepTracker, ABC, Generic[JobT]):
         with self._cond:
             step = max(job.step for job in self._ready)
         try:
-            self.store.clear_stale_step(step)
+            self.writer.begin(step)
             return step, None
         except Exception as err:  # noqa: BLE001 - reported in the round, fails the step on every rank
             return step, f"rank 0: {type(err).__name__}: {err}"
@@ -267,7 +268,7 @@ class RankGroupPersister(StepTracker, ABC, Generic[JobT]):
             return ("failed", stale_error or list_error)
         try:
             with self._metering(step) as meter:
-                return ("ok", self.store.upload_files(step, job.local_dir, names, meter=meter))
+                return ("ok", self.writer.upload(step, job.local_dir, names, meter=meter))
         except Exception as err:  # noqa: BLE001 - reported to rank 0, which decides for all
             return ("failed", f"rank {self.rank}: {type(err).__name__}: {err} ({where_this_rank_runs()})")
 
@@ -296,17 +297,16 @@ class RankGroupPersister(StepTracker, ABC, Generic[JobT]):
                 if name in files:
                     return ("failed", f"ranks wrote the same file {name!r} (rank {rank} and another)")
                 files[name] = digest
-        manifest = new_manifest(
-            job.step,
-            files,
-            reason=job.reason,
-            framework=job.framework,
-            epoch=job.epoch,
-            metrics={**job.metrics, "upload_s": round(upload_s, 6)},
-            extra={**job.extra, **self._manifest_extra()},
-        )
         try:
-            info = self.store.commit(manifest)
+            info = self.writer.commit_files(
+                job.step,
+                files,
+                reason=job.reason,
+                framework=job.framework,
+                epoch=job.epoch,
+                metrics={**job.metrics, "upload_s": round(upload_s, 6)},
+                extra={**job.extra, **self._manifest_extra()},
+            )
         except Exception as err:  # noqa: BLE001
             return ("failed", f"rank 0: {type(err).__name__}: {err}")
         log.info(
@@ -314,7 +314,7 @@ class RankGroupPersister(StepTracker, ABC, Generic[JobT]):
             info.url, job.reason, self.world_size, "" if self.world_size == 1 else "s", info.size_bytes / 1e6,
             upload_s,
         )  # fmt: skip
-        self.store.settle_commit(info, self.keep_last, job.deadline)
+        self.writer.settle(info, self.keep_last, job.deadline)
         return ("committed", info)
 
     def _settle_round(self, job: JobT, outcome: Report, upload_s: float) -> None:

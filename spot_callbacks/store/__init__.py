@@ -3,7 +3,8 @@
 Where each part lives:
 
 - :mod:`~spot_callbacks.store.commit`: THE protocol (what is committed, the write order, retention).
-- :mod:`~spot_callbacks.store.checkpoint_store`: :class:`CheckpointStore`, the facade over it.
+- :mod:`~spot_callbacks.store.checkpoint_store`: :class:`CheckpointStore`, the reader's face over it.
+- :mod:`~spot_callbacks.store.writer`: :class:`CommitWriter`, the one writer of the commit sequence.
 - :mod:`~spot_callbacks.store.manifest`: :class:`CheckpointInfo`, building and validating manifests.
 - :mod:`~spot_callbacks.store.layout`: step folder names, URLs and paths, backend quirks, payload names.
 - :mod:`~spot_callbacks.store.transfer`: parallel uploads and pulls, timeouts, the local disk.
@@ -26,9 +27,9 @@ from spot_callbacks.store.manifest import (
     MANIFEST_FORMAT,
     REASONS,
     CheckpointInfo,
-    new_manifest,
     parse_manifest,
 )
+from spot_callbacks.store.writer import CommitWriter
 
 __all__ = [
     "FORMAT_VERSION",
@@ -38,8 +39,8 @@ __all__ = [
     "S3_UPLOAD_CONCURRENCY",
     "CheckpointInfo",
     "CheckpointStore",
+    "CommitWriter",
     "local_payload_names",
-    "new_manifest",
     "parse_manifest",
     "parse_step_dirname",
     "step_dirname",

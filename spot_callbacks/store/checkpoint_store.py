@@ -1,18 +1,19 @@
 """`CheckpointStore`: the checkpoints of one run, over any fsspec filesystem.
 
-The I/O steps of the commit protocol are its methods, in the order of the protocol's rules
-(:mod:`~spot_callbacks.store.commit` states them and holds the pure decisions they take); the
+The reading and deleting steps of the commit protocol are here, in the order of the protocol's
+rules (:mod:`~spot_callbacks.store.commit` states them and holds the pure decisions they take); the
+writing steps are :class:`~spot_callbacks.store.writer.CommitWriter`'s, built on a store. The
 layout (:mod:`~spot_callbacks.store.layout`), the manifest (:mod:`~spot_callbacks.store.manifest`)
 and the transfers (:mod:`~spot_callbacks.store.transfer`) are below it.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import posixpath
 import threading
-import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -23,21 +24,16 @@ import spot_callbacks.store.layout as layout
 import spot_callbacks.store.retention as retention
 import spot_callbacks.store.transfer as transfer
 from spot_callbacks.errors import (
-    CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     DeleteIncompleteError,
     ForeignCheckpointError,
     ManifestError,
 )
-from spot_callbacks.store.checksums import FileDigest
 from spot_callbacks.store.clients.base import DataPlane
 from spot_callbacks.store.layout import MANIFEST_NAME, step_dirname
 from spot_callbacks.store.manifest import (
     CheckpointInfo,
-    check_payload_name,
-    encode_manifest,
-    new_manifest,
     parse_manifest,
 )
 from spot_callbacks.store.manifest_limits import ManifestLimits
@@ -67,8 +63,9 @@ class CheckpointStore:
     Example:
         >>> import tempfile, pathlib
         >>> src = pathlib.Path(tempfile.mkdtemp()); _ = (src / "state.bin").write_bytes(b"weights")
+        >>> from spot_callbacks.store.writer import CommitWriter
         >>> store = CheckpointStore("memory://doc-store/run")
-        >>> store.write_checkpoint(100, src, reason="manual", framework="demo").step
+        >>> CommitWriter(store).write_checkpoint(100, src, reason="manual", framework="demo").step
         100
         >>> store.latest().step, store.verify(100)
         (100, True)
@@ -106,7 +103,7 @@ class CheckpointStore:
         return layout.url_of(self.fs, path, self._url_protocol)
 
     @property
-    def is_local(self) -> bool:
+    def _is_local(self) -> bool:
         return layout.is_local_fs(self.fs)
 
     def step_path(self, step: int) -> str:
@@ -117,13 +114,6 @@ class CheckpointStore:
 
     def __repr__(self) -> str:
         return f"CheckpointStore({self.url!r})"
-
-    def payload_plane(self) -> DataPlane:
-        """The data plane that moves payload bytes now: :attr:`data_plane` when it serves :attr:`fs`,
-        else fsspec on :attr:`fs` (said once in the log, with the reason)."""
-        plane = dataplane.plane_for(self.data_plane, self.fs)
-        dataplane.announce(self.url, plane)
-        return plane
 
     def warm_data_plane(self) -> threading.Thread | None:
         """Build the payload clients in a thread, once per store (:func:`dataplane.warm_in_background`)."""
@@ -149,15 +139,17 @@ class CheckpointStore:
             if step is None:
                 continue
             if layout.is_link(self.fs, self.step_path(step)):
-                self.warn_once(step, f"spot_callbacks: ignoring {self.step_url(step)}: {self._foreign(step)}")
+                self._warn_once(
+                    step, f"spot_callbacks: ignoring {self.step_url(step)}: {self._foreign(step)}"
+                )
                 continue
             if (stray := layout.local_stray(self.fs, self.step_path(step), folder=True)) is not None:
-                self.warn_once(step, f"spot_callbacks: ignoring {self.step_url(step)}: {_stray(stray)}")
+                self._warn_once(step, f"spot_callbacks: ignoring {self.step_url(step)}: {_stray(stray)}")
                 continue
             folders[step] = self.step_path(step)
         return folders
 
-    def refuse_foreign(self, step: int) -> None:
+    def _refuse_foreign(self, step: int) -> None:
         """Raise :class:`ForeignCheckpointError` when the folder of ``step`` is a symbolic link, or (local
         disk: ``layout.local_stray``) not a readable folder, or its ``manifest.json`` not a regular file."""
         if layout.is_link(self.fs, self.step_path(step)):
@@ -181,13 +173,13 @@ class CheckpointStore:
 
         Reads one listing and the manifests (fetched concurrently by async filesystems), never a payload.
         """
-        return self._infos(self.manifest_verdicts())
+        return self._infos(manifest_verdicts(self))
 
     def _infos(self, verdicts: list[protocol.Verdict]) -> list[CheckpointInfo]:
         infos = []
         for verdict in verdicts:
             if verdict.info is None:
-                self.warn_once(
+                self._warn_once(
                     verdict.step, f"spot_callbacks: ignoring checkpoint {verdict.url}: {verdict.problem}"
                 )
             else:
@@ -199,7 +191,7 @@ class CheckpointStore:
         path = posixpath.join(self.step_path(step), MANIFEST_NAME)
         limits = ManifestLimits.from_env()
         try:
-            self.refuse_foreign(step)
+            self._refuse_foreign(step)
             raw = self.retry.call(lambda: self.fs.cat_file(path), f"read {self.url_of(path)}")
         except (FileNotFoundError, ForeignCheckpointError) as err:
             why = (
@@ -210,14 +202,8 @@ class CheckpointStore:
             ) from None
         return parse_manifest(raw, step, self.step_url(step), limits)
 
-    def manifest_verdicts(self) -> list[protocol.Verdict]:
-        """Every step folder holding a manifest, oldest first, with the manifest parsed or why it
-        cannot be trusted (one listing and the manifests, none parsed past
-        ``SPOT_MANIFEST_MAX_BYTES``; never a payload)."""
-        return self.verdicts_of(self.step_folders())
-
-    def verdicts_of(self, folders: dict[int, str]) -> list[protocol.Verdict]:
-        """:meth:`manifest_verdicts` of the step ``folders`` (step -> path), in one concurrent read; a
+    def _verdicts_of(self, folders: dict[int, str]) -> list[protocol.Verdict]:
+        """:func:`manifest_verdicts` of the step ``folders`` (step -> path), in one concurrent read; a
         ``manifest.json`` that is not a regular file (a fifo would block forever) or that the store
         will not let us read is damage, never read."""
         manifests = {step: posixpath.join(path, MANIFEST_NAME) for step, path in folders.items()}
@@ -242,12 +228,12 @@ class CheckpointStore:
 
     def damage(self, info: CheckpointInfo) -> str | None:
         """Why the committed checkpoint ``info`` cannot be used (``None``: its files have the
-        manifest's sizes): THE verdict, which :meth:`newest_valid` and ``spot-callbacks ls`` share.
+        manifest's sizes): THE verdict, which :func:`newest_valid` and ``spot-callbacks ls`` share.
 
         A checkpoint deleted since it was listed is damaged; an unreachable store raises.
         """
         try:
-            self.check_sizes(info)
+            self._check_sizes(info)
         except protocol.DAMAGE_ERRORS as err:
             return str(err) or type(err).__name__
         return None
@@ -264,29 +250,12 @@ class CheckpointStore:
         """
         return _walk_down(self)
 
-    def newest_valid(
-        self,
-        infos: list[CheckpointInfo],
-        on_damaged: Callable[[CheckpointInfo, str], None] | None = None,
-    ) -> CheckpointInfo | None:
-        """The newest of ``infos`` (oldest first) whose files have the manifest's sizes; each one
-        skipped goes to ``on_damaged(info, reason)`` (default: a warning), none is deleted."""
-        for info in reversed(infos):
-            problem = self.damage(info)
-            if problem is None:
-                return info
-            if on_damaged is not None:
-                on_damaged(info, problem)
-            else:
-                self.warn_once(info.step, protocol.damaged_message(info.url, problem))
-        return None
-
-    def check_sizes(self, info: CheckpointInfo) -> None:
+    def _check_sizes(self, info: CheckpointInfo) -> None:
         """Raise :class:`CorruptCheckpointError` unless every payload file exists with its manifest size."""
         folder = self.step_path(info.step)
         sizes = transfer.file_sizes(self.fs, self.retry, folder, f"list {info.url}")
         protocol.check_size_problem(info, sizes)
-        if self.is_local:  # a fifo listed with size 0 would block verify and pull forever
+        if self._is_local:  # a fifo listed with size 0 would block verify and pull forever
             for name in info.files:
                 if (
                     stray := layout.local_stray(self.fs, posixpath.join(folder, name), folder=False)
@@ -300,12 +269,12 @@ class CheckpointStore:
         checks existence and sizes only. ``meter`` is told the bytes read.
         """
         info = self.read_manifest(step)
-        self.check_sizes(info)
+        self._check_sizes(info)
         if deep:
-            transfer.verify_checksums(self.payload_plane(), self.retry, info, self.step_path(step), meter)
+            transfer.verify_checksums(payload_plane(self), self.retry, info, self.step_path(step), meter)
         return True
 
-    def warn_once(self, step: int, message: str) -> None:
+    def _warn_once(self, step: int, message: str) -> None:
         """Log ``message`` about ``step`` once per store (a listing repeats, its warnings need not)."""
         if (step, message) not in self._warned:
             self._warned.add((step, message))
@@ -339,133 +308,10 @@ class CheckpointStore:
         if transfer.local_copy_matches(info, target):
             log.info("spot_callbacks: %s already holds %s; not downloading", target, info.url)
             return target
-        check_pull_dest(self.url, self.committed_at, info, target, force=force)
+        check_pull_dest(self.url, functools.partial(committed_at, self), info, target, force=force)
         return transfer.pull_into(
-            self.fs, self.payload_plane(), self.retry, info, self.step_path(info.step), target, meter
+            self.fs, payload_plane(self), self.retry, info, self.step_path(info.step), target, meter
         )
-
-    def committed_at(self, step: int) -> CheckpointInfo | None:
-        """The manifest of ``step`` when it is committed, else ``None``."""
-        try:
-            return self.read_manifest(step)
-        except (CheckpointNotFoundError, ManifestError):
-            return None
-
-    def local_copy_matches(self, info: CheckpointInfo, folder: Path) -> bool:
-        """True when ``folder`` holds exactly this checkpoint: same manifest, every file verified."""
-        return transfer.local_copy_matches(info, folder)
-
-    # ---------------------------------------------------------------- writing
-    def clear_stale_step(self, step: int) -> None:
-        """Prepare the folder of ``step`` for a new checkpoint.
-
-        A folder that already exists (a run that resumed from an older checkpoint reached this
-        step again) loses its manifest first, so it is never committed with mixed payloads.
-        """
-        if self._delete(step):
-            log.info("spot_callbacks: replacing the existing checkpoint %s", self.step_url(step))
-
-    def upload_file(
-        self, local_path: str | os.PathLike[str], step: int, name: str, meter: TransferMeter | None = None
-    ) -> None:
-        """Upload one payload file into the folder of ``step`` (multipart through the backend).
-
-        An attempt still running after :attr:`upload_timeout` allows for its size is abandoned
-        and retried like a failed one. ``meter`` is told the bytes sent.
-        """
-        remote = posixpath.join(self.step_path(step), check_payload_name(name))
-        what = f"upload {self.step_url(step)}/{name}"
-        plane, source = self.payload_plane(), os.fspath(local_path)
-        transfer.upload_file(plane, self.retry, self.upload_timeout, source, remote, what, meter, name)
-
-    def upload_files(
-        self,
-        step: int,
-        folder: str | os.PathLike[str],
-        names: list[str],
-        digests: dict[str, FileDigest] | None = None,
-        meter: TransferMeter | None = None,
-    ) -> dict[str, FileDigest]:
-        """Upload ``names`` (relative to ``folder``) into the folder of ``step`` in parallel; return their digests.
-
-        Digests known from writing the files are reused, the others are computed while the upload
-        runs. Nothing is committed: :meth:`commit` does that once every file of the checkpoint
-        (from every rank, for a sharded one) is durable. ``meter`` is told the bytes sent.
-        """
-        meter = meter or TransferMeter("upload")
-
-        def upload(local: Path, name: str) -> None:
-            self.upload_file(local, step, name, meter)
-
-        return transfer.upload_with_digests(upload, Path(folder), names, digests, meter)
-
-    def commit(self, manifest: dict[str, Any]) -> CheckpointInfo:
-        """Write the manifest, which makes the checkpoint visible; every payload file must be durable.
-
-        A write that failed (or whose answer was lost) may still have landed: before saying so the
-        manifest is read back, and one equal to what was written means the checkpoint is committed.
-        """
-        step = manifest["step"]
-        raw = encode_manifest(manifest)
-        info = parse_manifest(raw, step, self.step_url(step))  # never commit what a reader would refuse
-        path = posixpath.join(self.step_path(step), MANIFEST_NAME)
-        what = f"write {self.step_url(step)}/{MANIFEST_NAME}"
-        try:
-            transfer.call_in_time(
-                self.retry,
-                lambda: transfer.put_bytes(self.fs, path, raw),
-                self.upload_timeout.seconds_for(len(raw)),
-                what,
-            )
-        except Exception as err:
-            if protocol.landed(self._read_back(path), raw):
-                log.warning(
-                    "spot_callbacks: %s reported %s: %s, but the manifest is in the store as written: "
-                    "checkpoint %s is committed", what, type(err).__name__, err, info.url,
-                )  # fmt: skip
-                return info
-            raise
-        return info
-
-    def _read_back(self, path: str) -> bytes | None:
-        try:
-            read = transfer.read_files(self.fs, self.retry, [path], path, f"read back {self.url_of(path)}")
-        except Exception:  # noqa: BLE001 - the read-back is a second chance; the write's error is the one to tell
-            return None
-        found = read.get(path)
-        return found if isinstance(found, bytes) else None
-
-    def write_checkpoint(
-        self,
-        step: int,
-        folder: str | os.PathLike[str],
-        *,
-        reason: str,
-        framework: str,
-        epoch: int | None = None,
-        digests: dict[str, FileDigest] | None = None,
-        metrics: dict[str, Any] | None = None,
-        extra: dict[str, Any] | None = None,
-        meter: TransferMeter | None = None,
-    ) -> CheckpointInfo:
-        """Upload every file of a local folder as checkpoint ``step`` and commit it (synchronously).
-
-        Files are uploaded in parallel; ``digests`` known from writing them are reused,
-        the others are computed while the upload runs (``meter``: the bytes sent). The
-        background :class:`Persister` calls this; use it directly for a blocking save.
-        """
-        names = layout.local_payload_names(Path(folder))
-        if not names:
-            raise CheckpointError(f"{folder} holds no files to checkpoint")
-        upload_started = time.perf_counter()
-        self.clear_stale_step(step)
-        files = self.upload_files(step, folder, names, digests, meter)
-        # Known only now, and recorded with the rest: the manifest is the run's cost record (ledger.py).
-        metrics = {**(metrics or {}), "upload_s": round(time.perf_counter() - upload_started, 6)}
-        manifest = new_manifest(
-            step, files, metrics=metrics, reason=reason, framework=framework, epoch=epoch, extra=extra
-        )
-        return self.commit(manifest)
 
     # ---------------------------------------------------------------- deleting
     def delete(self, step: int) -> None:
@@ -476,37 +322,7 @@ class CheckpointStore:
         keeps its payload (the checkpoint stays committed and whole). A step folder that is a
         symbolic link is another run's: :class:`ForeignCheckpointError`.
         """
-        self._delete(step)
-
-    def _delete(self, step: int) -> bool:
-        """:meth:`delete`; whether the step had a manifest."""
-        folder = self.step_path(step)
-        self.refuse_foreign(step)
-        manifest = posixpath.join(folder, MANIFEST_NAME)
-        had_manifest = self._exists(manifest)
-        if had_manifest:
-            url = f"{self.step_url(step)}/{MANIFEST_NAME}"
-            self.retry.call(lambda: layout.remove_file(self.fs, manifest), f"delete {url}")
-            if self._exists(manifest):
-                raise DeleteIncompleteError(
-                    f"the store kept {url} although it answered the delete as done (a bucket policy or an "
-                    f"object lock?): checkpoint {self.step_url(step)} is still committed, its files untouched",
-                    [url],
-                )
-        if self._exists(folder):
-            self.retry.call(lambda: layout.remove_tree(self.fs, folder), f"delete {self.url_of(folder)}")
-            remaining = sorted(
-                transfer.file_sizes(self.fs, self.retry, folder, f"list {self.url_of(folder)}")
-            )
-            if remaining:
-                urls = [f"{self.url_of(folder)}/{name}" for name in remaining]
-                raise DeleteIncompleteError(
-                    f"the store kept {len(urls)} file(s) of {self.url_of(folder)} although it answered the "
-                    f"delete as done: {', '.join(urls[:5])}{' ...' if len(urls) > 5 else ''} (its manifest is "
-                    "gone: it is no longer committed)",
-                    urls,
-                )
-        return had_manifest
+        delete_step(self, step)
 
     def _exists(self, path: str) -> bool:
         return self.retry.call(lambda: layout.exists_fresh(self.fs, path), f"check {self.url_of(path)}")
@@ -525,34 +341,87 @@ class CheckpointStore:
         """
         return retention.prune(self, keep_last, lineage, protected, FOLLOWED_LINEAGE)
 
-    def settle_commit(self, info: CheckpointInfo, keep_last: int, deadline: float | None) -> None:
-        """What follows a commit: a late emergency is said, and retention runs unless it was an emergency.
-
-        Retention failing never fails the commit; it is retried after the next one.
-        """
-        self.retention_memory.forget(info.step)  # read again: what retention remembers of it is older
-        if not protocol.retention_follows(deadline):
-            if deadline is not None and time.time() > deadline:
-                log.warning(
-                    "spot_callbacks: the emergency checkpoint of step %d committed %.1fs after its deadline",
-                    info.step, time.time() - deadline,
-                )  # fmt: skip
-            return
-        try:
-            # The committing run's lineage; what it resumed from stays while it runs (its fallback).
-            resumed = protocol.resumed_from(info)
-            protected = {info.step} if resumed is None else {info.step, resumed}
-            self.prune(keep_last, protocol.lineage_of(info), protected)
-        except Exception as err:  # noqa: BLE001 - retention failing must not fail the commit
-            log.warning(
-                "spot_callbacks: retention in %s failed, will retry after the next commit: %s", self.url, err
-            )
-
 
 def _stray(why: str) -> str:
     return (
         f"{why}; no run wrote that, so it is never read as a checkpoint nor deleted here (remove it by hand)"
     )
+
+
+def manifest_verdicts(store: CheckpointStore) -> list[protocol.Verdict]:
+    """Every step folder of ``store`` holding a manifest, oldest first, with the manifest parsed or
+    why it cannot be trusted (one listing and the manifests, none parsed past
+    ``SPOT_MANIFEST_MAX_BYTES``; never a payload): what ``spot-callbacks ls`` lists."""
+    return store._verdicts_of(store.step_folders())
+
+
+def newest_valid(
+    store: CheckpointStore,
+    infos: list[CheckpointInfo],
+    on_damaged: Callable[[CheckpointInfo, str], None] | None = None,
+) -> CheckpointInfo | None:
+    """The newest of ``infos`` (oldest first) whose files have the manifest's sizes; each one
+    skipped goes to ``on_damaged(info, reason)`` (default: a warning), none is deleted."""
+    for info in reversed(infos):
+        problem = store.damage(info)
+        if problem is None:
+            return info
+        if on_damaged is not None:
+            on_damaged(info, problem)
+        else:
+            store._warn_once(info.step, protocol.damaged_message(info.url, problem))
+    return None
+
+
+def committed_at(store: CheckpointStore, step: int) -> CheckpointInfo | None:
+    """The manifest of ``step`` in ``store`` when it is committed, else ``None``."""
+    try:
+        return store.read_manifest(step)
+    except (CheckpointNotFoundError, ManifestError):
+        return None
+
+
+def refuse_foreign(store: CheckpointStore, step: int) -> None:
+    """Raise :class:`ForeignCheckpointError` when the folder of ``step`` is a symbolic link, or (local
+    disk: ``layout.local_stray``) not a readable folder, or its ``manifest.json`` not a regular file."""
+    store._refuse_foreign(step)
+
+
+def payload_plane(store: CheckpointStore) -> DataPlane:
+    """The data plane that moves payload bytes now: ``store.data_plane`` when it serves ``store.fs``,
+    else fsspec on ``store.fs`` (said once in the log, with the reason)."""
+    plane = dataplane.plane_for(store.data_plane, store.fs)
+    dataplane.announce(store.url, plane)
+    return plane
+
+
+def delete_step(store: CheckpointStore, step: int) -> bool:
+    """:meth:`CheckpointStore.delete`; whether the step had a manifest (the writer's ``begin`` says so)."""
+    folder = store.step_path(step)
+    store._refuse_foreign(step)
+    manifest = posixpath.join(folder, MANIFEST_NAME)
+    had_manifest = store._exists(manifest)
+    if had_manifest:
+        url = f"{store.step_url(step)}/{MANIFEST_NAME}"
+        store.retry.call(lambda: layout.remove_file(store.fs, manifest), f"delete {url}")
+        if store._exists(manifest):
+            raise DeleteIncompleteError(
+                f"the store kept {url} although it answered the delete as done (a bucket policy or an "
+                f"object lock?): checkpoint {store.step_url(step)} is still committed, its files untouched",
+                [url],
+            )
+    if store._exists(folder):
+        store.retry.call(lambda: layout.remove_tree(store.fs, folder), f"delete {store.url_of(folder)}")
+        remaining = sorted(transfer.file_sizes(store.fs, store.retry, folder, f"list {store.url_of(folder)}"))
+        if remaining:
+            urls = [f"{store.url_of(folder)}/{name}" for name in remaining]
+            raise DeleteIncompleteError(
+                f"the store kept {len(urls)} file(s) of {store.url_of(folder)} although it answered the "
+                f"delete as done: {', '.join(urls[:5])}{' ...' if len(urls) > 5 else ''} (its manifest is "
+                "gone: it is no longer committed)",
+                urls,
+            )
+    return had_manifest
 
 
 def _read_manifests(
@@ -604,12 +473,12 @@ def walk_down(
         if info.step not in judged:
             problem = judged[info.step] = problem_of(info)
             if problem is not None:
-                store.warn_once(info.step, protocol.damaged_message(info.url, problem))
+                store._warn_once(info.step, protocol.damaged_message(info.url, problem))
         return judged[info.step] is None
 
     for start in range(0, len(steps), LATEST_BATCH):
         batch = {step: folders[step] for step in steps[start : start + LATEST_BATCH]}
-        seen = store._infos(store.verdicts_of(batch)) + seen
+        seen = store._infos(store._verdicts_of(batch)) + seen
         lineage = protocol.current_lineage(seen)
         for info in reversed(seen):
             if protocol.lineage_of(info) == lineage and valid(info):

@@ -6,24 +6,25 @@ The rules:
    ``manifest.json`` exists and parses. A single-object PUT is atomic on S3, GCS and Azure, and
    rename is not, so the manifest is the commit; nothing relies on rename.
 2. It is **valid** when, besides, every file it lists exists with the listed size
-   (:func:`size_problem`, checked by ``CheckpointStore.check_sizes``) and every file its
+   (:func:`size_problem`, checked by ``CheckpointStore.damage``) and every file its
    framework needs. ``latest()``, what a resume uses, is the newest valid one **of the current
    lineage** (:func:`resume_order`: the lineage of the newest commit; another lineage's only when
    none of it is valid), and ``verify()`` also compares every checksum. A checkpoint that fails is
    skipped with a warning, never deleted.
-3. **Writing** step N (``write_checkpoint``): clear a stale folder of step N
-   (``clear_stale_step``: its manifest first, so a mix of old and new payload is never
-   committed), upload the payload, and write the manifest **last** (``commit``), once every
+3. **Writing** step N (``CommitWriter.write_checkpoint``): clear a stale folder of step N
+   (``begin``: its manifest first, so a mix of old and new payload is never committed), upload
+   the payload (``upload``), and write the manifest **last** (``commit_files``), once every
    payload file is durable; a manifest write whose answer was lost is read back (:func:`landed`).
 4. **Deleting** a checkpoint (``delete``) retires its manifest first (it stops counting at once),
    then its payload.
 5. **Retention** (``prune``, deciding with :func:`retention_victims`) keeps the newest
    ``keep_last`` *valid* checkpoints of the committing run's lineage (:func:`lineage_of`), runs
-   only after a newer checkpoint committed (``settle_commit``, :func:`retention_follows`), never
+   only after a newer checkpoint committed (``CommitWriter.settle``, :func:`retention_follows`), never
    during an emergency save, never deletes the checkpoint the run resumed from, a damaged one,
    another lineage's, or one it did not see committed.
 
-The steps that do I/O are :class:`~spot_callbacks.store.CheckpointStore`'s methods, named in
+The steps that do I/O are methods of :class:`~spot_callbacks.store.CheckpointStore` (reading,
+deleting, retention) and of :class:`~spot_callbacks.store.CommitWriter` (writing), named in
 each rule; this module holds the rules and the pure decisions they take (what a manifest or a
 listing means, what retention may delete) and never calls back into the store.
 """

@@ -109,7 +109,7 @@ def _look(store: Any, memory: RetentionMemory, lineage: str | None, followed: st
 def _read(store: Any, memory: RetentionMemory, folders: dict[int, str]) -> None:
     if not folders:
         return
-    found = {verdict.step: verdict for verdict in store.verdicts_of(folders)}
+    found = {verdict.step: verdict for verdict in store._verdicts_of(folders)}
     store._infos(list(found.values()))  # a manifest that does not parse is said once, as committed() does
     for step in folders:
         memory.verdicts[step] = found.get(step)
@@ -121,7 +121,7 @@ def _delete_all(store: Any, victims: list[CheckpointInfo], keep_last: int) -> li
     folders: dict[int, str] = {}
     for info in victims:
         try:
-            store.refuse_foreign(info.step)  # a link or stray put there since the listing
+            store._refuse_foreign(info.step)  # a link or stray put there since the listing
         except ForeignCheckpointError as err:
             _could_not(info.url, keep_last, err)
             continue

@@ -81,7 +81,7 @@ def inject_upload_fault(setting: str) -> None:
     import torch.distributed as dist
 
     from spot_callbacks.persist.sharded import ShardedPersister
-    from spot_callbacks.store import CheckpointStore
+    from spot_callbacks.store import CommitWriter
 
     action, fault_rank, from_step = setting.split(":")
     if action == "scratch":
@@ -94,7 +94,7 @@ def inject_upload_fault(setting: str) -> None:
 
         ShardedPersister._prepare_folder = staticmethod(prepare_folder)
         return
-    original = CheckpointStore.upload_file
+    original = CommitWriter.upload_file
 
     def upload_file(self, local_path, step, name, *rest):
         if dist.get_rank() == int(fault_rank) and step >= int(from_step):
@@ -104,7 +104,7 @@ def inject_upload_fault(setting: str) -> None:
             raise PermissionError(f"injected: access denied uploading {name}")
         return original(self, local_path, step, name, *rest)
 
-    CheckpointStore.upload_file = upload_file
+    CommitWriter.upload_file = upload_file
 
 
 def main() -> int:

@@ -98,26 +98,26 @@ def build_model() -> transformers.GPT2LMHeadModel:
 
 def refuse_uploads() -> None:
     """Every upload of this process fails as a store denying access would (not retryable)."""
-    from spot_callbacks.store import CheckpointStore
+    from spot_callbacks.store import CommitWriter
 
     def refusing(self, local_path, step, name, *rest):  # noqa: ANN001, ANN002, ANN202
         raise PermissionError(f"injected: access denied uploading {name}")
 
-    CheckpointStore.upload_file = refusing
+    CommitWriter.upload_file = refusing
 
 
 def record_uploads() -> list[str]:
     """Every file this process uploads into the store, as ``step/name``."""
-    from spot_callbacks.store import CheckpointStore
+    from spot_callbacks.store import CommitWriter
 
     uploaded: list[str] = []
-    upload_file = CheckpointStore.upload_file
+    upload_file = CommitWriter.upload_file
 
     def recording(self, local_path, step, name, *rest):  # noqa: ANN001, ANN002, ANN202
         upload_file(self, local_path, step, name, *rest)
         uploaded.append(f"{step}/{name}")
 
-    CheckpointStore.upload_file = recording
+    CommitWriter.upload_file = recording
     return uploaded
 
 
