@@ -90,7 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=2026)
     parser.add_argument("--time-scale", type=float, default=1.0, help="fixed: the schedule's times × this")
-    parser.add_argument("--steps", type=int, default=2200, help="training steps (the job's size)")
+    parser.add_argument("--steps", type=int, default=1300, help="training steps (the job's size)")
     parser.add_argument("--width", type=int, default=768)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--interval-s", type=float, default=15.0)
@@ -157,18 +157,19 @@ class Replay:
                                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)  # fmt: skip
             sent: list[str] = []
-            for at_s, name in interruption.signals() if interruption else []:
-                try:
-                    proc.wait(timeout=max(0.0, spawned + at_s - time.time()))
-                    break
-                except subprocess.TimeoutExpired:
-                    proc.send_signal(getattr(signal, name))
-                    sent.append(name)
             try:
+                for at_s, name in interruption.signals() if interruption else []:
+                    try:
+                        proc.wait(timeout=max(0.0, spawned + at_s - time.time()))
+                        break
+                    except subprocess.TimeoutExpired:
+                        proc.send_signal(getattr(signal, name))
+                        sent.append(name)
                 proc.wait(timeout=max(1.0, spawned + self.args.attempt_timeout_s - time.time()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            finally:
+                if proc.poll() is None:  # past the attempt's time limit, or the replay itself is stopped
+                    proc.kill()
+                    proc.wait()
             exited = time.time()
         steps, done = parse_markers(log_path.read_text(errors="replace").splitlines())
         shutil.rmtree(machine)  # the machine is gone; what it left is in the store or the persistent folder
@@ -269,8 +270,18 @@ def schedules(args: argparse.Namespace) -> dict[str, Schedule]:
 
 
 def replay(args: argparse.Namespace, workdir: Path) -> list[Outcome]:
+    """Every variant over every schedule; the uninterrupted baseline of each framework first.
+
+    When the list has the framework's no-checkpoint variant, it runs first and its final attempt
+    (a fresh machine from scratch, with no interruption left) is the uninterrupted run; else that
+    run is made on its own.
+    """
     (workdir / "logs").mkdir(parents=True)
     (workdir / "out").mkdir()
+    plans = schedules(args)
+    first_label = next(iter(plans))
+    order = sorted(args.variants, key=lambda v: v not in BASELINE.values())  # baselines first
+    runs: list[tuple[str, str, str, list[Attempt]]] = []
     outcomes: list[Outcome] = []
     with moto_server(workdir) as endpoint:
         make_bucket(s3_options(endpoint), "replay")
@@ -278,25 +289,36 @@ def replay(args: argparse.Namespace, workdir: Path) -> list[Outcome]:
         baselines: dict[str, tuple[Attempt, Path]] = {}
         for framework in sorted({framework_of(v) for v in args.variants}):
             variant = BASELINE[framework]
+            if variant in args.variants:
+                continue
             print(f"baseline {variant}: uninterrupted", flush=True)
             (attempt,) = run.run_variant(variant, f"baseline-{framework}", [None])
             if not attempt.done:
                 raise SystemExit(f"the uninterrupted {framework} run failed: see {workdir}/logs")
             baselines[framework] = (attempt, workdir / "out" / f"baseline-{framework}.pt")
-            if framework == "hf":
-                run.save_steps = max(1, round(args.interval_s / per_step_s(attempt)))
-        for label, schedule in schedules(args).items():
-            for variant in args.variants:
+        for label, schedule in plans.items():
+            for variant in order:
+                framework = framework_of(variant)
+                if variant == "hf-steps":
+                    run.save_steps = max(1, round(args.interval_s / per_step_s(baselines["hf"][0])))
                 key = f"{variant}-{label.replace(' ', '-').replace('%', '').replace('<', 'lt').replace('>', 'gt')}"
                 print(f"{variant} on {label}: {', '.join(i.describe() if i else '-' for i in schedule[:6])}",
                       flush=True)  # fmt: skip
                 attempts = run.run_variant(variant, key, schedule)
-                base, base_out = baselines[framework_of(variant)]
-                outcome = Outcome(variant, label, attempts, base.billed_s, per_step_s(base), args.steps,
-                                  weights_equal(workdir / "out" / f"{key}.pt", base_out))  # fmt: skip
-                if variant in LIBRARY:
-                    outcome.report = run.library_figures(key, base.billed_s)
-                outcomes.append(outcome)
+                if variant == BASELINE[framework] and label == first_label:
+                    final = attempts[-1]
+                    if not final.done or final.interruption != "-":
+                        raise SystemExit(f"{variant} did not finish uninterrupted: see {workdir}/logs")
+                    baselines[framework] = (final, workdir / "out" / f"{key}.pt")
+                runs.append((variant, label, key, attempts))
+        for variant, label, key, attempts in runs:
+            base, base_out = baselines[framework_of(variant)]
+            out = workdir / "out" / f"{key}.pt"
+            equal = None if out == base_out else weights_equal(out, base_out)
+            outcome = Outcome(variant, label, attempts, base.billed_s, per_step_s(base), args.steps, equal)
+            if variant in LIBRARY:
+                outcome.report = run.library_figures(key, base.billed_s)
+            outcomes.append(outcome)
         for framework, (base, _) in baselines.items():
             print(f"baseline {framework}: {base.billed_s:.1f}s spawn to exit, start-up {base.startup_s:.1f}s, "
                   f"{per_step_s(base) * 1000:.1f} ms/step", flush=True)  # fmt: skip
@@ -307,7 +329,10 @@ def replay(args: argparse.Namespace, workdir: Path) -> list[Outcome]:
 def row(outcome: Outcome) -> list[str]:
     lost = outcome.lost_steps
     downtimes = outcome.restart_downtimes_s
-    equal = {None: "no final weights", True: "yes", False: "no"}[outcome.weights_equal]
+    if outcome.variant in BASELINE.values() and outcome.weights_equal is None and outcome.finished:
+        equal = "(the baseline)"
+    else:
+        equal = {None: "no final weights", True: "yes", False: "no"}[outcome.weights_equal]
     report = outcome.report
     return [
         outcome.variant, outcome.schedule, str(len(outcome.attempts)), str(outcome.interruptions),
@@ -333,6 +358,7 @@ def command_line(args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the child, moto and the folder go
     workdir = Path(tempfile.mkdtemp(prefix="spot-replay-"))
     started = time.monotonic()
     try:
@@ -347,8 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     print_rich_table(HEADERS, rows, "goodput replay", left=["variant", "schedule"], width=220)
     uname = subprocess.run(["uname", "-a"], capture_output=True, text=True).stdout.strip()
     baseline_lines = [
-        f"- Uninterrupted ({framework}, no checkpoint): {wall:.1f} s spawn to exit, start-up {startup:.1f} s, "
-        f"{step * 1000:.1f} ms/step"
+        f"- Uninterrupted ({framework}, no checkpoint; the final attempt of `{BASELINE[framework]}` when listed): "
+        f"{wall:.1f} s spawn to exit, start-up {startup:.1f} s, {step * 1000:.1f} ms/step"
         for framework, (wall, startup, step) in args.baselines.items()
     ]
     if args.schedule == "fixed":
