@@ -1,0 +1,140 @@
+"""What the goodput replay measures from outside the training process: attempts parsed, outcomes computed.
+
+The child prints one marker line per event (``_replay_child.py``): ``REPLAY SPAWNED <t>`` before its
+imports, ``REPLAY STEP <step> <t>`` after each optimizer step (``step`` counts the steps done), and
+``REPLAY DONE <step> <t>`` when training reached its last step; ``t`` is ``time.time()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+MARKER = "REPLAY"
+
+
+@dataclass
+class Attempt:
+    """One machine's life: spawn and exit (the parent's clock), the interruption it got, the steps it trained."""
+
+    spawned: float
+    exited: float
+    exit_code: int | None
+    interruption: str  # what the schedule did to it: "-", "SIGTERM@35.0s+5s", "SIGKILL@55.0s"
+    steps: list[tuple[int, float]] = field(default_factory=list)  # (step done, time)
+    done: bool = False
+
+    @property
+    def billed_s(self) -> float:
+        return self.exited - self.spawned
+
+    @property
+    def first_step(self) -> int | None:
+        return self.steps[0][0] if self.steps else None
+
+    @property
+    def last_step(self) -> int | None:
+        return self.steps[-1][0] if self.steps else None
+
+    @property
+    def startup_s(self) -> float | None:
+        """Spawn to the end of the first training step (the downtime of this machine)."""
+        return self.steps[0][1] - self.spawned if self.steps else None
+
+
+def parse_markers(lines: Iterable[str]) -> tuple[list[tuple[int, float]], bool]:
+    """The ``(step, time)`` records and whether training finished, from a child's output lines."""
+    steps: list[tuple[int, float]] = []
+    done = False
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 2 or parts[0] != MARKER:
+            continue
+        try:
+            if parts[1] == "STEP" and len(parts) == 4:
+                steps.append((int(parts[2]), float(parts[3])))
+            elif parts[1] == "DONE":
+                done = True
+        except ValueError:
+            continue  # a line cut by SIGKILL
+    return steps, done
+
+
+def per_step_s(baseline: Attempt) -> float:
+    """The uninterrupted run's seconds per step, first to last recorded step."""
+    if len(baseline.steps) < 2:
+        raise ValueError("the baseline recorded fewer than two steps")
+    (first, t_first), (last, t_last) = baseline.steps[0], baseline.steps[-1]
+    return (t_last - t_first) / (last - first)
+
+
+def lost_steps(attempts: Sequence[Attempt]) -> list[int]:
+    """Per restart (attempt 2 onwards), the steps trained before it that it trains again.
+
+    An attempt resumes at ``first_step - 1``; what the previous attempts had reached (the last step
+    of the newest one that trained) past that point is redone. An attempt that trained nothing
+    reaches what the one before it reached; its restart loses nothing it did. Their sum is every
+    step trained minus the steps the final lineage kept (the identity the tests check).
+    """
+    lost: list[int] = []
+    reached: int | None = None
+    for index, attempt in enumerate(attempts):
+        if index > 0:
+            resumed_at = attempt.first_step - 1 if attempt.first_step is not None else reached
+            lost.append(max(0, (reached or 0) - (resumed_at or 0)))
+        if attempt.last_step is not None:
+            reached = attempt.last_step
+    return lost
+
+
+@dataclass
+class Outcome:
+    """A variant's figures over one schedule, against the uninterrupted baseline."""
+
+    variant: str
+    schedule: str
+    attempts: list[Attempt]
+    baseline_s: float  # the uninterrupted run's spawn to exit
+    step_s: float  # the uninterrupted run's seconds per step
+    total_steps: int
+    weights_equal: bool | None = None
+    report: dict[str, str] = field(default_factory=dict)  # the library's own figures (report --json, plan)
+
+    @property
+    def billed_s(self) -> float:
+        return sum(attempt.billed_s for attempt in self.attempts)
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.attempts) and self.attempts[-1].done
+
+    @property
+    def interruptions(self) -> int:
+        return sum(1 for attempt in self.attempts if attempt.interruption != "-" and not attempt.done)
+
+    @property
+    def goodput(self) -> float:
+        """Uninterrupted run time / billed time."""
+        return self.baseline_s / self.billed_s if self.billed_s > 0 else 0.0
+
+    @property
+    def useful_share(self) -> float:
+        """Steps needed × the baseline's seconds per step / billed time (training only, no start-up)."""
+        return self.total_steps * self.step_s / self.billed_s if self.finished and self.billed_s > 0 else 0.0
+
+    @property
+    def steps_trained(self) -> int:
+        return sum(len(attempt.steps) for attempt in self.attempts)
+
+    @property
+    def lost_steps(self) -> list[int]:
+        return lost_steps(self.attempts)
+
+    @property
+    def lost_s(self) -> list[float]:
+        return [steps * self.step_s for steps in self.lost_steps]
+
+    @property
+    def restart_downtimes_s(self) -> list[float]:
+        """Spawn to first step of every attempt after the first that trained at all."""
+        return [a.startup_s for a in self.attempts[1:] if a.startup_s is not None]
