@@ -161,3 +161,24 @@ def test_retention_on_s3_deletes_500_checkpoints_in_bulk(s3_server: Any, tmp_pat
     fs.invalidate_cache()
     assert sorted(p.rsplit("/", 1)[1] for p in fs.find(store.root)) == [MANIFEST_NAME, "state.ckpt"]
     assert [info.step for info in store.committed()] == [499] and store.verify(499)
+
+
+def test_retention_counts_only_what_the_run_wrote_or_resumed_from(tmp_path: Path, caplog) -> None:
+    """A manifest of the run's lineage that the run did not write (put there by hand, or by a process
+    that should not be writing there) neither pushes the run's own checkpoints out nor is deleted."""
+    store = CheckpointStore(str(tmp_path / "store"))
+    src = _payload(tmp_path)
+    for step in (10, 20):
+        _commit(store, step, src, OURS)  # the lineage's earlier process
+    run = CommitWriter(store)  # this process resumed from step 20
+    foreign = _commit(store, 35, src, OURS, resumed_from=20)  # same lineage; no writer of this run
+    for step in (30, 40):
+        info = run.write_checkpoint(
+            step, src, reason="interval", framework="lightning", extra={"lineage": {"id": OURS, "resumed_from": 20}}
+        )  # fmt: skip
+        run.settle(info, keep_last=2, deadline=None)
+    committed = {info.step for info in store.committed()}
+    assert {30, 40} <= committed, committed  # before: 35 counted as one of the 2 kept, and 30 was deleted
+    assert 35 in committed and 20 in committed  # not deleted; the resume point stays while the run runs
+    assert 10 not in committed  # below the resume point: older history goes as before
+    assert f"{foreign.url} continues this run's lineage but this run did not write it" in caplog.text

@@ -328,18 +328,23 @@ class CheckpointStore:
         return self.retry.call(lambda: layout.exists_fresh(self.fs, path), f"check {self.url_of(path)}")
 
     def prune(
-        self, keep_last: int, lineage: str | None = FOLLOWED_LINEAGE, protected: Iterable[int] = ()
+        self,
+        keep_last: int,
+        lineage: str | None = FOLLOWED_LINEAGE,
+        protected: Iterable[int] = (),
+        vouched: Iterable[int] | None = None,
     ) -> list[int]:
         """Keep the newest ``keep_last`` valid checkpoints of ``lineage`` (0 keeps all); return the steps deleted.
 
         ``lineage`` defaults to :data:`FOLLOWED_LINEAGE`: the one ``latest()`` follows (the newest
         commit's). Damaged checkpoints are neither counted nor deleted, another lineage's are never
-        touched, nor are the ``protected`` steps (see ``commit.retention_victims``). Only checkpoints this call saw
+        touched, nor are the ``protected`` steps (see ``commit.retention_victims``); with ``vouched``
+        (a run's own commits and resume point) only those count toward ``keep_last``. Only checkpoints this call saw
         committed are touched, so a commit racing the prune is safe. A checkpoint the store would
         not (wholly) delete is logged with what stayed and not returned. What it costs, and what
         this store remembers between calls to bound it: :mod:`~spot_callbacks.store.retention`.
         """
-        return retention.prune(self, keep_last, lineage, protected, FOLLOWED_LINEAGE)
+        return retention.prune(self, keep_last, lineage, protected, FOLLOWED_LINEAGE, vouched)
 
 
 def _stray(why: str) -> str:

@@ -240,6 +240,7 @@ def retention_victims(
     damaged: Callable[[CheckpointInfo], bool],
     lineage: str | None,
     protected: Iterable[int] = (),
+    vouched: Iterable[int] | None = None,
 ) -> list[CheckpointInfo]:
     """What retention may delete of the committed checkpoints ``seen`` (oldest first), oldest first.
 
@@ -251,26 +252,53 @@ def retention_victims(
     never deleted by a run (``spot-callbacks rm`` does that). ``damaged`` is asked only until
     ``keep_last`` valid ones are found; ``keep_last=0`` keeps all.
 
+    ``vouched`` (a run's retention: the steps it committed, and the one it resumed from): only those
+    count toward ``keep_last``. A checkpoint of the lineage that the run did not write is neither
+    counted nor deleted while it is above the oldest vouched step (a manifest put there by someone
+    else must not push the run's own out), logged once; below it, it is the history that led to the
+    resume point and goes like any older one.
+
     Example:
         >>> from datetime import datetime, timezone
         >>> infos = [CheckpointInfo(s, f"memory://run/{s}", datetime.now(timezone.utc), "end", 1, "demo") for s in (15, 16, 17, 18, 20)]
         >>> # keep_last=1, step 20 committed but unloadable, the run resumed from 15 and reached 18:
         >>> [i.step for i in retention_victims(infos, 1, lambda i: i.step == 20, None, protected=[15, 18])]
         [16, 17]
+        >>> # the run resumed from 15 and committed 17 and 18; 16 and 20 appeared, written by no one it knows:
+        >>> [i.step for i in retention_victims(infos, 2, lambda i: False, None, protected=[15, 18],
+        ...                                    vouched=[15, 17, 18])]
+        []
     """
     if keep_last < 0:
         raise ValueError(f"keep_last={keep_last!r} must be >= 0")
     if keep_last == 0:
         return []
     keep = set(protected)
+    own = None if vouched is None else set(vouched)
+    oldest_own = min(own) if own else None
     valid_kept = 0
     victims = []
     for info in reversed([info for info in seen if lineage_of(info) == lineage]):
-        if valid_kept < keep_last:
+        if own is not None and info.step not in own and (oldest_own is None or info.step > oldest_own):
+            _say_unvouched(info)
+        elif valid_kept < keep_last:
             valid_kept += not damaged(info)
         elif info.step not in keep:
             victims.append(info)
     return victims[::-1]
+
+
+_said_unvouched: set[str] = set()
+
+
+def _say_unvouched(info: CheckpointInfo) -> None:
+    if info.url not in _said_unvouched:
+        _said_unvouched.add(info.url)
+        log.warning(
+            "spot_callbacks: %s continues this run's lineage but this run did not write it (another process "
+            "on this dirpath, or a manifest put there by hand): retention neither counts nor deletes it",
+            info.url,
+        )  # fmt: skip
 
 
 def retention_follows(deadline: float | None) -> bool:

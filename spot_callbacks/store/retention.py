@@ -57,6 +57,7 @@ def prune(
     lineage: str | None,
     protected: Iterable[int],
     followed: str,
+    vouched: Iterable[int] | None = None,
 ) -> list[int]:
     """``CheckpointStore.prune``: ``lineage == followed`` prunes the lineage ``latest()`` follows."""
     if keep_last < 0:
@@ -69,7 +70,7 @@ def prune(
     if sum(protocol.lineage_of(info) == chosen for info in seen) <= keep_last:
         return []
     damaged = lambda info: store.damage(info) is not None  # noqa: E731
-    victims = protocol.retention_victims(seen, keep_last, damaged, chosen, protected)
+    victims = protocol.retention_victims(seen, keep_last, damaged, chosen, protected, vouched)
     deleted = _delete_all(store, victims, keep_last) if victims else []
     for info in victims:
         memory.forget(info.step)

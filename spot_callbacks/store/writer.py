@@ -52,6 +52,8 @@ class CommitWriter:
 
     def __init__(self, store: CheckpointStore) -> None:
         self.store = store
+        # The steps this writer committed: what its retention may count (commit.retention_victims).
+        self.committed_steps: set[int] = set()
 
     def __repr__(self) -> str:
         return f"CommitWriter({self.store.url!r})"
@@ -142,8 +144,10 @@ class CommitWriter:
                     "spot_callbacks: %s reported %s: %s, but the manifest is in the store as written: "
                     "checkpoint %s is committed", what, type(err).__name__, err, info.url,
                 )  # fmt: skip
+                self.committed_steps.add(step)
                 return info
             raise
+        self.committed_steps.add(step)
         return info
 
     def _read_back(self, path: str) -> bytes | None:
@@ -205,7 +209,10 @@ class CommitWriter:
             # The committing run's lineage; what it resumed from stays while it runs (its fallback).
             resumed = protocol.resumed_from(info)
             protected = {info.step} if resumed is None else {info.step, resumed}
-            store.prune(keep_last, protocol.lineage_of(info), protected)
+            # Counted toward keep_last: what this run committed and what it resumed from, nothing else.
+            store.prune(
+                keep_last, protocol.lineage_of(info), protected, vouched=self.committed_steps | protected
+            )
         except Exception as err:  # noqa: BLE001 - retention failing must not fail the commit
             log.warning(
                 "spot_callbacks: retention in %s failed, will retry after the next commit: %s", store.url, err
