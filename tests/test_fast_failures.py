@@ -26,12 +26,12 @@ def _refused_endpoint() -> str:
         return f"http://127.0.0.1:{probe.getsockname()[1]}"
 
 
-def _ls(endpoint: str) -> tuple[subprocess.CompletedProcess[str], float]:
+def _ls(endpoint: str, *extra: str) -> tuple[subprocess.CompletedProcess[str], float]:
     options = json.dumps({"endpoint_url": endpoint, "key": "k", "secret": "s"})
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPOT_")}
     started = time.monotonic()
     result = subprocess.run(
-        [str(BIN / "spot-callbacks"), "--storage-options", options, "ls", "s3://bucket/run"],
+        [str(BIN / "spot-callbacks"), "--storage-options", options, *extra, "ls", "s3://bucket/run"],
         capture_output=True, text=True, timeout=120, env=env,
     )  # fmt: skip
     return result, time.monotonic() - started
@@ -51,6 +51,21 @@ def test_ls_on_an_endpoint_that_never_answers_fails_within_15s(silent_socket: st
     assert result.returncode == 1
     assert "did not answer in time" in result.stderr and "Traceback" not in result.stderr
     assert took_s <= 15.0, f"a silent endpoint took {took_s:.1f}s"
+
+
+def test_timeout_bounds_a_command_on_an_endpoint_that_never_answers(silent_socket: str) -> None:  # noqa: F811
+    result, took_s = _ls(silent_socket, "--timeout", "3s")
+    assert result.returncode == 1 and "did not answer in time" in result.stderr, result.stderr
+    assert took_s <= 9.0, f"--timeout 3s took {took_s:.1f}s"
+
+
+def test_timeout_leaves_the_environment_as_it_found_it(tmp_path) -> None:
+    from spot_callbacks.cli import main
+
+    before = {k: v for k, v in os.environ.items() if k.startswith("SPOT_")}
+    assert main(["--timeout", "7s", "ls", str(tmp_path / "run")]) == 1  # nothing stored there: one line
+    assert {k: v for k, v in os.environ.items() if k.startswith("SPOT_")} == before
+    assert main(["ls", "--timeout", "soon", str(tmp_path / "run")]) == 2  # a usage error names the flag
 
 
 def test_a_training_start_on_a_refused_port_fails_before_the_first_step(

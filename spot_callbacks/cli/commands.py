@@ -40,7 +40,7 @@ from typing import Any
 import fsspec
 
 import spot_callbacks.store.checkpoint_store as checkpoint_store
-from spot_callbacks import __version__
+from spot_callbacks import __version__, settings
 from spot_callbacks._format import count_of, human_size, printable
 from spot_callbacks.accounting.attempts import attempt_outcomes, attempts_of_lineage, read_attempts
 from spot_callbacks.accounting.costs import plan_job
@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         return stop.code if isinstance(stop.code, int) else (EXIT_OK if stop.code is None else EXIT_USAGE)
 
     verbosity: int = args.verbose or 0
+    restore_environment = _apply_timeout(getattr(args, "timeout", None))
     redact = Redactor()
     restore_logging = install_log_handler(verbosity, redact)
     try:
@@ -137,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_ERROR
     finally:
         restore_logging()
+        restore_environment()
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -333,6 +335,48 @@ def _add_global_options(parser: argparse.ArgumentParser, *, suppress_defaults: b
         default=argparse.SUPPRESS if suppress_defaults else 0,
         help="log what happens (-vv: also fsspec) and show tracebacks",
     )
+    parser.add_argument(
+        "--timeout",
+        metavar="DURATION",
+        type=_timeout,
+        default=argparse.SUPPRESS if suppress_defaults else None,
+        help="how long the command may wait for the store before it fails with the cause "
+        "(e.g. 10, 30s, 2min; default: SPOT_PREFLIGHT_TIMEOUT_S for the first contact, SPOT_STORE_TIMEOUT_S per call)",
+    )
+
+
+def _timeout(text: str) -> float:
+    try:
+        seconds = parse_duration(text, key="--timeout")
+    except ConfigError:
+        seconds = None
+    if seconds is None or not seconds > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration; use e.g. 10, 30s or 2min")
+    return seconds
+
+
+def _apply_timeout(seconds: float | None) -> Callable[[], None]:
+    """``--timeout``: this command's bounds on the store, through the knobs training reads too;
+    returns what puts the environment back (``main`` may run many times in one process)."""
+    if seconds is None:
+        return lambda: None
+    connect_s = min(settings.CONNECT_TIMEOUT_S.value(), seconds / 2)
+    bounds = {
+        settings.PREFLIGHT_TIMEOUT_S.name: seconds,
+        settings.STORE_TIMEOUT_S.name: seconds,
+        settings.CONNECT_TIMEOUT_S.name: connect_s,
+    }
+    before = {name: os.environ.get(name) for name in bounds}
+    os.environ.update({name: f"{value:g}" for name, value in bounds.items()})
+
+    def restore() -> None:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+    return restore
 
 
 def _step(text: str) -> int:
