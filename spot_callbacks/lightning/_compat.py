@@ -12,6 +12,9 @@
 - ``_SignalConnector.received_sigterm``: set on every rank to stop them all the same way.
 - ``PL_GLOBAL_SEED``: the seed of the DistributedSampler Lightning injects.
 - ``fit_loop.epoch_progress``: normalised after a resume from an epoch's last batch.
+- ``loops`` of a checkpoint dumped in ``on_train_end`` (the progress counters' keys), and
+  ``epoch_loop._num_ready_batches_reached`` / ``_should_accumulate``: rewritten so a larger
+  ``max_steps`` / ``max_epochs`` trains on (``fit`` closes the epoch it stops in).
 - ``fit_loop._data_fetcher`` / ``CombinedLoader._iterator``: to put a plain (non-stateful)
   train loader back at its mid-epoch position.
 - ``fit_loop.epoch_loop.batch_progress``: whether an exception came between batches.
@@ -359,12 +362,58 @@ def restore_epoch_position(trainer: Any, batches_done: int) -> bool:
     return True
 
 
+def loops_as_fit_left_them(trainer: Any, checkpoint: dict[str, Any]) -> int:
+    """Rewrite the loop state of a checkpoint dumped in ``on_train_end`` so that a resume with a
+    larger ``max_steps`` / ``max_epochs`` trains on as the uninterrupted run would; returns the
+    epoch it resumes in.
+
+    Lightning closes the epoch when ``fit`` stops (``FitLoop.on_advance_end`` counts it completed),
+    so the state as dumped resumes in a new epoch: after a stop mid-epoch, the rest of the epoch is
+    counted as the next one (``current_epoch`` one ahead, ``max_epochs`` reached one epoch early);
+    after an epoch's last batch, the next epoch starts with the old batch counters and runs one
+    batch past the end. Mid-epoch, the state becomes that of a checkpoint taken in the last
+    ``on_train_batch_end`` (what an emergency checkpoint holds, resumed exactly); at an epoch's end,
+    that of the loop between two epochs (the next one's counters reset, as ``reset_on_run`` does).
+    Unchanged when the loop is not closed as ``fit`` leaves it (a checkpoint from elsewhere).
+    """
+    fit_loop = checkpoint.get("loops", {}).get("fit_loop")
+    epoch_loop = trainer.fit_loop.epoch_loop
+    if not isinstance(fit_loop, dict):
+        return int(trainer.current_epoch)
+    epochs = fit_loop.get("epoch_progress", {})
+    batches = fit_loop.get("epoch_loop.batch_progress", {})
+    closed = all(
+        len({counts.get(key) for key in ("ready", "started", "processed", "completed")}) == 1
+        for counts in (epochs.get("current", {}), epochs.get("total", {}), batches.get("current", {}))
+    )
+    if not closed or not batches["current"]["completed"]:
+        return int(trainer.current_epoch)
+    if epoch_loop._num_ready_batches_reached():  # the epoch ran to its end
+        for name in ("epoch_loop.batch_progress", "epoch_loop.scheduler_progress"):
+            fit_loop[name]["current"] = dict.fromkeys(fit_loop[name]["current"], 0)
+        fit_loop["epoch_loop.batch_progress"]["is_last_batch"] = False
+        optimizer = fit_loop.get("epoch_loop.automatic_optimization.optim_progress", {}).get("optimizer", {})
+        for progress in optimizer.values():
+            progress["current"] = dict.fromkeys(progress["current"], 0)
+        return int(epochs["current"]["completed"])
+    for counts in (epochs["current"], epochs["total"]):
+        counts["processed"] -= 1
+        counts["completed"] -= 1
+    for counts in (batches["current"], batches["total"]):
+        counts["completed"] -= 1
+    if not epoch_loop._should_accumulate():  # on restart, Lightning counts the step again
+        fit_loop["epoch_loop.state_dict"]["_batches_that_stepped"] -= 1
+    return int(epochs["current"]["completed"])
+
+
 def mark_epoch_started(trainer: Any) -> None:
     """Resumed from a checkpoint taken after an epoch's last batch, Lightning runs the next epoch
     without counting it as started (no ``on_train_epoch_start``); a checkpoint taken in that epoch
     would then resume one batch off. Count it as an uninterrupted run does."""
     progress = trainer.fit_loop.epoch_progress.current
-    if progress.started == progress.completed:
+    # Restarted between two epochs (loops_as_fit_left_them), Lightning starts the next one itself.
+    mid_epoch = getattr(trainer.fit_loop, "restarted_mid_epoch", True)
+    if progress.started == progress.completed and mid_epoch:
         trainer.fit_loop.epoch_progress.increment_ready()
         trainer.fit_loop.epoch_progress.increment_started()
 

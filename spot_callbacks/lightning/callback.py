@@ -155,13 +155,15 @@ class _SpotCheckpointHooks:
             assert action.reason is not None  # a save always carries its reason
             self._save(trainer, action.reason)
 
-    def _save(self, trainer: Any, reason: str) -> None:
+    def _save(self, trainer: Any, reason: str, fit_ended: bool = False) -> None:
         step, epoch = trainer.global_step, trainer.current_epoch
         self._saving = True  # the dump calls state_dict(): see there
         try:
             state, sharded_meta = compat.dump_for_save(trainer)
         finally:
             self._saving = False
+        if fit_ended:  # a larger max_steps / max_epochs trains on from here
+            epoch = compat.loops_as_fit_left_them(trainer, state if sharded_meta is None else sharded_meta)
         if sharded_meta is not None:  # FSDP: every rank persists its own shards
             self.engine.save_sharded_state(step, epoch, state, reason, meta=sharded_meta)
         else:
@@ -185,7 +187,7 @@ class _SpotCheckpointHooks:
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         reason = self.engine.end_reason(trainer.global_step)
         if reason is not None:
-            self._save(trainer, reason)
+            self._save(trainer, reason, fit_ended=True)
         self.engine.finish()
         compat.log_persist_records(trainer, self.engine.new_records())
         self.engine.log_cost_summary()

@@ -1,0 +1,132 @@
+"""A finished run resumed with a larger horizon trains on, as the uninterrupted longer run would.
+
+Lightning: ``fit(max_steps=N)`` to the end, then a new Trainer with ``max_steps=M > N`` (or a larger
+``max_epochs``) and ``ckpt_path="latest"``. HF: ``train()`` to ``max_steps=N``, then
+``max_steps=M`` from ``ckpt.latest()``. And one warning line when the horizon changed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from spot_callbacks.lightning import SpotCheckpoint
+
+BATCHES_PER_EPOCH = 10
+
+
+class ShuffledNet(pl.LightningModule):
+    """Dropout, a shuffled loader and a per-step LR schedule: a resume off by one batch shows in the weights."""
+
+    def __init__(self, scheduler: str = "step", total_steps: int = 0) -> None:
+        super().__init__()
+        self.layers = torch.nn.Sequential(
+            torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(32, 1)
+        )
+        self.scheduler, self.total_steps = scheduler, total_steps
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.layers(x), y)
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        if self.scheduler == "onecycle":
+            scheduler: Any = torch.optim.lr_scheduler.OneCycleLR(
+                optimizer, 0.05, total_steps=self.total_steps
+            )
+        elif self.scheduler == "cosine":
+            scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=self.total_steps)
+        else:
+            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.9)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class OptimizerSteps(pl.Callback):
+    """The optimizer steps this fit ran and the (epoch, batch index) of each batch."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.batches: list[tuple[int, int]] = []
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
+        self.steps += 1
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.batches.append((trainer.current_epoch, batch_idx))
+
+
+def loader() -> DataLoader:
+    data = torch.Generator().manual_seed(1234)
+    x = torch.randn(32 * BATCHES_PER_EPOCH, 16, generator=data)
+    return DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=32, shuffle=True)
+
+
+def fit(
+    dirpath: Path, seed: int = 1, scheduler: str = "step", total_steps: int = 0, **limits: int
+) -> tuple[pl.Trainer, OptimizerSteps, dict[str, torch.Tensor]]:
+    """One ``fit`` from "latest" of ``dirpath``, with its ``max_steps`` / ``max_epochs`` (default: unbounded)."""
+    counted = OptimizerSteps()
+    spot = SpotCheckpoint(dirpath=str(dirpath), interval=None, preemption=[])
+    trainer = pl.Trainer(
+        callbacks=[spot, counted], logger=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu", **{"max_steps": -1, "max_epochs": -1, **limits},
+    )  # fmt: skip
+    torch.manual_seed(0)  # the same initial weights in every run
+    model = ShuffledNet(scheduler, total_steps)
+    torch.manual_seed(seed)  # a resumed run's own seed: the checkpoint's RNG must win
+    trainer.fit(model, loader(), ckpt_path="latest")
+    return trainer, counted, {name: value.clone() for name, value in model.state_dict().items()}
+
+
+def assert_same_weights(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> None:
+    different = [name for name in expected if not torch.equal(expected[name], actual[name])]
+    assert not different, f"tensors differ from the uninterrupted run: {different}"
+
+
+# ----------------------------------------------------------------------------- Lightning
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [pytest.param(6, 10, id="mid-epoch-to-epoch-end"), pytest.param(6, 14, id="mid-epoch-into-the-next"),
+     pytest.param(10, 14, id="epoch-end-into-the-next"), pytest.param(13, 27, id="second-epoch-to-third")],
+)  # fmt: skip
+def test_lightning_larger_max_steps_trains_on_like_the_uninterrupted_run(tmp_path, first, second):
+    uninterrupted, _, expected = fit(tmp_path / "uninterrupted", max_steps=second)
+    finished, _, _ = fit(tmp_path / "run", max_steps=first)
+    assert finished.global_step == first
+    resumed, counted, weights = fit(tmp_path / "run", seed=7, max_steps=second)
+    assert resumed.global_step == second
+    assert counted.steps == second - first  # it trained on, and redid nothing
+    # The epoch goes on where it stopped: the batches are those the longer run had after `first`.
+    assert counted.batches[0] == divmod(first, BATCHES_PER_EPOCH)
+    assert resumed.current_epoch == uninterrupted.current_epoch
+    assert_same_weights(expected, weights)
+
+
+@pytest.mark.parametrize(
+    "first",
+    [pytest.param({"max_epochs": 1}, id="max_epochs"), pytest.param({"max_steps": 6}, id="max_steps")],
+)
+def test_lightning_larger_max_epochs_trains_on_like_the_uninterrupted_run(tmp_path, first):
+    uninterrupted, _, expected = fit(tmp_path / "uninterrupted", max_epochs=2)
+    finished, _, _ = fit(tmp_path / "run", **first)
+    resumed, counted, weights = fit(tmp_path / "run", seed=7, max_epochs=2)
+    assert resumed.global_step == uninterrupted.global_step == 2 * BATCHES_PER_EPOCH
+    assert counted.steps == 2 * BATCHES_PER_EPOCH - finished.global_step
+    assert resumed.current_epoch == uninterrupted.current_epoch == 2
+    assert_same_weights(expected, weights)
+
+
+def test_lightning_the_same_max_steps_again_trains_nothing(tmp_path):
+    fit(tmp_path / "run", max_steps=6)
+    again, counted, _ = fit(tmp_path / "run", max_steps=6)
+    assert (again.global_step, counted.steps) == (6, 0)
+    bigger, counted, _ = fit(tmp_path / "run", max_steps=8)
+    assert (bigger.global_step, counted.steps) == (8, 2)
