@@ -7,6 +7,7 @@ Lightning: ``fit(max_steps=N)`` to the end, then a new Trainer with ``max_steps=
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from spot_callbacks.lightning import SpotCheckpoint
+from spot_callbacks.training_horizon import Horizon, limit_changes
 
 BATCHES_PER_EPOCH = 10
 
@@ -53,12 +55,38 @@ class OptimizerSteps(pl.Callback):
     def __init__(self) -> None:
         self.steps = 0
         self.batches: list[tuple[int, int]] = []
+        self.warnings_before_first_batch: list[str] | None = None
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
         self.steps += 1
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if not self.batches:
+            self.warnings_before_first_batch = horizon_warnings()
         self.batches.append((trainer.current_epoch, batch_idx))
+
+
+class Recorded(logging.Handler):
+    """The spot_callbacks log lines of the test running now."""
+
+    lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno >= logging.WARNING:
+            Recorded.lines.append(record.getMessage())
+
+
+def horizon_warnings() -> list[str]:
+    return [line for line in Recorded.lines if "training horizon" in line]
+
+
+@pytest.fixture(autouse=True)
+def recorded_warnings():
+    handler, logger = Recorded(), logging.getLogger("spot_callbacks")
+    Recorded.lines = []
+    logger.addHandler(handler)
+    yield Recorded.lines
+    logger.removeHandler(handler)
 
 
 def loader() -> DataLoader:
@@ -130,3 +158,53 @@ def test_lightning_the_same_max_steps_again_trains_nothing(tmp_path):
     assert (again.global_step, counted.steps) == (6, 0)
     bigger, counted, _ = fit(tmp_path / "run", max_steps=8)
     assert (bigger.global_step, counted.steps) == (8, 2)
+
+
+def test_lightning_the_same_horizon_again_says_nothing(tmp_path):
+    fit(tmp_path / "run", scheduler="cosine", total_steps=6, max_steps=6)
+    assert horizon_warnings() == []
+    fit(tmp_path / "run", scheduler="cosine", total_steps=6, max_steps=6)
+    assert horizon_warnings() == []
+
+
+def test_lightning_a_larger_max_steps_and_schedule_warns_once_before_the_first_step(tmp_path):
+    fit(tmp_path / "run", scheduler="cosine", total_steps=6, max_steps=6)
+    resumed, counted, _ = fit(tmp_path / "run", scheduler="cosine", total_steps=10, max_steps=10)
+    assert resumed.global_step == 10 and counted.steps == 4
+    (warning,) = horizon_warnings()
+    assert counted.warnings_before_first_batch == [warning]
+    assert "resuming at step 6" in warning
+    assert "max_steps 6 -> 10 (training goes on to step 10)" in warning
+    # Lightning loads the scheduler's whole state: the checkpoint's T_max wins, and the message says so.
+    assert "CosineAnnealingLR T_max 6 -> 10 (the checkpoint's 6 is restored over it" in warning
+    assert resumed.lr_scheduler_configs[0].scheduler.T_max == 6
+
+
+def test_lightning_a_onecycle_schedule_restored_shorter_than_max_steps_is_named_before_it_raises(tmp_path):
+    fit(tmp_path / "run", scheduler="onecycle", total_steps=6, max_steps=6)
+    with pytest.raises(ValueError, match="Tried to step"):  # torch's OneCycleLR past its total_steps
+        fit(tmp_path / "run", scheduler="onecycle", total_steps=10, max_steps=10)
+    (warning,) = horizon_warnings()
+    assert "OneCycleLR total_steps 6 -> 10" in warning and "OneCycleLR raises when stepped past it" in warning
+
+
+def test_lightning_a_smaller_max_steps_or_max_epochs_says_it_stops_at_once(tmp_path):
+    fit(tmp_path / "run", max_epochs=1)
+    again, counted, _ = fit(tmp_path / "run", max_steps=4)
+    assert (again.global_step, counted.steps) == (10, 0)
+    (warning,) = horizon_warnings()
+    assert "max_steps none -> 4 (the checkpoint is at step 10 already: training stops at once)" in warning
+    assert "max_epochs 1 -> none (no epoch limit now)" in warning
+
+
+def test_lightning_a_larger_max_epochs_warns_naming_the_epochs(tmp_path):
+    fit(tmp_path / "run", max_epochs=1)
+    fit(tmp_path / "run", max_epochs=3)
+    (warning,) = horizon_warnings()
+    assert "max_epochs 1 -> 3 (training goes on until 3 epochs are done)" in warning
+
+
+def test_a_checkpoint_without_a_recorded_horizon_compares_no_limits():
+    assert Horizon.from_dict(None) is None and Horizon.from_dict("6") is None
+    assert limit_changes(None, Horizon(10, None), step=6, epochs_done=0) == []
+    assert Horizon.from_dict({"max_steps": True, "max_epochs": float("nan")}) == Horizon(None, None)

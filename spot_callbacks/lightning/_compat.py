@@ -9,6 +9,8 @@
   write, without writing it (the engine snapshots and persists it in the background); for sharded
   strategies, ``_save_distributed_checkpoint`` / ``_state_dict_type`` and the DCP key layout of
   their ``save_checkpoint`` (``state_dict`` / ``model``, ``optimizer_N``, the rest in ``meta.pt``).
+- ``_CheckpointConnector.restore_lr_schedulers`` / ``restore_training_state`` / ``_loaded_checkpoint``:
+  the schedulers' state as configured, before the checkpoint's is loaded over it (the horizon warning).
 - ``_SignalConnector.received_sigterm``: set on every rank to stop them all the same way.
 - ``PL_GLOBAL_SEED``: the seed of the DistributedSampler Lightning injects.
 - ``fit_loop.epoch_progress``: normalised after a resume from an epoch's last batch.
@@ -57,6 +59,7 @@ from spot_callbacks.staging import (
 )
 from spot_callbacks.store import CheckpointInfo
 from spot_callbacks.store.layout import DCP_METADATA_FILE, STATE_FILE
+from spot_callbacks.training_horizon import Horizon
 
 SHARDED_META_FILE = "meta.pt"  # Lightning's _METADATA_FILENAME beside a sharded checkpoint's DCP files
 
@@ -267,6 +270,50 @@ def install_latest_resolution(trainer: Any, resolve: Callable[[], str | None]) -
     connector.resume_start = resume_start
     connector.restore_model = restore_model
     connector._spot_resolves_latest = True
+
+
+def install_horizon_check(
+    trainer: Any, restored: Callable[[list[tuple[str, dict[str, Any], Any]]], None]
+) -> None:
+    """Call ``restored`` once a checkpoint's training state is restored (before the first step,
+    also when ``fit`` then stops at once) with each scheduler's class name, its ``state_dict`` as
+    configured now, and the checkpoint's, which Lightning has loaded over it (idempotent)."""
+    connector = trainer._checkpoint_connector
+    if getattr(connector, "_spot_checks_horizon", False):
+        return
+    original_schedulers, original_training_state = (
+        connector.restore_lr_schedulers,
+        connector.restore_training_state,
+    )
+    schedulers: list[tuple[str, dict[str, Any], Any]] = []
+
+    def restore_lr_schedulers() -> Any:
+        saved = (connector._loaded_checkpoint or {}).get("lr_schedulers") or []
+        schedulers[:] = [
+            (type(config.scheduler).__name__, dict(config.scheduler.state_dict()), state)
+            for config, state in zip(trainer.lr_scheduler_configs, saved, strict=False)
+        ]
+        return original_schedulers()
+
+    def restore_training_state() -> Any:
+        schedulers.clear()
+        result = original_training_state()
+        if connector._loaded_checkpoint:
+            restored(list(schedulers))
+        return result
+
+    connector.restore_lr_schedulers = restore_lr_schedulers
+    connector.restore_training_state = restore_training_state
+    connector._spot_checks_horizon = True
+
+
+def horizon(trainer: Any) -> Horizon:
+    """The limits this trainer's ``fit`` runs to."""
+    return Horizon.of(trainer.max_steps, trainer.max_epochs)
+
+
+def epochs_done(trainer: Any) -> int:
+    return int(trainer.fit_loop.epoch_progress.current.completed)
 
 
 def signal_connector_notice(trainer: Any, known: Notice | None) -> Notice | None:

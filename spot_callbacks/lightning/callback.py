@@ -16,6 +16,12 @@ from spot_callbacks.config import SpotConfig, checked_arguments
 from spot_callbacks.engine import STATE_FILE, SpotEngine
 from spot_callbacks.preemption import PREEMPTED_EXIT_CODE
 from spot_callbacks.store import CheckpointStore
+from spot_callbacks.training_horizon import (
+    Horizon,
+    limit_changes,
+    restored_scheduler_changes,
+    warn_if_horizon_changed,
+)
 from spot_callbacks.trigger.rules import AfterEmergency, StepAction
 
 STATE_FORMAT = 1
@@ -102,12 +108,23 @@ class _SpotCheckpointHooks:
             return
         self._trainer = trainer
         compat.install_latest_resolution(trainer, self._resolve_latest)
+        compat.install_horizon_check(trainer, self._horizon_restored)
         self.engine.start()
 
     def _resolve_latest(self) -> str | None:
         if self.engine.pull_latest(check=compat.check_loadable) is None or self.engine.resumed is None:
             return None
         return compat.path_to_load(self._trainer, self.engine.resumed, STATE_FILE)
+
+    def _horizon_restored(self, schedulers: list[tuple[str, dict[str, Any], Any]]) -> None:
+        # Only our own checkpoints record the limits they were written under (older ones neither).
+        saved = Horizon.from_dict((self._resume_state or {}).get("horizon"))
+        trainer = self._trainer
+        step = trainer.global_step
+        changes = limit_changes(saved, compat.horizon(trainer), step, compat.epochs_done(trainer))
+        changes += restored_scheduler_changes(schedulers)
+        if trainer.is_global_zero:
+            warn_if_horizon_changed(step, changes)
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         self._position.fit_starts()
@@ -219,6 +236,7 @@ class _SpotCheckpointHooks:
             # Inside our own save the clock restarts with this checkpoint; in anyone else's it runs on.
             "engine": self.engine.state_dict(at_checkpoint=self._saving),
             **self._position.state_dict(self._trainer),
+            **({"horizon": compat.horizon(self._trainer).to_dict()} if self._trainer is not None else {}),
             "seed_environment": compat.seed_environment(),
         }
 
