@@ -147,7 +147,11 @@ def learning_rate_change(name: str, old_lrs: Any, new_lrs: Sequence[float], step
         math.isclose(old, new, rel_tol=1e-6, abs_tol=1e-12) for old, new in zip(old_lrs, new_lrs, strict=True)
     ):
         return []
-    shown = [", ".join(f"{lr:.3g}" for lr in lrs) for lrs in (old_lrs, new_lrs)]
+    # One value when every parameter group has it (HF's decay and no-decay groups).
+    shown = [
+        ", ".join(f"{lr:.3g}" for lr in (lrs[:1] if len(set(lrs)) == 1 else lrs))
+        for lrs in (old_lrs, new_lrs)
+    ]
     return [
         f"learning rate {shown[0]} -> {shown[1]} at step {step} ({name} is rebuilt for the new horizon: "
         "it follows the new schedule from here)"

@@ -7,6 +7,7 @@ Lightning: ``fit(max_steps=N)`` to the end, then a new Trainer with ``max_steps=
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from pathlib import Path
 from typing import Any
@@ -14,12 +15,19 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+import transformers
 from torch.utils.data import DataLoader, TensorDataset
 
+from spot_callbacks.hf import SpotCheckpointCallback
 from spot_callbacks.lightning import SpotCheckpoint
 from spot_callbacks.training_horizon import Horizon, limit_changes
 
 BATCHES_PER_EPOCH = 10
+HF_STEPS_PER_EPOCH = 32  # tests/scripts/hf_run.py: 256 samples, batch 8
+
+_spec = importlib.util.spec_from_file_location("hf_run", Path(__file__).parent / "scripts" / "hf_run.py")
+hf_run = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(hf_run)
 
 
 class ShuffledNet(pl.LightningModule):
@@ -208,3 +216,87 @@ def test_a_checkpoint_without_a_recorded_horizon_compares_no_limits():
     assert Horizon.from_dict(None) is None and Horizon.from_dict("6") is None
     assert limit_changes(None, Horizon(10, None), step=6, epochs_done=0) == []
     assert Horizon.from_dict({"max_steps": True, "max_epochs": float("nan")}) == Horizon(None, None)
+
+
+# ----------------------------------------------------------------------------- Hugging Face
+
+
+class HfSteps(transformers.TrainerCallback):
+    """The optimizer steps this train() ran."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.warnings_before_first_step: list[str] | None = None
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.warnings_before_first_step is None:
+            self.warnings_before_first_step = horizon_warnings()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.steps += 1
+
+
+def train(
+    tmp_path: Path, run: str, schedule: str = "constant", **limits: Any
+) -> tuple[transformers.Trainer, HfSteps, dict[str, torch.Tensor]]:
+    """One ``train()`` from the newest committed checkpoint of ``run`` (tests/test_hf.py's tiny GPT-2)."""
+    ckpt = SpotCheckpointCallback(dirpath=str(tmp_path / run), interval=None, preemption=[])
+    counted = HfSteps()
+    output_dir = tmp_path / f"out-{run}-{len(list(tmp_path.glob(f'out-{run}-*')))}"  # a fresh disk each time
+    args = transformers.TrainingArguments(
+        output_dir=str(output_dir), per_device_train_batch_size=8, learning_rate=5e-3,
+        lr_scheduler_type=schedule, warmup_steps=0 if schedule == "constant" else 3, seed=1, data_seed=7,
+        save_strategy="no", logging_steps=5, report_to=[], use_cpu=True, dataloader_num_workers=0,
+        disable_tqdm=True, **{"max_steps": -1, **limits},
+    )  # fmt: skip
+    trainer = transformers.Trainer(
+        model=hf_run.build_model(), args=args, train_dataset=hf_run.TokenData(), callbacks=[ckpt, counted]
+    )
+    trainer.train(resume_from_checkpoint=ckpt.latest())
+    return (
+        trainer,
+        counted,
+        {name: value.detach().clone() for name, value in trainer.model.state_dict().items()},
+    )
+
+
+def test_hf_larger_max_steps_trains_on_like_the_uninterrupted_run(tmp_path):
+    # A constant learning rate: with a decaying one the uninterrupted run's schedule differs by design.
+    _, _, expected = train(tmp_path, "uninterrupted", max_steps=10)
+    finished, _, _ = train(tmp_path, "run", max_steps=6)
+    assert finished.state.global_step == 6
+    resumed, counted, weights = train(tmp_path, "run", max_steps=10)
+    assert (resumed.state.global_step, counted.steps) == (10, 4)
+    assert_same_weights(expected, weights)
+    (warning,) = horizon_warnings()
+    assert "max_steps 6 -> 10 (training goes on to step 10)" in warning and "learning rate" not in warning
+    assert counted.warnings_before_first_step == [warning]
+
+
+def test_hf_larger_num_train_epochs_trains_on_like_the_uninterrupted_run(tmp_path):
+    _, _, expected = train(tmp_path, "uninterrupted", num_train_epochs=2)
+    train(tmp_path, "run", num_train_epochs=1)
+    resumed, counted, weights = train(tmp_path, "run", num_train_epochs=2)
+    assert (resumed.state.global_step, counted.steps) == (2 * HF_STEPS_PER_EPOCH, HF_STEPS_PER_EPOCH)
+    assert_same_weights(expected, weights)
+    (warning,) = horizon_warnings()
+    assert "num_train_epochs 1 -> 2 (training goes on until 2 epochs are done)" in warning
+
+
+def test_hf_a_rebuilt_linear_schedule_names_the_learning_rate_jump(tmp_path):
+    train(tmp_path, "run", schedule="linear", max_steps=6)
+    assert horizon_warnings() == []
+    resumed, counted, _ = train(tmp_path, "run", schedule="linear", max_steps=10)
+    assert (resumed.state.global_step, counted.steps) == (10, 4)
+    (warning,) = horizon_warnings()
+    # The linear decay had reached 0 at step 6 of 6; rebuilt for 10 steps it is 5e-3 * 4/7 there.
+    assert "max_steps 6 -> 10" in warning and "learning rate 0 -> 0.00286 at step 6" in warning
+
+
+def test_hf_the_same_max_steps_again_says_nothing(tmp_path):
+    train(tmp_path, "run", schedule="linear", max_steps=6)
+    again, counted, _ = train(tmp_path, "run", schedule="linear", max_steps=6)
+    # As HF's own train(resume_from_checkpoint=...) of a finished run (transformers 5.24): its loop
+    # checks max_steps only after a step, so one more step runs. No callback event comes before it.
+    assert (again.state.global_step, counted.steps) == (7, 1)
+    assert horizon_warnings() == []
