@@ -14,6 +14,9 @@
 - ``Trainer._load_callback_state``: with ``restore_callback_states_from_checkpoint=True`` it
   re-instantiates every callback named in ``trainer_state.json``'s ``stateful_callbacks`` as
   ``type(callback)(**stored_args)``; wrapped so that a checkpoint never rebuilds ours.
+- ``LambdaLR.lr_lambdas`` / ``base_lrs`` / ``last_epoch`` (every Transformers schedule is a ``LambdaLR``,
+  rebuilt for the new ``max_steps``; a resume loads only its counters): the learning rate the rebuilt
+  schedule gives at the resumed step; ``AcceleratedScheduler.scheduler``: the one it wraps.
 - ``Trainer.train``: wrapped so that however it unwinds, our callbacks' runs are released (the
   Trainer has no exception event; ``on_train_end`` runs only after the last step).
 """
@@ -40,6 +43,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 import spot_callbacks.settings as settings
 from spot_callbacks.errors import ConfigError
 from spot_callbacks.run_lease import release_on_unwind
+from spot_callbacks.training_horizon import Horizon
 
 log = logging.getLogger("spot_callbacks")
 
@@ -373,3 +377,26 @@ def release_runs_when_train_unwinds() -> None:
             if getattr(type(callback), NEVER_RESTORED_MARK, False)
         ],
     )
+
+
+def horizon(args: Any) -> Horizon:
+    """The limit the user set: ``max_steps`` when positive (it overrides the epochs), else ``num_train_epochs``."""
+    max_steps = getattr(args, "max_steps", -1)
+    if isinstance(max_steps, int) and max_steps > 0:
+        return Horizon.of(max_steps, None)
+    return Horizon.of(None, getattr(args, "num_train_epochs", None))
+
+
+def rebuilt_schedule_rates(scheduler: Any) -> tuple[str, list[float], list[float]] | None:
+    """For a ``LambdaLR`` just resumed: its name, the learning rates the checkpoint left (restored
+    ``_last_lr``) and those its lambdas, built for this run's horizon, give at the restored step;
+    ``None`` for another kind of scheduler (its whole state was loaded)."""
+    scheduler = getattr(scheduler, "scheduler", scheduler)  # accelerate's AcceleratedScheduler
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        return None
+    step = scheduler.last_epoch
+    new_rates = [
+        float(base) * float(lr_lambda(step))
+        for lr_lambda, base in zip(scheduler.lr_lambdas, scheduler.base_lrs, strict=True)
+    ]
+    return type(scheduler).__name__, [float(rate) for rate in scheduler.get_last_lr()], new_rates

@@ -21,6 +21,12 @@ from spot_callbacks.hf.metrics import SpotMetrics
 from spot_callbacks.hf.saves import SaveRequest
 from spot_callbacks.preemption import Notice
 from spot_callbacks.store import CheckpointStore
+from spot_callbacks.training_horizon import (
+    Horizon,
+    learning_rate_change,
+    limit_changes,
+    warn_if_horizon_changed,
+)
 from spot_callbacks.trigger.rules import AfterEmergency, after_emergency
 
 # Local checkpoint-N newer than the newest commit go here: resume_from_checkpoint=True must not pick one.
@@ -142,9 +148,21 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
         self._position = hf_saves.data_position(args, kwargs, resumed, state.global_step)
         if resumed is not None and state.global_step == resumed.info.step and state.global_step > 0:
             self.engine.load_state_dict(resumed.info.extra.get("engine", {}))
+            self._warn_if_horizon_changed(args, state, resumed.info.extra, kwargs.get("lr_scheduler"))
             self._metrics.add({"spot/resume_s": resumed.pull_s})
             if self._staged.owns_folders and resumed.local_dir.parent == Path(args.output_dir):
                 self.engine.saves.adopt_local_copy(resumed.local_dir)  # cleaned up like the run's own
+
+    def _warn_if_horizon_changed(
+        self, args: Any, state: Any, checkpoint_extra: dict[str, Any], scheduler: Any
+    ) -> None:
+        # HF resumes a finished run with a larger max_steps itself; what changes is said once.
+        step = state.global_step
+        saved = Horizon.from_dict(checkpoint_extra.get("horizon"))  # None in older checkpoints
+        changes = limit_changes(saved, compat.horizon(args), step, state.epoch or 0, "num_train_epochs")
+        if (rates := compat.rebuilt_schedule_rates(scheduler)) is not None:
+            changes += learning_rate_change(rates[0], rates[1], rates[2], step)
+        warn_if_horizon_changed(step, changes)  # rank 0 says it for all
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # The integrations' on_train_begin has run (it opens their writers): log what is pending.
@@ -210,7 +228,12 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
 
     def _extra(self, save_path: str) -> dict[str, Any]:
         state = self.engine.state_dict(at_checkpoint=True)
-        return {"engine": state, "hf_save": save_path, "data_position": getattr(self, "_position", None)}
+        return {
+            "engine": state,
+            "hf_save": save_path,
+            "data_position": getattr(self, "_position", None),
+            "horizon": compat.horizon(self._args).to_dict(),
+        }
 
     def _after_checkpoint(self, control: Any, request: SaveRequest | None, stall_s: float | None) -> None:
         if stall_s is not None:  # persisted

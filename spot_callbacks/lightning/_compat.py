@@ -9,9 +9,14 @@
   write, without writing it (the engine snapshots and persists it in the background); for sharded
   strategies, ``_save_distributed_checkpoint`` / ``_state_dict_type`` and the DCP key layout of
   their ``save_checkpoint`` (``state_dict`` / ``model``, ``optimizer_N``, the rest in ``meta.pt``).
+- ``_CheckpointConnector.restore_lr_schedulers`` / ``restore_training_state`` / ``_loaded_checkpoint``:
+  the schedulers' state as configured, before the checkpoint's is loaded over it (the horizon warning).
 - ``_SignalConnector.received_sigterm``: set on every rank to stop them all the same way.
 - ``PL_GLOBAL_SEED``: the seed of the DistributedSampler Lightning injects.
 - ``fit_loop.epoch_progress``: normalised after a resume from an epoch's last batch.
+- ``loops`` of a checkpoint dumped in ``on_train_end`` (the progress counters' keys), and
+  ``epoch_loop._num_ready_batches_reached`` / ``_should_accumulate``: rewritten so a larger
+  ``max_steps`` / ``max_epochs`` trains on (``fit`` closes the epoch it stops in).
 - ``fit_loop._data_fetcher`` / ``CombinedLoader._iterator``: to put a plain (non-stateful)
   train loader back at its mid-epoch position.
 - ``fit_loop.epoch_loop.batch_progress``: whether an exception came between batches.
@@ -54,6 +59,7 @@ from spot_callbacks.staging import (
 )
 from spot_callbacks.store import CheckpointInfo
 from spot_callbacks.store.layout import DCP_METADATA_FILE, STATE_FILE
+from spot_callbacks.training_horizon import Horizon
 
 SHARDED_META_FILE = "meta.pt"  # Lightning's _METADATA_FILENAME beside a sharded checkpoint's DCP files
 
@@ -266,6 +272,50 @@ def install_latest_resolution(trainer: Any, resolve: Callable[[], str | None]) -
     connector._spot_resolves_latest = True
 
 
+def install_horizon_check(
+    trainer: Any, restored: Callable[[list[tuple[str, dict[str, Any], Any]]], None]
+) -> None:
+    """Call ``restored`` once a checkpoint's training state is restored (before the first step,
+    also when ``fit`` then stops at once) with each scheduler's class name, its ``state_dict`` as
+    configured now, and the checkpoint's, which Lightning has loaded over it (idempotent)."""
+    connector = trainer._checkpoint_connector
+    if getattr(connector, "_spot_checks_horizon", False):
+        return
+    original_schedulers, original_training_state = (
+        connector.restore_lr_schedulers,
+        connector.restore_training_state,
+    )
+    schedulers: list[tuple[str, dict[str, Any], Any]] = []
+
+    def restore_lr_schedulers() -> Any:
+        saved = (connector._loaded_checkpoint or {}).get("lr_schedulers") or []
+        schedulers[:] = [
+            (type(config.scheduler).__name__, dict(config.scheduler.state_dict()), state)
+            for config, state in zip(trainer.lr_scheduler_configs, saved, strict=False)
+        ]
+        return original_schedulers()
+
+    def restore_training_state() -> Any:
+        schedulers.clear()
+        result = original_training_state()
+        if connector._loaded_checkpoint:
+            restored(list(schedulers))
+        return result
+
+    connector.restore_lr_schedulers = restore_lr_schedulers
+    connector.restore_training_state = restore_training_state
+    connector._spot_checks_horizon = True
+
+
+def horizon(trainer: Any) -> Horizon:
+    """The limits this trainer's ``fit`` runs to."""
+    return Horizon.of(trainer.max_steps, trainer.max_epochs)
+
+
+def epochs_done(trainer: Any) -> int:
+    return int(trainer.fit_loop.epoch_progress.current.completed)
+
+
 def signal_connector_notice(trainer: Any, known: Notice | None) -> Notice | None:
     """A SIGTERM that Lightning's own handler caught (``received_sigterm``) and no watcher saw."""
     if getattr(trainer, "received_sigterm", False) and known is None:
@@ -359,12 +409,58 @@ def restore_epoch_position(trainer: Any, batches_done: int) -> bool:
     return True
 
 
+def loops_as_fit_left_them(trainer: Any, checkpoint: dict[str, Any]) -> int:
+    """Rewrite the loop state of a checkpoint dumped in ``on_train_end`` so that a resume with a
+    larger ``max_steps`` / ``max_epochs`` trains on as the uninterrupted run would; returns the
+    epoch it resumes in.
+
+    Lightning closes the epoch when ``fit`` stops (``FitLoop.on_advance_end`` counts it completed),
+    so the state as dumped resumes in a new epoch: after a stop mid-epoch, the rest of the epoch is
+    counted as the next one (``current_epoch`` one ahead, ``max_epochs`` reached one epoch early);
+    after an epoch's last batch, the next epoch starts with the old batch counters and runs one
+    batch past the end. Mid-epoch, the state becomes that of a checkpoint taken in the last
+    ``on_train_batch_end`` (what an emergency checkpoint holds, resumed exactly); at an epoch's end,
+    that of the loop between two epochs (the next one's counters reset, as ``reset_on_run`` does).
+    Unchanged when the loop is not closed as ``fit`` leaves it (a checkpoint from elsewhere).
+    """
+    fit_loop = checkpoint.get("loops", {}).get("fit_loop")
+    epoch_loop = trainer.fit_loop.epoch_loop
+    if not isinstance(fit_loop, dict):
+        return int(trainer.current_epoch)
+    epochs = fit_loop.get("epoch_progress", {})
+    batches = fit_loop.get("epoch_loop.batch_progress", {})
+    closed = all(
+        len({counts.get(key) for key in ("ready", "started", "processed", "completed")}) == 1
+        for counts in (epochs.get("current", {}), epochs.get("total", {}), batches.get("current", {}))
+    )
+    if not closed or not batches["current"]["completed"]:
+        return int(trainer.current_epoch)
+    if epoch_loop._num_ready_batches_reached():  # the epoch ran to its end
+        for name in ("epoch_loop.batch_progress", "epoch_loop.scheduler_progress"):
+            fit_loop[name]["current"] = dict.fromkeys(fit_loop[name]["current"], 0)
+        fit_loop["epoch_loop.batch_progress"]["is_last_batch"] = False
+        optimizer = fit_loop.get("epoch_loop.automatic_optimization.optim_progress", {}).get("optimizer", {})
+        for progress in optimizer.values():
+            progress["current"] = dict.fromkeys(progress["current"], 0)
+        return int(epochs["current"]["completed"])
+    for counts in (epochs["current"], epochs["total"]):
+        counts["processed"] -= 1
+        counts["completed"] -= 1
+    for counts in (batches["current"], batches["total"]):
+        counts["completed"] -= 1
+    if not epoch_loop._should_accumulate():  # on restart, Lightning counts the step again
+        fit_loop["epoch_loop.state_dict"]["_batches_that_stepped"] -= 1
+    return int(epochs["current"]["completed"])
+
+
 def mark_epoch_started(trainer: Any) -> None:
     """Resumed from a checkpoint taken after an epoch's last batch, Lightning runs the next epoch
     without counting it as started (no ``on_train_epoch_start``); a checkpoint taken in that epoch
     would then resume one batch off. Count it as an uninterrupted run does."""
     progress = trainer.fit_loop.epoch_progress.current
-    if progress.started == progress.completed:
+    # Restarted between two epochs (loops_as_fit_left_them), Lightning starts the next one itself.
+    mid_epoch = getattr(trainer.fit_loop, "restarted_mid_epoch", True)
+    if progress.started == progress.completed and mid_epoch:
         trainer.fit_loop.epoch_progress.increment_ready()
         trainer.fit_loop.epoch_progress.increment_started()
 

@@ -16,6 +16,12 @@ from spot_callbacks.config import SpotConfig, checked_arguments
 from spot_callbacks.engine import STATE_FILE, SpotEngine
 from spot_callbacks.preemption import PREEMPTED_EXIT_CODE
 from spot_callbacks.store import CheckpointStore
+from spot_callbacks.training_horizon import (
+    Horizon,
+    limit_changes,
+    restored_scheduler_changes,
+    warn_if_horizon_changed,
+)
 from spot_callbacks.trigger.rules import AfterEmergency, StepAction
 
 STATE_FORMAT = 1
@@ -102,12 +108,23 @@ class _SpotCheckpointHooks:
             return
         self._trainer = trainer
         compat.install_latest_resolution(trainer, self._resolve_latest)
+        compat.install_horizon_check(trainer, self._horizon_restored)
         self.engine.start()
 
     def _resolve_latest(self) -> str | None:
         if self.engine.pull_latest(check=compat.check_loadable) is None or self.engine.resumed is None:
             return None
         return compat.path_to_load(self._trainer, self.engine.resumed, STATE_FILE)
+
+    def _horizon_restored(self, schedulers: list[tuple[str, dict[str, Any], Any]]) -> None:
+        # Only our own checkpoints record the limits they were written under (older ones neither).
+        saved = Horizon.from_dict((self._resume_state or {}).get("horizon"))
+        trainer = self._trainer
+        step = trainer.global_step
+        changes = limit_changes(saved, compat.horizon(trainer), step, compat.epochs_done(trainer))
+        changes += restored_scheduler_changes(schedulers)
+        if trainer.is_global_zero:
+            warn_if_horizon_changed(step, changes)
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         self._position.fit_starts()
@@ -155,13 +172,15 @@ class _SpotCheckpointHooks:
             assert action.reason is not None  # a save always carries its reason
             self._save(trainer, action.reason)
 
-    def _save(self, trainer: Any, reason: str) -> None:
+    def _save(self, trainer: Any, reason: str, fit_ended: bool = False) -> None:
         step, epoch = trainer.global_step, trainer.current_epoch
         self._saving = True  # the dump calls state_dict(): see there
         try:
             state, sharded_meta = compat.dump_for_save(trainer)
         finally:
             self._saving = False
+        if fit_ended:  # a larger max_steps / max_epochs trains on from here
+            epoch = compat.loops_as_fit_left_them(trainer, state if sharded_meta is None else sharded_meta)
         if sharded_meta is not None:  # FSDP: every rank persists its own shards
             self.engine.save_sharded_state(step, epoch, state, reason, meta=sharded_meta)
         else:
@@ -185,7 +204,7 @@ class _SpotCheckpointHooks:
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         reason = self.engine.end_reason(trainer.global_step)
         if reason is not None:
-            self._save(trainer, reason)
+            self._save(trainer, reason, fit_ended=True)
         self.engine.finish()
         compat.log_persist_records(trainer, self.engine.new_records())
         self.engine.log_cost_summary()
@@ -217,6 +236,7 @@ class _SpotCheckpointHooks:
             # Inside our own save the clock restarts with this checkpoint; in anyone else's it runs on.
             "engine": self.engine.state_dict(at_checkpoint=self._saving),
             **self._position.state_dict(self._trainer),
+            **({"horizon": compat.horizon(self._trainer).to_dict()} if self._trainer is not None else {}),
             "seed_environment": compat.seed_environment(),
         }
 
