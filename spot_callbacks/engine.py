@@ -201,6 +201,32 @@ class SpotEngine:
         if self.is_writer:
             self.attempt.begin()
 
+    # ---------------------------------------------- what adapters ask of the parts (the one door)
+    @property
+    def pending_notice(self) -> Notice | None:
+        """The first notice since training started (signals received until now included), or None."""
+        return self.watcher.notice
+
+    def watches(self, source: str) -> bool:
+        """Whether ``source`` (a name of ``preemption.NOTICE_SOURCES``, e.g. ``"SIGTERM"``) is watched."""
+        return source in self.watcher.sources
+
+    def reassert_signal_handlers(self) -> None:
+        """Put this run's signal handlers back in front of one a framework installed over them."""
+        self.watcher.reassert()
+
+    def spans_nodes(self) -> bool:
+        """The ranks are on more than one machine (each node pulls and stages its own copy)."""
+        return self.saves.spans_nodes()
+
+    def save_folders_from_every_rank(self, every_rank: bool) -> None:
+        """A framework's checkpoint folder holds files of every rank (FSDP shards), not rank 0's only."""
+        self.saves.folders_span_ranks = every_rank
+
+    def adopt_local_copy(self, folder: Path) -> None:
+        """A folder resumed from, written outside the engine, is cleaned up like the run's own."""
+        self.saves.adopt_local_copy(folder)
+
     @property
     def region_check(self) -> RegionCheck | None:
         return self.watch.region_check

@@ -177,3 +177,34 @@ def test_the_checks_above_can_fail():
             """A writer's step put back on the face."""
 
     assert public_members(Wider) == {"upload_files"}
+
+
+ENGINE_PARTS = {"watcher", "saves", "store", "lease", "trigger", "accounts", "emergency", "attempt", "watch"}
+
+
+def reaches_past_the_engine(tree: ast.AST) -> list[str]:
+    """``engine.<part>.<anything>`` (``self.engine`` too): an adapter using a part of the engine directly."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute):
+            inner = node.value
+            owner = inner.value
+            owner_name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", None)
+            if owner_name == "engine" and inner.attr in ENGINE_PARTS:
+                found.append(f"engine.{inner.attr}.{node.attr}")
+    return found
+
+
+def test_adapters_go_through_the_engine_only():
+    adapters = [
+        *(PACKAGE / "lightning").glob("*.py"),
+        *(PACKAGE / "hf").glob("*.py"),
+        PACKAGE / "pytorch_lightning.py",
+    ]
+    reaching = {
+        str(path.relative_to(PACKAGE)): used
+        for path in adapters
+        if (used := reaches_past_the_engine(ast.parse(path.read_text())))
+    }
+    assert reaching == {}
+    assert reaches_past_the_engine(ast.parse("self.engine.watcher.notice")) == ["engine.watcher.notice"]

@@ -137,12 +137,12 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
         self._saves.clear()
         self.preempted = False
         compat.check_trainer_spans_the_process_group(args)
-        if compat.jit_checkpoint_enabled(args) and "SIGTERM" in self.engine.watcher.sources:
+        if compat.jit_checkpoint_enabled(args) and self.engine.watches("SIGTERM"):
             compat.bypass_jit_sigterm_handler(self.store.url)
         self.engine.start()
         compat.place_ahead_of_integrations(trainer := compat.running_trainer(), self)
-        self._staged.start(trainer, args, self.engine.saves.spans_nodes())
-        self.engine.saves.folders_span_ranks = self._staged.every_rank  # FSDP: every rank's shards
+        self._staged.start(trainer, args, self.engine.spans_nodes())
+        self.engine.save_folders_from_every_rank(self._staged.every_rank)  # FSDP: every rank's shards
         self._metrics.attach(trainer)
         resumed = self.engine.resumed
         self._position = hf_saves.data_position(args, kwargs, resumed, state.global_step)
@@ -151,7 +151,7 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
             self._warn_if_horizon_changed(args, state, resumed.info.extra, kwargs.get("lr_scheduler"))
             self._metrics.add({"spot/resume_s": resumed.pull_s})
             if self._staged.owns_folders and resumed.local_dir.parent == Path(args.output_dir):
-                self.engine.saves.adopt_local_copy(resumed.local_dir)  # cleaned up like the run's own
+                self.engine.adopt_local_copy(resumed.local_dir)  # cleaned up like the run's own
 
     def _warn_if_horizon_changed(
         self, args: Any, state: Any, checkpoint_extra: dict[str, Any], scheduler: Any

@@ -90,7 +90,7 @@ def jit_checkpoint_to_persist(engine: Any, args: Any, state: Any) -> Path | None
     With ``enable_jit_checkpoint`` and SIGTERM not among the engine's notice sources, the Trainer
     saved on SIGTERM without calling ``on_save``. Collective: every rank calls it together.
     """
-    if not compat.jit_checkpoint_enabled(args) or "SIGTERM" in engine.watcher.sources:
+    if not compat.jit_checkpoint_enabled(args) or engine.watches("SIGTERM"):
         return None
     step = state.global_step
     if step >= state.max_steps or not engine.needs_checkpoint(step):

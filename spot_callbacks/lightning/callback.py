@@ -133,7 +133,7 @@ class _SpotCheckpointHooks:
         # Lightning's SIGTERM handler (installed just before this hook) runs a broadcast inside
         # the handler, which deadlocks DDP when the signal reaches a rank other than 0. Ours
         # only records the notice; all ranks then agree at the next step boundary.
-        self.engine.watcher.reassert()
+        self.engine.reassert_signal_handlers()
         self._position.train_starts()
         if self._resume_state is not None:
             self._position.restore(trainer, self._resume_state)
@@ -158,11 +158,11 @@ class _SpotCheckpointHooks:
         # A notice that arrives during validation inside an epoch is handled before Lightning
         # raises SIGTERMException at the end of the batch.
         fitting = trainer.state.fn == self._fitting and not trainer.sanity_checking
-        if fitting and (trainer.received_sigterm or self.engine.watcher.notice is not None):
+        if fitting and (trainer.received_sigterm or self.engine.pending_notice is not None):
             self._step_boundary(trainer, report_failures=False)
 
     def _step_boundary(self, trainer: Any, report_failures: bool) -> None:
-        notice = compat.signal_connector_notice(trainer, self.engine.watcher.notice)
+        notice = compat.signal_connector_notice(trainer, self.engine.pending_notice)
         ask = self.engine.step_boundary if report_failures else self.engine.decide
         action = ask(trainer.global_step, notice)
         compat.log_persist_records(trainer, self.engine.new_records())  # commits since the last boundary
