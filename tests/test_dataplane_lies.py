@@ -149,3 +149,23 @@ def test_a_process_pulling_from_a_trickling_or_stalled_server_ends_the_pull_and_
         assert child.returncode == 3 and "did not answer in time" in child.stdout, output
         assert "Debug source" not in output, output
     assert took < 120, f"the pull through a {lie} took {took:.0f}s to end and exit: {output}"
+
+
+def test_a_server_without_bulk_delete_gets_single_deletes_and_retention_still_prunes(
+    s3_server, tmp_path
+) -> None:
+    url = f"s3://{s3_server.bucket}/no-bulk-{tmp_path.name}"
+    with hostile_proxy(s3_server.port, "", "no-bulk-delete") as proxy:
+        store = CheckpointStore(url, storage_options=through(proxy, s3_server), retry=FAST_RETRY)
+        writer = CommitWriter(store)
+        for step in (1, 2, 3, 4):
+            folder, _ = payload(tmp_path, step, 1000)
+            info = writer.write_checkpoint(step, folder, reason="manual", framework="test")
+            writer.settle(info, keep_last=2, deadline=None)
+        assert proxy.answered["POST"] >= 1  # the bulk delete was asked and refused
+    direct = CheckpointStore(url, storage_options=dict(s3_server.storage_options))
+    assert [info.step for info in direct.committed()] == [3, 4]
+    direct.fs.invalidate_cache()
+    assert not [
+        path for path in direct.fs.find(direct.root) if "step-000000001" in path or "step-000000002" in path
+    ]

@@ -18,6 +18,7 @@ Its cost is bounded by what it may delete, plus one listing and the lineage's ow
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import posixpath
 from collections.abc import Iterable
@@ -166,15 +167,39 @@ def _remove_files(store: Any, paths: list[str], what: str, recursive: bool = Fal
         return
     fs = store.fs
 
+    def one_by_one() -> None:
+        for path in paths:
+            with contextlib.suppress(FileNotFoundError):
+                fs.rm(path, recursive=True) if recursive else fs.rm_file(path)
+
     def remove() -> None:
+        if getattr(store, "_single_deletes", False):
+            one_by_one()
+            return
         try:
             fs.rm(paths, recursive=recursive)
         except FileNotFoundError:  # a local filesystem stops at one already gone: the others one by one
-            for path in paths:
-                with contextlib.suppress(FileNotFoundError):
-                    fs.rm(path, recursive=recursive)
+            one_by_one()
+        except (NotImplementedError, OSError) as err:
+            if not _bulk_delete_refused(err):
+                raise
+            store._single_deletes = True  # this store, from now on
+            log.info(
+                "spot_callbacks: %s does not take bulk deletes (%s); deleting one object at a time",
+                store.url, err,
+            )  # fmt: skip
+            one_by_one()
 
     store.retry.call(remove, what)
+
+
+def _bulk_delete_refused(err: BaseException) -> bool:
+    """A server without DeleteObjects (some S3-compatible stores): 501 NotImplemented, which s3fs
+    raises as ``OSError(ENOSYS)``, or a method it does not allow."""
+    if isinstance(err, NotImplementedError) or getattr(err, "errno", None) == errno.ENOSYS:
+        return True
+    text = str(err).lower()
+    return "not implemented" in text or "notimplemented" in text or "method not allowed" in text
 
 
 def _files_under(store: Any) -> set[str]:

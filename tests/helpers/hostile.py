@@ -12,6 +12,8 @@ store uses, and nothing is mocked:
   (a whole GET is left alone).
 - ``trickle``: a GET's headers are true, then its body comes one byte per ``trickle_s``.
 - ``stall``: a GET's headers are true, then nothing.
+- ``no-bulk-delete``: a bulk delete (``POST ?delete``) is answered 501 NotImplemented, as by an S3
+  server without DeleteObjects (single DELETEs still work).
 
 ``answered`` counts the lies told by method.
 """
@@ -27,7 +29,11 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-LIES = ("head", "html", "extra", "short", "range", "trickle", "stall")
+LIES = ("head", "html", "extra", "short", "range", "trickle", "stall", "no-bulk-delete")
+NOT_IMPLEMENTED = (
+    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>NotImplemented</Code>'
+    b"<Message>A header you provided implies functionality that is not implemented</Message></Error>"
+)
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "proxy-connection"}
 HTML_PAGE = b"<html><head><title>Sign in</title></head><body>Please sign in to continue.</body></html>\n"
 
@@ -85,6 +91,18 @@ class _Handler(BaseHTTPRequestHandler):
     def _forward(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else b""
+        if (
+            self.server.lie == "no-bulk-delete"
+            and self.command == "POST"
+            and "delete" in self.path.split("?", 1)[-1]
+        ):
+            self.server.answered[self.command] += 1
+            self.send_response(501)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(NOT_IMPLEMENTED)))
+            self.end_headers()
+            self.wfile.write(NOT_IMPLEMENTED)
+            return
         upstream = http.client.HTTPConnection("127.0.0.1", self.server.target_port, timeout=60)
         headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
         upstream.request(self.command, self.path, body=body or None, headers=headers)
