@@ -421,6 +421,7 @@ class SpotEngine:
         line = self.next_step_line()
         if line is not None:
             log.warning("spot_callbacks: %s", line)
+            exit_guard.say_at_exit(line)
 
     def next_step_line(self) -> str | None:
         """After a notice that stops the run: which step the resume point is (and whether the newest

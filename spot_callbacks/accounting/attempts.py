@@ -256,7 +256,8 @@ class AttemptLog:
         self.note(end=end, ended_at=round(time.time(), 3))
         self._ended_at = time.monotonic()
         self._write_within(timeout_s)
-        atexit.register(self._at_exit)
+        if end != "preempted":  # a preempted process exits by its deadline: nothing may hold it up
+            atexit.register(self._at_exit)
 
     def _at_exit(self) -> None:
         self._stop.set()

@@ -33,6 +33,7 @@ INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT: the second Ctrl-C
 
 _open: weakref.WeakSet[Any] = weakref.WeakSet()
 _armed: dict[str, Any] = {}  # "deadline" (epoch seconds), "code": set by arm()
+_last_line: dict[str, str] = {}  # "text": what happens next, said again if the exit cuts a worker off
 _registered = threading.Lock()
 _installed = False
 
@@ -60,6 +61,12 @@ def arm_for(notice: Any, stops: bool, stop_now: bool) -> None:
         arm(time.time(), INTERRUPTED_EXIT_CODE)
     elif notice is not None and stops:
         arm(notice.deadline, PREEMPTED_EXIT_CODE)
+
+
+def say_at_exit(line: str) -> None:
+    """``line`` (what happens next: the resume point, the rerun) is the last thing an exit that has to
+    cut a busy worker off says, so the truth stays the last line."""
+    _last_line["text"] = line
 
 
 def busy_workers() -> list[threading.Thread]:
@@ -100,9 +107,8 @@ def park_workers_at_exit() -> None:
     if not any(thread.is_alive() for thread in busy) or "code" not in _armed:
         return
     log.error(
-        "spot_callbacks: %s did not finish in time; exiting with %d now, the newest committed "
-        "checkpoint stays the resume point",
-        names, _armed["code"],
+        "spot_callbacks: %s did not finish in time; exiting with %d now: %s",
+        names, _armed["code"], _last_line.get("text", "the newest committed checkpoint stays the resume point"),
     )  # fmt: skip
     for handler in logging.getLogger().handlers + log.handlers:
         handler.flush()
