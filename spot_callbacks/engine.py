@@ -143,10 +143,10 @@ class SpotEngine:
         # The interval counts training time, not the set-up before it (model build, a long pull).
         self.trigger.mark_checkpoint()
         self.accounts.start_clock()
-        self._begin_attempt()
         try:
             with exit_on_notice(self.watcher.sources, "waiting for the store and the run lock"):
-                self.lease.acquire()
+                # Once the preflight proved the store (its probe and listing see no other writes of ours).
+                self.lease.acquire(on_store_ready=self._begin_attempt)
         except (RunLockedError, StoreUnavailableError):
             self.attempt.discard()  # not a process of the run in this dirpath (or none could be kept)
             raise
@@ -456,7 +456,6 @@ class SpotEngine:
         already holds exactly this checkpoint is not downloaded again.
         """
         in_scratch = lambda step: self.scratch_root / step_dirname(step)  # noqa: E731
-        self._begin_attempt()
         try:
             with exit_on_notice(self.watcher.sources, "pulling the checkpoint to resume from"):
                 resumed = pull_latest(self.store, dest or in_scratch, rank(), local_rank(), check)

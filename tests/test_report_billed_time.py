@@ -23,7 +23,7 @@ from spot_callbacks.cli import main
 from spot_callbacks.store import CheckpointStore
 
 SCRIPT = Path(__file__).parent / "scripts" / "paced_run.py"
-STEPS, STEP_S, EVERY, KILL_AT = 40, 0.1, 10, 27
+STEPS, STEP_S, EVERY, KILL_AT = 45, 0.1, 20, 36
 RECORD_S = 0.2
 EXIT_S = 2.5  # an interpreter's exit after atexit, with torch loaded, on a busy 2-core machine
 
