@@ -277,6 +277,28 @@ PROGRESS_EVERY_S = Knob(
 KNOBS: dict[str, Knob[Any]] = {knob.name: knob for knob in list(globals().values()) if isinstance(knob, Knob)}
 
 
+def override(values: Mapping[Knob[Any], float]) -> Callable[[], None]:
+    """Give the knobs in ``values`` these values until the returned function is called (through the
+    environment, where every reader looks: a command-line flag such as ``--timeout``).
+
+    Example:
+        >>> restore = override({STORE_TIMEOUT_S: 7.0}); STORE_TIMEOUT_S.value()
+        7.0
+        >>> restore()
+    """
+    before = {knob.name: os.environ.get(knob.name) for knob in values}
+    os.environ.update({knob.name: f"{value:g}" for knob, value in values.items()})
+
+    def restore() -> None:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+    return restore
+
+
 def check_all(environ: Mapping[str, str] | None = None) -> None:
     """Parse every knob set in ``environ``; the first bad value raises its :class:`ConfigError`.
 

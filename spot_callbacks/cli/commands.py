@@ -361,22 +361,13 @@ def _apply_timeout(seconds: float | None) -> Callable[[], None]:
     if seconds is None:
         return lambda: None
     connect_s = min(settings.CONNECT_TIMEOUT_S.value(), seconds / 2)
-    bounds = {
-        settings.PREFLIGHT_TIMEOUT_S.name: seconds,
-        settings.STORE_TIMEOUT_S.name: seconds,
-        settings.CONNECT_TIMEOUT_S.name: connect_s,
-    }
-    before = {name: os.environ.get(name) for name in bounds}
-    os.environ.update({name: f"{value:g}" for name, value in bounds.items()})
-
-    def restore() -> None:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-    return restore
+    return settings.override(
+        {
+            settings.PREFLIGHT_TIMEOUT_S: seconds,
+            settings.STORE_TIMEOUT_S: seconds,
+            settings.CONNECT_TIMEOUT_S: connect_s,
+        }
+    )
 
 
 def _step(text: str) -> int:
