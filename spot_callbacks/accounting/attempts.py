@@ -19,8 +19,9 @@ From them :func:`attempt_outcomes` computes what ``spot-callbacks report`` shows
 process from its start to its last record (its exit; after a hard kill, which writes nothing more:
 plus half a period). **Trained**: its first to its newest step boundary, plus one step. **Lost**: its
 training after the point the next process resumed from (from the time it took that checkpoint, or
-at its own step time), plus, after a hard kill mid-training, the half period after its last record. **Goodput**: training kept
-(trained less lost, over all processes) / billed. **Downtime**: a process's start to its first step.
+at its own step time), plus, after a hard kill mid-training, the half period after its last record. **Goodput**: what an uninterrupted run
+would have spent too (training kept, over all processes, plus one start-up and one end: the first
+process's start to its first step, the finishing one's last step to its exit) / billed. **Downtime**: a process's start to its first step.
 
 Clocks: every time in a record is its own host's, and each figure subtracts two times of one host,
 so skew between machines does not enter them.
@@ -214,6 +215,7 @@ class AttemptLog:
             "end": None, "ended_at": None, "checkpoints": [],
         }  # fmt: skip
         self._guard = threading.Lock()
+        self._writing = threading.Lock()  # one write at a time, each of the newest fields
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -288,6 +290,10 @@ class AttemptLog:
         writer.join(timeout_s)
 
     def _write(self) -> None:
+        with self._writing:
+            self._write_newest()
+
+    def _write_newest(self) -> None:
         with self._guard:
             doc = {**self._fields, "alive_at": round(time.time(), 3)}
             doc["checkpoints"] = list(doc["checkpoints"])
@@ -349,6 +355,7 @@ class AttemptOutcome:
     lost_steps: int
     downtime_s: float | None  # its start to its first step boundary; None: it never trained
     hard_loss: bool  # it wrote no end: killed, or its machine vanished
+    after_training_s: float = 0.0  # a clean end: its last step to its exit (the last upload, the exit)
 
     @property
     def kept_s(self) -> float:
@@ -367,7 +374,12 @@ class AttemptsSummary:
 
     @property
     def kept_s(self) -> float:
-        return sum(outcome.kept_s for outcome in self.outcomes)
+        """Training kept, plus what an uninterrupted run pays once too: the first process's start-up
+        (to its first step) and the finishing process's end (its last step to its exit)."""
+        if not self.outcomes:
+            return 0.0
+        once = (self.outcomes[0].downtime_s or 0.0) + self.outcomes[-1].after_training_s
+        return sum(outcome.kept_s for outcome in self.outcomes) + once
 
     @property
     def lost_s(self) -> float:
@@ -398,7 +410,7 @@ def attempt_outcomes(
         >>> [(o.billed_s, o.lost_steps, round(o.lost_s, 2)) for o in summary.outcomes]
         [(60.5, 10, 10.5), (50.0, 0, 0.0)]
         >>> round(summary.goodput, 3)
-        0.713
+        0.821
     """
     period = period_s if period_s is not None else settings.ATTEMPT_RECORD_S.value()
     records = sorted(records, key=lambda record: (record.started, record.run_id))
@@ -429,8 +441,11 @@ def attempt_outcomes(
             if hard_loss and record.alive_at - record.last_step_at <= 2 * period + step_s:
                 trained_s += tail_s
                 lost_s += tail_s
+        after_s = (
+            max(end - record.last_step_at, 0.0) if not hard_loss and record.last_step_at is not None else 0.0
+        )
         outcomes.append(
-            AttemptOutcome(record, billed_s, trained_s, lost_s, lost_steps, downtime_s, hard_loss)
+            AttemptOutcome(record, billed_s, trained_s, lost_s, lost_steps, downtime_s, hard_loss, after_s)
         )
     return AttemptsSummary(tuple(outcomes))
 
