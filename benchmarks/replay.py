@@ -215,7 +215,12 @@ class Replay:
         if isinstance(report.get("billed_s"), (int, float)):
             figures["report billed s"] = f"{report['billed_s']:.1f}"
         resumes = report.get("recent_resumes")
-        if isinstance(resumes, list):
+        if report.get("goodput_basis") == "attempts" and isinstance(report.get("lost_work_s"), (int, float)):
+            processes = report.get("attempts") or []
+            figures["report lost s"] = (
+                f"{report['lost_work_s']:.1f} (from {len(processes)} processes' step records)"
+            )
+        elif isinstance(resumes, list):
             lost = [r.get("lost_work_s") for r in resumes if isinstance(r, dict)]
             numbers = [v for v in lost if isinstance(v, (int, float))]
             measured = sum(1 for r in resumes if isinstance(r, dict) and r.get("lost_work_measured"))
@@ -405,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         "- goodput = uninterrupted spawn-to-exit / billed (sum of spawn-to-exit); useful share = steps × the "
         "uninterrupted s/step / billed; lost steps = steps trained before a restart and trained again after it; "
         "downtime = spawn to the first step done; weights equal: every tensor `torch.equal` to the uninterrupted "
-        "run's. report/plan: `spot-callbacks report --json --all` (goodput, billed_s, sum of lost_work_s) and "
+        "run's. report/plan: `spot-callbacks report --json --all` (goodput, billed_s, lost_work_s from the processes' records, else the sum of the ledger's) and "
         "`plan --from` (work = 1000 × the uninterrupted run; goodput = work / expected hours) on the store.",
         "",
         *markdown_table(HEADERS, rows),
