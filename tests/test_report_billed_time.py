@@ -132,3 +132,20 @@ def test_a_process_that_never_trained_is_billed_and_loses_nothing() -> None:
     assert [outcome.billed_s for outcome in summary.outcomes] == [30.0, 60.0]
     assert summary.lost_s == 0.0 and summary.outcomes[0].downtime_s is None
     assert summary.goodput == pytest.approx(56.0 / 90.0)
+
+
+def test_records_on_s3_are_written_and_read_back_from_one_listing(s3_server, tmp_path) -> None:
+    from spot_callbacks.accounting.attempts import AttemptLog
+
+    store = CheckpointStore(
+        f"s3://{s3_server.bucket}/attempts-{tmp_path.name}", storage_options=dict(s3_server.storage_options)
+    )
+    record = AttemptLog(store, period_s=0.1)
+    record.begin()
+    record.step(1)
+    record.checkpoint_taken(1)
+    record.step(2)
+    record.close("finished")
+    [read] = read_attempts(CheckpointStore(store.url, storage_options=dict(s3_server.storage_options)))
+    assert (read.run_id, read.first_step, read.last_step, read.end) == (record.run_id, 1, 2, "finished")
+    assert [step for step, _ in read.checkpoints] == [1]

@@ -316,13 +316,18 @@ def read_attempts(store: CheckpointStore, limit: int = MAX_RECORDS_READ) -> list
     wrote (too large, not JSON, a value out of range) is left out, with one warning for all."""
     folder = posixpath.join(store.root, ATTEMPTS_FOLDER)
     try:
-        names = sorted(
-            entry["name"] for entry in store.fs.ls(folder, detail=True) if entry.get("type") == "file"
-        )
+        entries = {
+            entry["name"]: entry.get("size")
+            for entry in store.fs.ls(folder, detail=True)
+            if entry.get("type") == "file" and str(entry.get("name", "")).endswith(".json")
+        }
     except (FileNotFoundError, NotADirectoryError):
         return []
-    names = [name for name in names if name.endswith(".json")][-limit:]
-    sizes_ok = [name for name in names if (store.fs.size(name) or 0) <= MAX_RECORD_BYTES] if names else []
+    names = sorted(entries)[-limit:]
+    # The listing's sizes: one request for all, not one HEAD per record.
+    sizes_ok = [
+        name for name in names if isinstance(entries[name], int) and entries[name] <= MAX_RECORD_BYTES
+    ]
     raws = store.fs.cat(sizes_ok, on_error="omit") if sizes_ok else {}
     records, refused = [], len(names) - len(sizes_ok)
     for name in sizes_ok:
