@@ -165,10 +165,7 @@ class SpotEngine:
         self.running = False
         self.watcher.stop()
         self.saves.stop_persister()
-        notice = self.emergency.active_notice()
-        self._release(
-            notice, "preempted" if notice is not None or self.watcher.notice is not None else "stopped"
-        )
+        self._release(self.emergency.active_notice(), finished=False)
 
     def abandon(self, error: BaseException | None) -> None:
         """Training unwound without :meth:`finish` (``error``: what ended it; ``None``: it returned):
@@ -183,12 +180,14 @@ class SpotEngine:
         finally:
             self.stop()
 
-    def _release(self, notice: Notice | None, end: str) -> None:
-        """Close this process's attempt record (``end``) and release the run lock within what is left
-        before the deadline; a preempted exit is armed to end with 143 by then, whatever a worker is
-        still doing (``preemption/exit_guard.py``)."""
+    def _release(self, notice: Notice | None, finished: bool) -> None:
+        """Close this process's attempt record (preempted, finished or stopped) and release the run
+        lock within what is left before the deadline; a preempted exit is armed to end with 143 by
+        then, whatever a worker is still doing (``preemption/exit_guard.py``)."""
         left = max(time_left_s(notice, RELEASE_TIMEOUT_S) or 0.0, RELEASE_FLOOR_S)
         exit_guard.arm_for(notice, self.config.on_preemption == "stop", self.watcher.interrupted_twice)
+        noticed = notice is not None or self.watcher.notice is not None
+        end = "preempted" if noticed else "finished" if finished else "stopped"
         self.attempt.close(end, min(left / 2, ATTEMPT_CLOSE_TIMEOUT_S))
         self.lease.release(left)
 
@@ -251,7 +250,6 @@ class SpotEngine:
             if self._first_boundary:
                 self.attempt.note(lineage=self.accounts.lineage["id"])
             self.attempt.step(step)
-        if self.is_writer:
             self.watch.observe(
                 self.saves.all_records(), self.saves.persister, self.trigger.interval_s, self.resumed
             )
@@ -382,8 +380,7 @@ class SpotEngine:
         self.running = False
         self.watcher.stop()
         lost = agree_at_step(False, False, None, None, self.lease.lost)[4]  # lost after the last step
-        notice = self.emergency.active_notice()
-        self._release(notice, "finished" if notice is None and self.watcher.notice is None else "preempted")
+        self._release(self.emergency.active_notice(), finished=True)
         self.barrier()
         if lost:
             raise self.lease.lost_error(None, self.last_saved_step)

@@ -101,7 +101,9 @@ def history_rows(
     if persist:
         rows.append(("persist (background)", persist))
     rows.append(("interruptions", _interruptions_row(history)))
-    if attempts is not None and attempts.outcomes:
+    if attempts is not None and not attempts.outcomes:
+        attempts = None  # no process left a record: the ledger's figures, as before records
+    if attempts is not None:
         rows.extend(_attempt_summary_rows(attempts))
     else:
         lost = f"{format_seconds(ledger.lost_work_measured_s)} measured"
@@ -112,7 +114,7 @@ def history_rows(
         rows.append(("lost work", lost))
     if ledger.resumes:
         rows.append(("resumes", _resumes_row(history)))
-    if attempts is None or not attempts.outcomes:
+    if attempts is None:
         goodput = ledger.goodput
         rows.append(
             (
@@ -122,7 +124,7 @@ def history_rows(
                 else f"{100 * goodput:.1f}% of {format_seconds(ledger.billed_s)} billed was productive training",
             )
         )
-    billed_s = attempts.billed_s if attempts is not None and attempts.outcomes else ledger.billed_s
+    billed_s = attempts.billed_s if attempts is not None else ledger.billed_s
     if spot_price is not None:
         rows.extend(_price_rows(history, spot_price, on_demand_price, billed_s))
     if not history.from_ledger:

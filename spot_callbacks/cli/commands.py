@@ -639,6 +639,7 @@ def _cmd_report(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
     history = RunHistory.from_checkpoints(store.url, lineage)
     newest = history.newest
     records = attempts_of_lineage(read_attempts(store), {lineage_of(info) for info in lineage})
+    # None without records (runs written before them): the ledger's figures. One outcome per record.
     attempts = attempt_outcomes(records, resume_point=newest.step) if records else None
     rows = history_rows(history, args.spot_price, args.on_demand_price, attempts=attempts)
     resumes = resume_rows(history)
@@ -652,7 +653,6 @@ def _cmd_report(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
     if args.json:
         resume_records = list(history.ledger.recent_resumes)
         ledger = history.ledger
-        measured = attempts is not None and bool(attempts.outcomes)
         attempt_docs = attempt_json(attempts) if attempts is not None else []
         _print_json({
             "url": store.url,
@@ -661,10 +661,10 @@ def _cmd_report(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
             "newest_created": created,
             "summary": dict(rows),
             "notes": notes,
-            "goodput": attempts.goodput if attempts is not None and measured else ledger.goodput,
-            "goodput_basis": "attempts" if measured else "ledger",
-            "billed_s": attempts.billed_s if attempts is not None and measured else ledger.billed_s,
-            "lost_work_s": attempts.lost_s if attempts is not None and measured else ledger.lost_work_s,
+            "goodput": attempts.goodput if attempts is not None else ledger.goodput,
+            "goodput_basis": "attempts" if attempts is not None else "ledger",
+            "billed_s": attempts.billed_s if attempts is not None else ledger.billed_s,
+            "lost_work_s": attempts.lost_s if attempts is not None else ledger.lost_work_s,
             "interruptions": history.interruptions,
             "ledger": ledger.to_json(),
             "recent_resumes": [
@@ -681,20 +681,22 @@ def _cmd_report(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
     resume_title = f"recent resumes ({len(resumes)} of {max(history.ledger.resumes, kept)})"
     if len(resumes) < kept:
         resume_title += "; --all lists every one kept"
+    # (title, headers, right-aligned columns, rows) of each table below the summary, shown when it has rows.
+    tables = [
+        (resume_title, RESUME_HEADERS, {1, 3, 4, 5, 6}, resumes),
+        (process_title, ATTEMPT_HEADERS, {2, 4, 5, 6, 7}, processes),
+    ]
     console = rich_console(sys.stdout)
     if console is None:
         print(title)
         for note in notes:
             print(printable(note))
         print(format_rows(rows))
-        if resumes:
-            print(f"\n{resume_title}")
-            for line in plain_table(resumes, RESUME_HEADERS, right_aligned={1, 3, 4, 5, 6}):
-                print(f"  {line}")
-        if processes:
-            print(f"\n{process_title}")
-            for line in plain_table(processes, ATTEMPT_HEADERS, right_aligned={2, 4, 5, 6, 7}):
-                print(f"  {line}")
+        for table_title, headers, right_aligned, table_rows in tables:
+            if table_rows:
+                print(f"\n{table_title}")
+                for line in plain_table(table_rows, headers, right_aligned=right_aligned):
+                    print(f"  {line}")
         return EXIT_OK
     from rich import box
     from rich.table import Table
@@ -708,18 +710,13 @@ def _cmd_report(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
     for label, value in rows:
         summary.add_row(Text(printable(label)), Text(printable(value)))
     console.print(summary)
-    if resumes:
-        table = Table(title=resume_title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD)
-        for col, header in enumerate(RESUME_HEADERS):
-            table.add_column(header.lower(), justify="right" if col in {1, 3, 4, 5, 6} else "left")
-        for row in resumes:
-            table.add_row(*(Text(printable(cell)) for cell in row))
-        console.print(table)
-    if processes:
-        table = Table(title=process_title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD)
-        for col, header in enumerate(ATTEMPT_HEADERS):
-            table.add_column(header.lower(), justify="right" if col in {2, 4, 5, 6, 7} else "left")
-        for row in processes:
+    for table_title, headers, right_aligned, table_rows in tables:
+        if not table_rows:
+            continue
+        table = Table(title=table_title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD)
+        for col, header in enumerate(headers):
+            table.add_column(header.lower(), justify="right" if col in right_aligned else "left")
+        for row in table_rows:
             table.add_row(*(Text(printable(cell)) for cell in row))
         console.print(table)
     return EXIT_OK
