@@ -72,6 +72,7 @@ from spot_callbacks.persist.scratch import scratch_base
 from spot_callbacks.persist.scratch_folders import delete_scratch_folder, list_scratch
 from spot_callbacks.progress import is_terminal, showing_progress
 from spot_callbacks.store import CheckpointInfo, CheckpointStore
+from spot_callbacks.store.backends import BARE_PATH_PROTOCOL, URL_PREFIXES
 from spot_callbacks.store.commit import Verdict, lineage_of, resume_order
 from spot_callbacks.store.diagnosis import diagnose
 from spot_callbacks.store.layout import list_folder
@@ -168,9 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def command(name: str, help_text: str, run: Callable[[argparse.Namespace, dict[str, Any]], int]) -> Any:
         sub = commands.add_parser(name, help=help_text, description=help_text)
-        sub.add_argument(
-            "url", metavar="URL", help="the run folder: s3://, gs://, az://, file://, memory:// or a path"
-        )
+        sub.add_argument("url", metavar="URL", help=f"the run folder: {', '.join(URL_PREFIXES)} or a path")
         _add_global_options(sub, suppress_defaults=True)
         sub.set_defaults(run=run)
         return sub
@@ -889,7 +888,7 @@ def describe_error(err: BaseException, verbose: bool = False, url: str = "") -> 
     elif isinstance(err, (CliError, CheckpointError, ConfigError)):
         message = str(err)
     else:
-        protocol = fsspec.core.split_protocol(url)[0] or "file"
+        protocol = fsspec.core.split_protocol(url)[0] or BARE_PATH_PROTOCOL
         bucket = url.split("://", 1)[-1].lstrip("/").split("/")[0]
         found = diagnose(err, protocol, bucket, reading=True)
         if found.specific:

@@ -16,8 +16,8 @@ from typing import Any
 
 import fsspec
 
-from spot_callbacks.store.backends import BUCKET_FAMILIES, resolve_filesystem
-from spot_callbacks.store.families import PROTOCOL_FAMILIES, in_family
+from spot_callbacks.store.backends import backend_of, fs_protocols
+from spot_callbacks.store.resolve import resolve_filesystem
 
 # Every file name a step folder is known by, defined here once (the frameworks' own names stay theirs):
 MANIFEST_NAME = "manifest.json"  # written last: the commit
@@ -28,10 +28,6 @@ HF_TRAINER_STATE_FILE = "trainer_state.json"  # the HF Trainer reads it first on
 # Beside the step folders: one record per process that trained here (accounting/attempts.py).
 ATTEMPTS_FOLDER = ".spot-attempts"
 _STEP_DIR = re.compile(r"^step-(\d{9,})$")
-# s3fs uploads a file's parts max_concurrency at a time, each held twice in RAM (the part and
-# botocore's copy): 10 (its default) x 50 MiB x 2 is ~1 GB per file in flight, beside the staged
-# checkpoint itself. 4 keeps it near 420 MB; storage_options={"max_concurrency": N} overrides.
-S3_UPLOAD_CONCURRENCY = 4
 
 
 def step_dirname(step: int) -> str:
@@ -57,15 +53,9 @@ def parse_step_dirname(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def fs_protocols(fs: Any) -> tuple[str, ...]:
-    """The protocols an fsspec filesystem answers to (``fs.protocol`` is a str or a tuple)."""
-    protocol = fs.protocol
-    return (protocol,) if isinstance(protocol, str) else tuple(protocol)
-
-
 def is_local_fs(fs: Any) -> bool:
     """True for the local disk, where a write is not atomic and a rename is."""
-    return bool({"file", "local"} & set(fs_protocols(fs)))
+    return any(backend_of(protocol).local for protocol in fs_protocols(fs))
 
 
 def open_filesystem(dirpath: str, storage_options: dict[str, Any] | None) -> tuple[Any, str, str | None]:
@@ -79,8 +69,9 @@ def open_filesystem(dirpath: str, storage_options: dict[str, Any] | None) -> tup
     """
     options = dict(storage_options or {})
     protocol, _ = fsspec.core.split_protocol(dirpath)
-    if protocol is not None and in_family(protocol, "s3"):
-        options.setdefault("max_concurrency", S3_UPLOAD_CONCURRENCY)
+    opens_with = backend_of(protocol).opens_with if protocol is not None else None
+    if opens_with is not None:
+        opens_with(options)
     fs, root = resolve_filesystem(dirpath, options)
     return fs, root.rstrip("/") or root, protocol if protocol in fs_protocols(fs) else None
 
@@ -157,9 +148,6 @@ def local_stray(fs: Any, path: str, *, folder: bool) -> str | None:
     return f"it is {kind}, not {'a folder' if folder else 'a file'}"
 
 
-_BUCKET_PROTOCOLS = frozenset(p for family in BUCKET_FAMILIES for p in PROTOCOL_FAMILIES[family])
-
-
 def missing_root_reason(fs: Any, root: str) -> str | None:
     """Why the run folder ``root`` cannot hold checkpoints (it, or its bucket, is missing), or ``None``.
 
@@ -174,7 +162,7 @@ def missing_root_reason(fs: Any, root: str) -> str | None:
         if not os.path.exists(root):
             return f"no such folder: {root}"
         return None if os.path.isdir(root) else f"{root} is not a folder"
-    if _BUCKET_PROTOCOLS & set(fs_protocols(fs)):
+    if any(backend_of(protocol).bucketed for protocol in fs_protocols(fs)):
         bucket = root.split("/", 1)[0]
         if not exists_fresh(fs, bucket):
             return f"the bucket (container) {bucket!r} does not exist, or these credentials cannot see it"

@@ -25,8 +25,9 @@ from urllib.parse import urlsplit
 
 import spot_callbacks.settings as settings
 from spot_callbacks.errors import AttemptTimeoutError, SpotError, StoreUnavailableError
+from spot_callbacks.store.backends import backend_of, fs_protocols
 from spot_callbacks.store.diagnosis import Diagnosis, causes, diagnose
-from spot_callbacks.store.layout import fs_protocols, list_folder, missing_root_reason, remove_file
+from spot_callbacks.store.layout import list_folder, missing_root_reason, remove_file
 from spot_callbacks.store.retry import call_with_timeout
 from spot_callbacks.store.transfer import put_bytes
 
@@ -153,9 +154,7 @@ class _Probe:
         self.path = posixpath.join(store.root, f"{PROBE_PREFIX}{uuid.uuid4().hex[:12]}")
         self.payload = f"spot_callbacks preflight of {store.url}\n".encode()
         self.protocol = fs_protocols(store.fs)[0]
-        self.bucket = (
-            store.root if self.protocol in ("file", "local") else store.root.lstrip("/").split("/")[0]
-        )
+        self.bucket = store.root if backend_of(self.protocol).local else store.root.lstrip("/").split("/")[0]
 
     def run(self) -> None:
         fs = self.store.fs
