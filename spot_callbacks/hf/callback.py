@@ -19,7 +19,7 @@ from spot_callbacks.hf.checkpoint import STAGED, TRAINER, StagedSaves
 from spot_callbacks.hf.loadable import check_loadable
 from spot_callbacks.hf.metrics import SpotMetrics
 from spot_callbacks.hf.saves import SaveRequest
-from spot_callbacks.preemption import Notice
+from spot_callbacks.preemption import TERMINATION, Notice
 from spot_callbacks.store import CheckpointStore
 from spot_callbacks.training_horizon import (
     Horizon,
@@ -137,7 +137,7 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
         self._saves.clear()
         self.preempted = False
         compat.check_trainer_spans_the_process_group(args)
-        if compat.jit_checkpoint_enabled(args) and self.engine.watches("SIGTERM"):
+        if compat.jit_checkpoint_enabled(args) and self.engine.watches(TERMINATION):
             compat.bypass_jit_sigterm_handler(self.store.url)
         self.engine.start()
         compat.place_ahead_of_integrations(trainer := compat.running_trainer(), self)
