@@ -6,13 +6,13 @@ region check, the fail-fast checks and the diagnosis see, and no other module sp
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 from typing import Any
 
 import pytest
 import tomllib
 from fsspec.implementations.memory import MemoryFileSystem
+from helpers.code_strings import code_strings
 
 import spot_callbacks
 import spot_callbacks.store.backends as backends
@@ -39,20 +39,9 @@ OTHER_MEANINGS = {
 def spelled_protocols(source: str, protocols: set[str]) -> set[str]:
     """The protocol names ``source``'s code spells (as a string, or a ``<protocol>://`` URL in one);
     docstrings and comments are no code."""
-    tree = ast.parse(source)
-    docstrings = {
-        id(node.body[0].value)
-        for node in ast.walk(tree)
-        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-        and node.body
-        and isinstance(node.body[0], ast.Expr)
-        and isinstance(node.body[0].value, ast.Constant)
+    return {
+        p for node in code_strings(source) for p in protocols if node.value == p or f"{p}://" in node.value
     }
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
-            found |= {p for p in protocols if node.value == p or f"{p}://" in node.value}
-    return found
 
 
 def test_every_protocol_has_one_row_and_every_row_is_whole():

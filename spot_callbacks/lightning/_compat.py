@@ -58,10 +58,8 @@ from spot_callbacks.staging import (
     unsafe_checkpoint_error,
 )
 from spot_callbacks.store import CheckpointInfo
-from spot_callbacks.store.layout import DCP_METADATA_FILE, STATE_FILE
+from spot_callbacks.store.layout import DCP_METADATA_FILE, SHARDED_META_FILE, STATE_FILE
 from spot_callbacks.training_horizon import Horizon
-
-SHARDED_META_FILE = "meta.pt"  # Lightning's _METADATA_FILENAME beside a sharded checkpoint's DCP files
 
 log = logging.getLogger("spot_callbacks")
 

@@ -11,6 +11,7 @@ import contextlib
 import os
 import re
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +26,52 @@ STATE_FILE = "state.ckpt"  # the one payload file of a single-writer checkpoint 
 # torch.distributed.checkpoint's index of every shard: a hidden name, yet payload.
 DCP_METADATA_FILE = ".metadata"
 HF_TRAINER_STATE_FILE = "trainer_state.json"  # the HF Trainer reads it first on every resume
+SHARDED_META_FILE = "meta.pt"  # a sharded checkpoint's non-tensor rest (Lightning's _METADATA_FILENAME)
+DCP_SHARD_FILE = "__{rank}_0.distcp"  # DCP's FileSystemWriter: one per rank
 # Beside the step folders: one record per process that trained here (accounting/attempts.py).
 ATTEMPTS_FOLDER = ".spot-attempts"
 _STEP_DIR = re.compile(r"^step-(\d{9,})$")
+
+
+# Who writes a step folder's files. The engine's saves take the persister from it
+# (saving.py's PERSISTERS): the layout, not the adapter's call, decides how a checkpoint commits.
+ONE_WRITER = "one writer"  # the writer rank writes every file; the others write nothing
+RANK_SHARDS = "rank shards"  # every rank its DCP shards; rank 0 the shards' index and the non-tensor rest
+EVERY_RANK = "every rank"  # every rank (on several nodes: each node's main process) its own files
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """One kind of step folder: what it is called, the file names the library gives it, who writes them.
+
+    ``files`` holds the names this library defines (``{rank}`` in one: a file per rank); a
+    framework's folder keeps the framework's own names. ``written_by`` picks the persister.
+
+    Example:
+        >>> STATE_LAYOUT.files, STATE_LAYOUT.written_by
+        (('state.ckpt',), 'one writer')
+        >>> SHARDED_LAYOUT.rank_files(2)
+        ['__0_0.distcp', '__1_0.distcp']
+    """
+
+    name: str
+    files: tuple[str, ...]
+    written_by: str
+
+    def rank_files(self, world_size: int) -> list[str]:
+        """The per-rank names of a run of ``world_size`` ranks."""
+        return [
+            name.format(rank=rank) for name in self.files if "{rank}" in name for rank in range(world_size)
+        ]
+
+
+# The step folders this library writes (a new per-rank file is a name here, and EVERY_RANK as writer):
+STATE_LAYOUT = StepLayout("single-file", (STATE_FILE,), ONE_WRITER)  # Lightning, the engine's save_state
+SHARDED_LAYOUT = StepLayout(
+    "sharded", (DCP_METADATA_FILE, SHARDED_META_FILE, DCP_SHARD_FILE), RANK_SHARDS
+)  # Lightning's sharded strategies, save_sharded_state
+FOLDER_LAYOUT = StepLayout("framework folder", (), ONE_WRITER)  # HF's checkpoint-N on one node
+RANK_FOLDER_LAYOUT = StepLayout("multi-node folder", (), EVERY_RANK)  # HF across nodes, FSDP's shards
 
 
 def step_dirname(step: int) -> str:
