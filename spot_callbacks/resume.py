@@ -21,7 +21,7 @@ from spot_callbacks.persist.dcp_safety import check_sharded_folder
 from spot_callbacks.progress import showing_progress
 from spot_callbacks.store import CheckpointInfo, CheckpointStore
 from spot_callbacks.store.checkpoint_store import walk_down
-from spot_callbacks.store.commit import DAMAGE_ERRORS, lineage_of, resume_order
+from spot_callbacks.store.commit import DAMAGE_ERRORS, lineage_of
 from spot_callbacks.store.meter import TransferMeter
 
 log = logging.getLogger("spot_callbacks")
@@ -72,13 +72,13 @@ def pull_newest_valid(
 
     found, seen = walk_down(store, problem_of)
     if found is not None:
-        say_lineage(store, found, resume_order(seen))
+        say_lineage(store, found, seen)
     return found
 
 
-def say_lineage(store: CheckpointStore, resumed: CheckpointInfo, ordered: list[CheckpointInfo]) -> None:
-    """A resume below the store's highest committed step says why, and what ``latest`` follows."""
-    above = [info for info in ordered if info.step > resumed.step]
+def say_lineage(store: CheckpointStore, resumed: CheckpointInfo, seen: list[CheckpointInfo]) -> None:
+    """A resume below the highest committed step ``seen`` says why, and what ``latest`` follows."""
+    above = [info for info in seen if info.step > resumed.step]
     if not above:
         return
     lineage = lineage_of(resumed)
@@ -96,7 +96,8 @@ def say_lineage(store: CheckpointStore, resumed: CheckpointInfo, ordered: list[C
         )
     log.warning(
         "spot_callbacks: resuming %s from step %d, below step %d, the highest committed: %s; `latest` "
-        "follows the lineage of the newest commit, this run's (%s) from its first checkpoint on",
+        "follows the lineage of the newest commit (the manifest the store wrote last), this run's (%s) from its "
+        "first checkpoint on",
         store.url, resumed.step, max(info.step for info in above), "; ".join(parts), _lineage_name(lineage),
     )  # fmt: skip
 
