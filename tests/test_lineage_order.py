@@ -213,3 +213,25 @@ def test_a_forged_manifest_of_another_lineage_does_not_move_a_running_runs_reten
     relaunch = engine_for(url, options, keep_last=2)
     assert relaunch.pull_latest() is not None
     assert relaunch.resumed.info.step == 20
+
+
+def test_a_fresh_run_below_many_old_step_folders_is_followed(tmp_path: Path) -> None:
+    """The first batch of manifests ``latest()`` reads holds the ones the store wrote last: a fresh
+    run's step 6 under 150 step folders of an old run (keep_last=0) is found, not the old top."""
+    store = CheckpointStore(str(tmp_path / "store"))
+    old = engine_for(store.url, {}, keep_last=0)
+    old.start()
+    save(old, 10)
+    old.finish()
+    for step in range(11, 160):  # copies of the old run's checkpoint, renumbered
+        store.fs.copy(store.step_path(10), store.step_path(step), recursive=True)
+        rewrite_manifest(store, step, step=step)
+    store_clock_past(store, manifest_stamp(store, 159))
+    fresh = engine_for(store.url, {}, keep_last=0)
+    fresh.start()
+    fresh.step_boundary(1)
+    save(fresh, 6)
+    fresh.finish()
+    assert store.latest().step == 6
+    relaunch = engine_for(store.url, {}, keep_last=0)
+    assert relaunch.pull_latest() is not None and relaunch.resumed.info.step == 6

@@ -8,8 +8,9 @@ The rules:
 2. It is **valid** when, besides, every file it lists exists with the listed size
    (:func:`size_problem`, checked by ``CheckpointStore.damage``) and every file its
    framework needs. ``latest()``, what a resume uses, is the newest valid one **of the current
-   lineage** (:func:`resume_order`: the lineage of the newest commit; another lineage's only when
-   none of it is valid), and ``verify()`` also compares every checksum. A checkpoint that fails is
+   lineage** (:func:`resume_order`: the lineage of the newest commit, the manifest the store wrote
+   last by its own clock, :func:`commit_order`; another lineage's only when none of it is valid),
+   and ``verify()`` also compares every checksum. A checkpoint that fails is
    skipped with a warning, never deleted.
 3. **Writing** step N (``CommitWriter.write_checkpoint``): clear a stale folder of step N
    (``begin``: its manifest first, so a mix of old and new payload is never committed), upload
