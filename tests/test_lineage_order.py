@@ -235,3 +235,23 @@ def test_a_fresh_run_below_many_old_step_folders_is_followed(tmp_path: Path) -> 
     assert store.latest().step == 6
     relaunch = engine_for(store.url, {}, keep_last=0)
     assert relaunch.pull_latest() is not None and relaunch.resumed.info.step == 6
+
+
+def test_a_run_that_resumes_again_while_it_runs_follows_its_own_lineage(
+    store_at: tuple[str, dict[str, Any]],
+) -> None:
+    url, options = store_at
+    run = engine_for(url, options, keep_last=2)
+    run.start()
+    run.step_boundary(1)
+    for step in (5, 10):
+        save(run, step)
+    store_clock_past(run.store, manifest_stamp(run.store, 10))
+    forge(run.store, 10, 100, datetime.now(timezone.utc))  # after the run's last commit, dated sanely
+    # Written last by the store's clock: a relaunch cannot tell it from a run started since.
+    assert CheckpointStore(url, options).latest().step == 100
+    # The run itself can: it resumes its own lineage (a second train() in one process, say).
+    assert run.pull_latest() is not None and run.resumed.info.step == 10
+    save(run, 15)
+    run.finish()
+    assert sorted(info.step for info in CheckpointStore(url, options).committed()) == [10, 15, 100]

@@ -518,7 +518,7 @@ NEWEST_STORED_FIRST = 4
 
 
 def walk_down(
-    store: CheckpointStore, problem_of: Callable[[CheckpointInfo], str | None]
+    store: CheckpointStore, problem_of: Callable[[CheckpointInfo], str | None], own: str | None = None
 ) -> tuple[CheckpointInfo | None, list[CheckpointInfo]]:
     """The newest checkpoint ``problem_of`` finds nothing wrong with (``None``: a problem, said once
     as damage), and the checkpoints read on the way, oldest first.
@@ -527,8 +527,8 @@ def walk_down(
     :data:`NEWEST_STORED_FIRST` the store wrote last, then from the highest step down. The current
     lineage (``commit.current_lineage``: of the manifest the store wrote last) is tried from its
     highest step down, and only when none of it is valid another lineage's, highest first
-    (``commit.resume_order``). Each checkpoint is judged once, so a resume that pulls each candidate
-    to judge it pulls none twice.
+    (``commit.resume_order``; ``own``: the asking run's lineage, while it runs). Each checkpoint is
+    judged once, so a resume that pulls each candidate to judge it pulls none twice.
     """
     folders = store.step_folders()
     stored_at = stored_times(store, folders)
@@ -549,12 +549,14 @@ def walk_down(
         batch = {step: folders[step] for step in order[start:end]}
         by_step.update((info.step, info) for info in store._infos(store._verdicts_of(batch)))
         seen = [by_step[step] for step in sorted(by_step)]
-        lineage = protocol.current_lineage(seen, stored_at)
+        lineage = protocol.current_lineage(seen, stored_at, own)
         # The highest step not read yet: one found below it (read early, as the store's newest) waits.
         unread_top = order[end] if end < len(order) else -1
         for info in reversed(seen):
             if protocol.lineage_of(info) == lineage and info.step > unread_top and valid(info):
                 return info, seen
     seen = [by_step[step] for step in sorted(by_step)]
-    found = next((info for info in reversed(protocol.resume_order(seen, stored_at)) if valid(info)), None)
+    found = next(
+        (info for info in reversed(protocol.resume_order(seen, stored_at, own)) if valid(info)), None
+    )
     return found, seen

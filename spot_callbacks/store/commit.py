@@ -234,7 +234,9 @@ def commit_order(stored_at: Mapping[int, float]) -> Callable[[CheckpointInfo], t
     return key
 
 
-def current_lineage(infos: list[CheckpointInfo], stored_at: Mapping[int, float] | None = None) -> str | None:
+def current_lineage(
+    infos: list[CheckpointInfo], stored_at: Mapping[int, float] | None = None, own: str | None = None
+) -> str | None:
     """The lineage of the newest commit (:func:`commit_order`: when the store wrote its manifest,
     ``stored_at`` by step; ``created`` only where the store gives no time): the one ``latest()``
     follows and retention prunes. ``None`` also when ``infos`` is empty.
@@ -242,7 +244,8 @@ def current_lineage(infos: list[CheckpointInfo], stored_at: Mapping[int, float] 
     A host whose clock runs ahead cannot move the resume point: the store stamps its manifests when
     they land, by its own clock. A manifest dated in the future (:func:`is_future_dated`: a skewed
     clock, or forged) does not count as the newest commit while one dated sanely is at hand; it is
-    logged once.
+    logged once. ``own``: the lineage of the run asking, while it runs (it committed or resumed):
+    followed while it has a checkpoint among ``infos``, whatever another lineage wrote since.
 
     Example:
         >>> def ckpt(step, year, lineage):
@@ -256,6 +259,8 @@ def current_lineage(infos: list[CheckpointInfo], stored_at: Mapping[int, float] 
     """
     if not infos:
         return None
+    if own is not None and any(lineage_of(info) == own for info in infos):
+        return own
     now = time.time()
     sane = [info for info in infos if not is_future_dated(info, now)]
     for info in infos:
@@ -270,12 +275,12 @@ def current_lineage(infos: list[CheckpointInfo], stored_at: Mapping[int, float] 
 
 
 def resume_order(
-    infos: list[CheckpointInfo], stored_at: Mapping[int, float] | None = None
+    infos: list[CheckpointInfo], stored_at: Mapping[int, float] | None = None, own: str | None = None
 ) -> list[CheckpointInfo]:
     """``infos`` (oldest first) reordered so the current lineage (:func:`current_lineage`, with the
-    store's times ``stored_at``) comes last, by step: walking it from the end, as ``newest_valid``
-    does, tries the current lineage from its highest step down, then the other lineages' (highest
-    first) only when none of it is valid.
+    store's times ``stored_at`` and the asking run's ``own``) comes last, by step: walking it from
+    the end, as ``newest_valid`` does, tries the current lineage from its highest step down, then
+    the other lineages' (highest first) only when none of it is valid.
 
     A fresh run on an old dirpath (another lineage up to step 50) resumes its own step 12 after a
     preemption, not step 50.
@@ -294,7 +299,7 @@ def resume_order(
         >>> [info.step for info in resume_order([ckpt(5, 9, "b"), ckpt(30, 20, "a"), ckpt(50, 21, "a"), ckpt(10, 10, "b")], stored)]
         [30, 50, 5, 10]
     """
-    lineage = current_lineage(infos, stored_at)
+    lineage = current_lineage(infos, stored_at, own)
     others = sorted((info for info in infos if lineage_of(info) != lineage), key=lambda info: info.step)
     return [*others, *(info for info in infos if lineage_of(info) == lineage)]
 
