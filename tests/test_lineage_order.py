@@ -188,15 +188,21 @@ def save(engine: SpotEngine, step: int) -> None:
     assert engine.wait_for_commit(timeout=60)
 
 
+def running(url: str, options: dict[str, Any], keep_last: int, steps: tuple[int, ...]) -> SpotEngine:
+    """A fresh run, started, that committed ``steps``."""
+    run = engine_for(url, options, keep_last)
+    run.start()
+    run.step_boundary(1)
+    for step in steps:
+        save(run, step)
+    return run
+
+
 def test_a_forged_manifest_of_another_lineage_does_not_move_a_running_runs_retention_or_resume(
     store_at: tuple[str, dict[str, Any]], capsys: pytest.CaptureFixture[str]
 ) -> None:
     url, options = store_at
-    run = engine_for(url, options, keep_last=2)
-    run.start()
-    run.step_boundary(1)
-    for step in (5, 10):
-        save(run, step)
+    run = running(url, options, keep_last=2, steps=(5, 10))
     # Mid-run, a manifest of another lineage appears at step 100: right sizes, dated sanely (10 min ahead).
     forge(run.store, 10, 100, datetime.now(timezone.utc) + AHEAD)
     store_clock_past(run.store, manifest_stamp(run.store, 100))
@@ -219,19 +225,12 @@ def test_a_fresh_run_below_many_old_step_folders_is_followed(tmp_path: Path) -> 
     """The first batch of manifests ``latest()`` reads holds the ones the store wrote last: a fresh
     run's step 6 under 150 step folders of an old run (keep_last=0) is found, not the old top."""
     store = CheckpointStore(str(tmp_path / "store"))
-    old = engine_for(store.url, {}, keep_last=0)
-    old.start()
-    save(old, 10)
-    old.finish()
+    running(store.url, {}, keep_last=0, steps=(10,)).finish()
     for step in range(11, 160):  # copies of the old run's checkpoint, renumbered
         store.fs.copy(store.step_path(10), store.step_path(step), recursive=True)
         rewrite_manifest(store, step, step=step)
     store_clock_past(store, manifest_stamp(store, 159))
-    fresh = engine_for(store.url, {}, keep_last=0)
-    fresh.start()
-    fresh.step_boundary(1)
-    save(fresh, 6)
-    fresh.finish()
+    running(store.url, {}, keep_last=0, steps=(6,)).finish()
     assert store.latest().step == 6
     relaunch = engine_for(store.url, {}, keep_last=0)
     assert relaunch.pull_latest() is not None and relaunch.resumed.info.step == 6
@@ -241,11 +240,7 @@ def test_a_run_that_resumes_again_while_it_runs_follows_its_own_lineage(
     store_at: tuple[str, dict[str, Any]],
 ) -> None:
     url, options = store_at
-    run = engine_for(url, options, keep_last=2)
-    run.start()
-    run.step_boundary(1)
-    for step in (5, 10):
-        save(run, step)
+    run = running(url, options, keep_last=2, steps=(5, 10))
     store_clock_past(run.store, manifest_stamp(run.store, 10))
     forge(run.store, 10, 100, datetime.now(timezone.utc))  # after the run's last commit, dated sanely
     # Written last by the store's clock: a relaunch cannot tell it from a run started since.
