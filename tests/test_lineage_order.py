@@ -20,14 +20,17 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from conftest import StoreTarget
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from spot_callbacks import CheckpointStore, SpotConfig
 from spot_callbacks.cli import main as cli_main
 from spot_callbacks.engine import SpotEngine
 from spot_callbacks.lightning import SpotCheckpoint
+from spot_callbacks.store.checkpoint_store import stored_times
 from spot_callbacks.store.commit import lineage_of
 from spot_callbacks.store.layout import MANIFEST_NAME
+from spot_callbacks.store.writer import CommitWriter
 
 AHEAD = timedelta(minutes=10)  # inside the future-dated slack (15 min): today's clocks can be this far off
 FORGED = "f" * 32
@@ -250,3 +253,16 @@ def test_a_run_that_resumes_again_while_it_runs_follows_its_own_lineage(
     save(run, 15)
     run.finish()
     assert sorted(info.step for info in CheckpointStore(url, options).committed()) == [10, 15, 100]
+
+
+def test_every_backend_says_when_it_wrote_each_manifest(store_url: StoreTarget, tmp_path: Path) -> None:
+    """The times that order lineages come from every backend's listing (S3 ``LastModified``, GCS
+    ``updated``, Azure ``last_modified``, ``mtime``, memory ``created``), one for each manifest."""
+    store = CheckpointStore(store_url.url, store_url.storage_options)
+    (tmp_path / "state.ckpt").write_bytes(b"w" * 100)
+    writer = CommitWriter(store)
+    for step in (1, 2):
+        writer.write_checkpoint(step, tmp_path, reason="steps", framework="demo")
+    times = stored_times(store, store.step_folders())
+    assert set(times) == {1, 2} and times[1] <= times[2]
+    assert abs(times[2] - time.time()) < 3600  # a real time, on the store's clock (here: this machine's)
