@@ -455,7 +455,9 @@ class SpotEngine:
         in_scratch = lambda step: self.scratch_root / step_dirname(step)  # noqa: E731
         try:
             with exit_on_notice(self.watcher.sources, "pulling the checkpoint to resume from"):
-                resumed = pull_latest(self.store, dest or in_scratch, rank(), local_rank(), check)
+                resumed = pull_latest(
+                    self.store, dest or in_scratch, rank(), local_rank(), check, self._own_lineage()
+                )
         except SystemExit:
             self.attempt.close("preempted")
             raise
@@ -467,6 +469,14 @@ class SpotEngine:
         self.saves.resumed_from(resumed.info.step, resumed.local_dir)  # not rewritten; older copies go
         self._resume_recorded = False
         return resumed.local_dir
+
+    def _own_lineage(self) -> str | None:
+        """This run's lineage once it committed or resumed (``None`` before): a resume while it runs
+        follows it, whatever another lineage wrote into ``dirpath`` since (store/commit.py)."""
+        if self.resumed is None and not self.saves.all_records():
+            return None
+        lineage_id = self.accounts.lineage.get("id")
+        return lineage_id if isinstance(lineage_id, str) else None
 
     def move_aside_uncommitted(
         self, local_checkpoints: Iterable[tuple[int, Path]], aside: Callable[[Path], Path]
