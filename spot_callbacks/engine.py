@@ -467,8 +467,8 @@ class SpotEngine:
         except SystemExit:
             self.attempt.close("preempted")
             raise
-        except StoreUnavailableError:
-            if not self.running:  # before the start: this process leaves no scratch folder behind
+        except Exception:
+            if not self.running:  # a refused store before the start: no scratch folder stays behind
                 drop_unused_scratch_root(self.scratch_root)
             raise
         if resumed is None:
