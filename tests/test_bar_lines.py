@@ -79,6 +79,7 @@ def test_a_default_run_prints_no_per_checkpoint_line(tmp_path: Path) -> None:
     screen = bar_run(tmp_path, "tqdm", "quiet")
     assert "Epoch 0" in screen and "checkpoints" in screen  # the bar, and the cost summary at the end
     assert "spot_callbacks: committed " not in screen and "retention deleted" not in screen
+    assert screen.count("dropping checkpoint of step") <= 1  # the first, with its cause; not one per step
     assert glued_lines(screen) == []
 
 

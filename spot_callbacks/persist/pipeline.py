@@ -203,10 +203,12 @@ class Persister(StepTracker):
                     else ""
                 )
                 advice = f"; uploads take longer than the interval between checkpoints{running}: {self.slow_upload_fix}"
-            self._drop(dropped, f"step {job.step} is newer{advice}")
+            # Only the first drop is news (it carries the cause); later ones are per-checkpoint lines.
+            self._drop(dropped, f"step {job.step} is newer{advice}", every_checkpoint=not advice)
 
-    def _drop(self, job: PersistJob, why: str) -> None:
-        log.info("spot_callbacks: dropping checkpoint of step %d before upload: %s", job.step, why)
+    def _drop(self, job: PersistJob, why: str, every_checkpoint: bool = False) -> None:
+        say = checkpoint_line if every_checkpoint else log.info
+        say("spot_callbacks: dropping checkpoint of step %d before upload: %s", job.step, why)
         discard_folder(job.local_dir, job.owns_local_dir)
         self._settle(job.step, "dropped")
 
