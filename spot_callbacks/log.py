@@ -26,7 +26,9 @@ log.addHandler(logging.NullHandler())
 class OneRankSpeaks(logging.Filter):
     """Info lines narrate the run, and every rank would say the same: only rank 0 says them (eight ranks,
     one line). Warnings and errors are each rank's own and always pass, as does a record logged with
-    ``extra={"every_rank": True}`` (a line that differs by rank: what one node pulled).
+    ``extra={"every_rank": True}`` (a line that differs by rank: what one node pulled). A warning
+    logged with ``extra={"run_level": True}`` is the run's, which every rank saw alike (a launcher's
+    SIGTERM reaches them all): rank 0 alone says it.
 
     Example:
         >>> OneRankSpeaks().filter(logging.makeLogRecord({"levelno": logging.INFO}))
@@ -34,6 +36,8 @@ class OneRankSpeaks(logging.Filter):
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "run_level", False):
+            return _this_rank() == 0
         if record.levelno > logging.INFO or getattr(record, "every_rank", False):
             return True
         return _this_rank() == 0
