@@ -59,6 +59,9 @@ class SpotConfig:
             or ``"continue"``.
         interruptions_per_hour: expected interruption rate, for ``interval="auto"``; ``None``:
             learned from the run's own interruptions (recorded in its manifests), from 0.1/h.
+        verbose: also log a line per checkpoint ("committed ...", "retention deleted ...");
+            off, as Lightning's ``ModelCheckpoint(verbose=False)``, they are debug lines. Warnings,
+            the resume line and the emergency lines are always shown.
 
     Raises:
         ConfigError: a value is out of range or of the wrong kind; the message names the key,
@@ -102,6 +105,9 @@ class SpotConfig:
     interruptions_per_hour: Union[float, None] = field(  # noqa: UP007
         default=None, metadata={"help": "interruption rate for interval='auto'; None: learned from the run"}
     )
+    verbose: bool = field(
+        default=False, metadata={"help": "log a line per checkpoint (committed, retention deleted)"}
+    )
 
     def __post_init__(self) -> None:
         self.dirpath = _check_dirpath(self.dirpath)
@@ -120,6 +126,8 @@ class SpotConfig:
                 f"on_preemption={self.on_preemption!r} is not accepted; use one of {list(ON_PREEMPTION_CHOICES)}"
             )
         self.interruptions_per_hour = _check_rate(self.interruptions_per_hour)
+        if not isinstance(self.verbose, bool):
+            raise ConfigError(f"verbose={self.verbose!r} must be true or false")
 
     @property
     def interval_seconds(self) -> float | None:

@@ -38,9 +38,9 @@ from spot_callbacks.accounting.region import RegionCheck
 from spot_callbacks.accounting.watch import PersistWatch
 from spot_callbacks.config import SpotConfig
 from spot_callbacks.errors import PersistError, RunLockedError, StoreUnavailableError
-from spot_callbacks.log import show_info_lines
+from spot_callbacks.log import set_verbose, show_info_lines
 from spot_callbacks.persist import PersistRecord
-from spot_callbacks.persist.scratch_folders import claim_scratch_root
+from spot_callbacks.persist.scratch_folders import claim_scratch_root, drop_unused_scratch_root
 from spot_callbacks.preemption import Notice, PreemptionWatcher, exit_guard
 from spot_callbacks.preemption.emergency import EXIT_MARGIN_S, Emergency, time_left_s, warn_if_grace_too_short
 from spot_callbacks.preemption.startup import exit_on_notice
@@ -140,6 +140,8 @@ class SpotEngine:
         """Install notice sources and start the interval clock; call once training is about to run."""
         # Set first: a start that fails half-way (after the lock) is undone by stop() like any exit.
         self.running = True
+        set_verbose(self.config.verbose)
+        self._claim_scratch()
         # The interval counts training time, not the set-up before it (model build, a long pull).
         self.trigger.mark_checkpoint()
         self.accounts.start_clock()
@@ -149,6 +151,7 @@ class SpotEngine:
                 self.lease.acquire(on_store_ready=self._begin_attempt)
         except (RunLockedError, StoreUnavailableError):
             self.attempt.discard()  # not a process of the run in this dirpath (or none could be kept)
+            drop_unused_scratch_root(self.scratch_root)  # a start that never ran leaves no folder
             raise
         except SystemExit:
             self.attempt.close("preempted")
@@ -159,6 +162,10 @@ class SpotEngine:
         self.watcher.start()
         warn_if_grace_too_short(self.watcher.sources)
         self.watch.start(self.is_writer)
+
+    def _claim_scratch(self) -> None:
+        if not self.scratch_root.is_dir():  # an earlier start that failed removed it
+            claim_scratch_root(self.store.url, self.config.scratch_dir)
 
     def stop(self) -> None:
         """An exception ends training: stop the notice sources and the workers, release the run lock."""
@@ -453,6 +460,7 @@ class SpotEngine:
         already holds exactly this checkpoint is not downloaded again.
         """
         in_scratch = lambda step: self.scratch_root / step_dirname(step)  # noqa: E731
+        self._claim_scratch()
         try:
             with exit_on_notice(self.watcher.sources, "pulling the checkpoint to resume from"):
                 resumed = pull_latest(
@@ -460,6 +468,10 @@ class SpotEngine:
                 )
         except SystemExit:
             self.attempt.close("preempted")
+            raise
+        except Exception:
+            if not self.running:  # a refused store before the start: no scratch folder stays behind
+                drop_unused_scratch_root(self.scratch_root)
             raise
         if resumed is None:
             return None

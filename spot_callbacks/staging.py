@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from spot_callbacks.errors import CorruptCheckpointError, UnsafeCheckpointError
+from spot_callbacks.log import checkpoint_line
 from spot_callbacks.store.checksums import ChecksumWriter, FileDigest
 from spot_callbacks.store.manifest_limits import ManifestLimits
 
@@ -108,7 +109,7 @@ class StagingArea:
             )
         self.last_wait_s = time.perf_counter() - started
         if self.last_wait_s > 0.05:
-            log.info(
+            checkpoint_line(
                 "spot_callbacks: waited %.2fs for the previous checkpoint to leave the staging buffers",
                 self.last_wait_s,
             )

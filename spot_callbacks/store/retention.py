@@ -27,6 +27,7 @@ from typing import Any
 import spot_callbacks.store.commit as protocol
 import spot_callbacks.store.layout as layout
 from spot_callbacks.errors import DeleteIncompleteError, ForeignCheckpointError
+from spot_callbacks.log import checkpoint_line
 from spot_callbacks.store.layout import MANIFEST_NAME
 from spot_callbacks.store.manifest import CheckpointInfo
 
@@ -247,4 +248,4 @@ def _could_not(url: str, keep_last: int, err: Exception) -> None:
 
 
 def _deleted(url: str, keep_last: int) -> None:
-    log.info("spot_callbacks: retention deleted %s (keep_last=%d)", url, keep_last)
+    checkpoint_line("spot_callbacks: retention deleted %s (keep_last=%d)", url, keep_last)
