@@ -422,7 +422,7 @@ def landed_folders(ctx: Context, extra_check: Callable[[], str] = lambda: "") ->
     sizes: collections.Counter[str] = collections.Counter()
     for path, info in ctx.fs().find(ctx.prefix, detail=True).items():
         rel = path[len(ctx.prefix) :].lstrip("/")
-        if "/" in rel:
+        if "/" in rel and not rel.startswith("."):  # .spot-attempts: the run's attempt records
             sizes[rel.split("/", 1)[0]] += info["size"]
     return _landed(ctx, sizes, "folders", extra_check)
 

@@ -326,6 +326,9 @@ REPORTS: dict[str, Report] = {
             "hook: process CPU s",
             "hook: others' CPU (cores)",
             "s3fs put",
+            "floor beside",
+            "hook ÷ floor beside",
+            "extra RSS ÷ state",
             *SETTLE_KEYS,
             "bg upload_s",
         ),  # fmt: skip
