@@ -279,9 +279,12 @@ class _StageContext:
             with torch.cuda.stream(stream), torch.no_grad():
                 buffer.copy_(tensor, non_blocking=True)
             tensor.record_stream(stream)
-        else:
+        elif tensor.is_cpu:
             self.sources.append(tensor)
             self.buffers.append(buffer)
+        else:  # another accelerator: a plain synchronous copy
+            with torch.no_grad():
+                buffer.copy_(tensor)
 
     def finish(self) -> list[Any]:
         if self.buffers:
