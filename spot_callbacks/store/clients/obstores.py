@@ -353,10 +353,11 @@ def client_options(
     return options
 
 
-def retry_config(total_timeout_s: float = 60.0) -> dict[str, Any]:
-    """object_store's own retries (a 503 burst, a reset): few, and none once a request has used its
-    whole deadline (a trickle that ran out of time is not asked again at the same rate)."""
-    return {"max_retries": OBSTORE_RETRIES, "retry_timeout": timedelta(seconds=total_timeout_s)}
+def retry_config(total_timeout_s: float = 60.0, max_retries: int = OBSTORE_RETRIES) -> dict[str, Any]:
+    """object_store's own retries (a 503 burst, a reset): few (the user's ``retries`` where set), and
+    none once a request has used its whole deadline (a trickle that ran out of time is not asked
+    again at the same rate)."""
+    return {"max_retries": max_retries, "retry_timeout": timedelta(seconds=total_timeout_s)}
 
 
 class StoreCache:

@@ -3,7 +3,8 @@
 Both clients are built from the s3fs filesystem the store already has, the way s3fs builds its
 own aiobotocore client (its key, secret, token, anon, endpoint_url, use_ssl, client_kwargs,
 config_kwargs, profile, requester_pays, s3_additional_kwargs, and the environment and AWS config
-files botocore reads): no second configuration. An option neither client can honour is an
+files botocore reads): no second configuration. How each option reaches each client, or why it
+cannot, is :mod:`~spot_callbacks.store.clients.options`: an option neither client can honour is an
 :class:`~spot_callbacks.store.clients.base.Unsupported` naming it; one only obstore cannot honour
 moves the pulls to boto3.
 
@@ -28,35 +29,20 @@ from spot_callbacks.store.clients.base import (
     TransferBudget,
     Unsupported,
 )
-from spot_callbacks.store.clients.obstores import (
-    DEFAULT_READ_TIMEOUT_S,
-    ObstoreReader,
-    StoreCache,
-    client_options,
-    obstore_installed,
-    retry_config,
+from spot_callbacks.store.clients.obstores import ObstoreReader, StoreCache, client_options, retry_config
+from spot_callbacks.store.clients.options import (
+    CREDENTIAL_KEYS,
+    obstore_refusal,
+    obstore_retries,
+    obstore_s3_config,
+    s3_client_arguments,
+    s3_read_args,
+    s3_upload_args,
 )
 from spot_callbacks.store.clients.streams import Deadline, digest_stream
 from spot_callbacks.store.meter import Moved, ignore_moved
 from spot_callbacks.store.transfer import digest_mapped
 
-# What boto3.session.Session(...).client("s3", ...) takes besides config: s3fs passes client_kwargs there.
-_CLIENT_KWARGS = {
-    "region_name", "api_version", "use_ssl", "verify", "endpoint_url", "aws_access_key_id",
-    "aws_secret_access_key", "aws_session_token", "aws_account_id",
-}  # fmt: skip
-# What s3fs hands its AioSession (``**kwargs`` of S3FileSystem that are not its own).
-_SESSION_KWARGS = {"profile"}
-# s3_additional_kwargs a GET carries too: obstore cannot send them, boto3 pulls then.
-_READ_ARGS = {
-    "SSECustomerAlgorithm",
-    "SSECustomerKey",
-    "SSECustomerKeyMD5",
-    "RequestPayer",
-    "ExpectedBucketOwner",
-}
-_CREDENTIAL_KEYS = ("aws_access_key_id", "aws_secret_access_key", "aws_session_token")
-CONNECT_TIMEOUT_S = 10.0
 CREDENTIALS_TTL = timedelta(minutes=5)
 
 
@@ -90,10 +76,10 @@ class S3Plane:
     def __init__(self, fs: Any, budget: TransferBudget, pull_with: str = "auto") -> None:
         self._fs = fs
         self._budget = budget
-        self._init, self._client_kwargs, self._config = _client_arguments(fs)
-        self._upload_args = _upload_args(fs)
-        self._read_args = _read_args(fs)
-        refusal = _obstore_refusal(fs, self._client_kwargs, self._config, self._read_args)
+        self._init, self._client_kwargs, self._config = s3_client_arguments(fs)
+        self._upload_args = s3_upload_args(fs)
+        self._read_args = s3_read_args(fs)
+        refusal = obstore_refusal(fs, self._client_kwargs, self._config, self._read_args)
         if pull_with == "obstore" and refusal:
             raise Unsupported(f"obstore cannot pull from this filesystem: {refusal}")
         self.pull_with = "obstore" if pull_with != "boto3" and not refusal else "boto3"
@@ -205,8 +191,9 @@ class S3Plane:
             stores = self._obstores.get(bucket)
         if stores is None:
             build = _obstore_for(
-                self._fs, session, client, bucket, self._init, self._client_kwargs, self._config
-            )
+                self._fs, session, client, bucket, self._init, self._client_kwargs, self._config,
+                self._read_args,
+            )  # fmt: skip
             with self._lock:
                 stores = self._obstores.setdefault(bucket, StoreCache(build))
         return stores
@@ -223,85 +210,6 @@ def _told(moved: Moved) -> list[Any]:
             moved(bytes_transferred)
 
     return [_Progress()]
-
-
-# ---------------------------------------------------------------------- s3fs's options, read once
-def _client_arguments(fs: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """boto3's ``client("s3", ...)`` arguments from an s3fs filesystem, as s3fs' ``set_session`` builds them."""
-    if not getattr(fs, "_session_is_owned", True):
-        raise Unsupported("storage_options session= (an aiobotocore session of its own) cannot drive boto3")
-    unknown = sorted(set(getattr(fs, "kwargs", {})) - _SESSION_KWARGS)
-    if unknown:
-        raise Unsupported(f"storage_options {', '.join(unknown)} mean nothing to boto3")
-    client_kwargs = dict(getattr(fs, "client_kwargs", {}) or {})
-    unknown = sorted(set(client_kwargs) - _CLIENT_KWARGS)
-    if unknown:
-        raise Unsupported(f"client_kwargs {', '.join(unknown)} mean nothing to boto3")
-    init = {
-        "aws_access_key_id": fs.key,
-        "aws_secret_access_key": fs.secret,
-        "aws_session_token": fs.token,
-        "endpoint_url": fs.endpoint_url,
-    }
-    init = {k: v for k, v in init.items() if v is not None and v != client_kwargs.get(k)}
-    if "use_ssl" not in client_kwargs:
-        init["use_ssl"] = fs.use_ssl
-    config = dict(fs.config_kwargs or {})
-    config.setdefault("connect_timeout", getattr(fs, "connect_timeout", CONNECT_TIMEOUT_S))
-    config.setdefault("read_timeout", getattr(fs, "read_timeout", DEFAULT_READ_TIMEOUT_S))
-    config.setdefault("max_pool_connections", UPLOAD_THREADS + 4)
-    if fs.anon:
-        from botocore import UNSIGNED
-
-        init = {k: v for k, v in init.items() if k not in _CREDENTIAL_KEYS}
-        client_kwargs = {k: v for k, v in client_kwargs.items() if k not in _CREDENTIAL_KEYS}
-        config["signature_version"] = UNSIGNED
-    from botocore.config import Config
-
-    try:
-        Config(**config)
-    except TypeError as err:
-        raise Unsupported(f"config_kwargs that botocore's Config refuses: {err}") from None
-    return init, client_kwargs, config
-
-
-def _upload_args(fs: Any) -> dict[str, Any]:
-    from s3transfer.manager import TransferManager
-
-    args = dict(getattr(fs, "s3_additional_kwargs", {}) or {})
-    if fs.requester_pays:
-        args["RequestPayer"] = "requester"
-    unknown = sorted(set(args) - set(TransferManager.ALLOWED_UPLOAD_ARGS))
-    if unknown:
-        raise Unsupported(f"s3_additional_kwargs {', '.join(unknown)} that s3transfer's upload does not take")
-    return args
-
-
-def _read_args(fs: Any) -> dict[str, Any]:
-    args = {k: v for k, v in (getattr(fs, "s3_additional_kwargs", {}) or {}).items() if k in _READ_ARGS}
-    if fs.requester_pays:
-        args["RequestPayer"] = "requester"
-    return args
-
-
-def _obstore_refusal(
-    fs: Any, client_kwargs: dict[str, Any], config: dict[str, Any], read_args: dict[str, Any]
-) -> str | None:
-    """Why obstore cannot pull for this filesystem (boto3 then pulls), or ``None``."""
-    if not obstore_installed():
-        return "obstore is not installed (pip install 'spot-callbacks[s3]')"
-    if read_args:
-        return f"{', '.join(sorted(read_args))} on every GET"
-    if isinstance(client_kwargs.get("verify"), str):
-        return "client_kwargs verify= a CA bundle"
-    if config.get("proxies") or config.get("proxies_config"):
-        return "config_kwargs proxies"
-    s3_config = config.get("s3") or {}
-    if s3_config.get("use_accelerate_endpoint") or s3_config.get("use_dualstack_endpoint"):
-        return "an accelerate or dual-stack endpoint"
-    if getattr(fs, "version_aware", False):
-        return "version_aware=True"
-    return None
 
 
 def _boto3_client(
@@ -345,6 +253,7 @@ def _obstore_for(
     init: dict[str, Any],
     client_kwargs: dict[str, Any],
     config: dict[str, Any],
+    read_args: dict[str, Any],
 ) -> Any:
     """A builder of obstore's S3Store for ``bucket`` (its argument: a whole request's deadline in
     seconds), with the endpoint, region and credentials boto3 resolved, resolved once."""
@@ -357,8 +266,7 @@ def _obstore_for(
     }
     if not on_aws:
         options["endpoint"] = endpoint
-    if (config.get("s3") or {}).get("addressing_style") == "virtual":
-        options["virtual_hosted_style_request"] = True
+    options.update(obstore_s3_config(config, read_args))
     http = endpoint.startswith("http://")
     if http:
         options["unsigned_payload"] = True
@@ -380,7 +288,7 @@ def _obstore_for(
                 verify=client_kwargs.get("verify", True) is not False,
                 total_timeout_s=total_timeout_s,
             ),
-            retry_config=retry_config(total_timeout_s),
+            retry_config=retry_config(total_timeout_s, obstore_retries(config)),
             credential_provider=provider,
         )
 
@@ -437,7 +345,7 @@ class _Credentials:
 
 
 def _credentials(session: Any, arguments: dict[str, Any]) -> _Credentials:
-    given = {k: arguments[k] for k in _CREDENTIAL_KEYS if arguments.get(k)}
+    given = {k: arguments[k] for k in CREDENTIAL_KEYS if arguments.get(k)}
     if given and not ("aws_access_key_id" in given and "aws_secret_access_key" in given):
         given = {}  # a token alone: boto3 completes the rest from its chain
     return _Credentials(session, given)
