@@ -14,7 +14,7 @@ store uses, and nothing is mocked:
 - ``stall``: a GET's headers are true, then nothing.
 - ``no-bulk-delete``: a bulk delete (``POST ?delete``) is answered 501 NotImplemented, as by an S3
   server without DeleteObjects (single DELETEs still work).
-- ``wrong-region``: every request is answered 301 PermanentRedirect with ``x-amz-bucket-region:
+- ``wrong-region``: every request whose path contains ``target``, and a HEAD of the bucket, is answered 301 PermanentRedirect with ``x-amz-bucket-region:
   eu-west-3``, as AWS answers a client that asked the bucket in another region.
 - ``none``: no lie; the proxy only records what it was asked.
 
@@ -113,7 +113,9 @@ class _Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else b""
         self.server.seen.append((self.command, self.path, {k.lower(): v for k, v in self.headers.items()}))
-        if self.server.lie == "wrong-region":
+        if self.server.lie == "wrong-region" and (
+            self.server.target in self.path or (self.command == "HEAD" and "/" not in self.path.strip("/"))
+        ):
             self.server.answered[self.command] += 1
             self.send_response(301)
             self.send_header("Content-Type", "application/xml")

@@ -19,6 +19,8 @@ clients keep the cloud's own checks.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from typing import Any, cast
 
@@ -29,7 +31,13 @@ from spot_callbacks.store.clients.base import (
     TransferBudget,
     Unsupported,
 )
-from spot_callbacks.store.clients.obstores import ObstoreReader, StoreCache, client_options, retry_config
+from spot_callbacks.store.clients.obstores import (
+    ObstoreReader,
+    StoreCache,
+    WrongRegionError,
+    client_options,
+    retry_config,
+)
 from spot_callbacks.store.clients.options import (
     CREDENTIAL_KEYS,
     obstore_refusal,
@@ -108,7 +116,7 @@ class S3Plane:
     # ------------------------------------------------------------------ transfers
     def upload(self, local_path: str, remote_path: str, moved: Moved = ignore_moved) -> None:
         bucket, key = self._split(remote_path)
-        with _boto_errors():
+        with _boto_errors(f"s3://{bucket}/{key}"):
             self._transfers().upload(
                 local_path, bucket, key, extra_args=dict(self._upload_args), subscribers=_told(moved)
             ).result()
@@ -123,11 +131,12 @@ class S3Plane:
     ) -> FileDigest:
         bucket, key = self._split(remote_path)
         if self.pull_with == "obstore":
-            store = self._obstore(bucket)
-            return self._reader.download(
-                store, key, f"s3://{bucket}/{key}", local_path, timeout_s, expected_size, moved
-            )
-        with _boto_errors():
+            with self._region_named(bucket):
+                return self._reader.download(
+                    self._obstore(bucket), key, f"s3://{bucket}/{key}", local_path, timeout_s, expected_size,
+                    moved,
+                )  # fmt: skip
+        with _boto_errors(f"s3://{bucket}/{key}"):
             # s3transfer writes ranged GETs out of order into a temporary it renames: hash after.
             self._transfers().download(
                 bucket, key, local_path, extra_args=dict(self._read_args), subscribers=_told(moved)
@@ -144,8 +153,9 @@ class S3Plane:
         bucket, key = self._split(remote_path)
         url = f"s3://{bucket}/{key}"
         if self.pull_with == "obstore":
-            return self._reader.digest(self._obstore(bucket), key, url, timeout_s, expected_size, moved)
-        with _boto_errors():
+            with self._region_named(bucket):
+                return self._reader.digest(self._obstore(bucket), key, url, timeout_s, expected_size, moved)
+        with _boto_errors(url):
             body = self._boto()[1].get_object(Bucket=bucket, Key=key, **self._read_args)["Body"]
             with body:
                 chunks = body.iter_chunks(self._budget.stream_chunk_bytes())
@@ -177,6 +187,18 @@ class S3Plane:
                 )
                 self._manager = TransferManager(client, config)
             return self._manager
+
+    @contextmanager
+    def _region_named(self, bucket: str) -> Iterator[None]:
+        """A redirect obstore got without the region (it reads no headers of an error) is asked of
+        boto3 once: the user's line names the bucket's region."""
+        try:
+            yield
+        except WrongRegionError as err:
+            if err.region is not None:
+                raise
+            region = _told_region(self._boto()[1], bucket)
+            raise WrongRegionError(err.url, region) from err
 
     def _reader_deadline(self) -> float:
         from spot_callbacks.store.clients.obstores import request_deadline_s
@@ -304,14 +326,21 @@ def _is_aws_endpoint(endpoint: str) -> bool:
 
 def _bucket_region(client: Any, bucket: str) -> str:
     """The bucket's own region (obstore does not follow AWS's region redirects; boto3 does)."""
-    from botocore.exceptions import ClientError
+    return _told_region(client, bucket) or client.meta.region_name or "us-east-1"
+
+
+def _told_region(client: Any, bucket: str) -> str | None:
+    """The region a HEAD of ``bucket`` answers with (``x-amz-bucket-region``), if any."""
+    from botocore.exceptions import BotoCoreError, ClientError
 
     try:
         answer = client.head_bucket(Bucket=bucket)
     except ClientError as err:
         answer = err.response
+    except BotoCoreError:
+        return None
     region = answer.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("x-amz-bucket-region")
-    return region or client.meta.region_name or "us-east-1"
+    return str(region) if region else None
 
 
 class _Credentials:
@@ -352,7 +381,12 @@ def _credentials(session: Any, arguments: dict[str, Any]) -> _Credentials:
 
 
 class _boto_errors:
-    """botocore's ClientError told as s3fs tells it (the same builtin classes for the same answers)."""
+    """botocore's ClientError told as s3fs tells it (the same builtin classes for the same answers),
+    but a redirect to the bucket's region as :class:`WrongRegionError` naming it (s3fs' OSError
+    would be retried, and says only "Moved Permanently")."""
+
+    def __init__(self, url: str) -> None:
+        self._url = url
 
     def __enter__(self) -> None:
         return None
@@ -360,6 +394,15 @@ class _boto_errors:
     def __exit__(self, kind: Any, error: BaseException | None, tb: Any) -> None:
         if error is None or type(error).__name__ != "ClientError":
             return
+        response = getattr(error, "response", None) or {}
+        metadata = response.get("ResponseMetadata", {})
+        if (
+            metadata.get("HTTPStatusCode") == 301
+            or response.get("Error", {}).get("Code") == "PermanentRedirect"
+        ):
+            raise WrongRegionError(
+                self._url, metadata.get("HTTPHeaders", {}).get("x-amz-bucket-region")
+            ) from error
         from s3fs.errors import translate_boto_error
 
         raise translate_boto_error(error) from error
