@@ -13,15 +13,20 @@ import subprocess
 import sys
 import time
 import uuid
+from typing import Any
 
 import pytest
 from conftest import closed_port_url
+from helpers.hostile import WRONG_REGION, hostile_proxy
 from test_preflight import WRONG_AZURE_KEY, _azurite_key, silent_socket  # noqa: F401 - a fixture
 
 from spot_callbacks import CheckpointStore, SpotConfig
 from spot_callbacks.cli import main
+from spot_callbacks.cli.commands import describe_error
 from spot_callbacks.engine import SpotEngine
 from spot_callbacks.errors import ConfigError
+from spot_callbacks.store.diagnosis import diagnose
+from spot_callbacks.store.retry import RetryPolicy
 from spot_callbacks.store.writer import CommitWriter
 
 BUDGET_S = 10  # $SPOT_PREFLIGHT_TIMEOUT_S for these runs: the default 60 s works the same, slower
@@ -148,3 +153,84 @@ def test_a_prefix_typo_is_an_error_with_the_name_it_meant(s3_server, capsys, tmp
         line = one_error_line(capsys.readouterr().err)
         assert f"nothing is stored under {run}/dem0" in line and f"did you mean '{run}/demo'?" in line, argv
     assert main(["--storage-options", options, "ls", f"{run}/demo"]) == 0
+
+
+# ----------------------------------------------------------------- the fast clients' errors
+def _committed(server: Any, tmp_path: Any, name: str) -> str:
+    url = f"s3://{server.bucket}/{name}-{uuid.uuid4().hex[:8]}"
+    store = CheckpointStore(url, server.storage_options)
+    (tmp_path / "src").mkdir(exist_ok=True)
+    (tmp_path / "src" / "state.pt").write_bytes(os.urandom(3 * 1024 * 1024))
+    CommitWriter(store).write_checkpoint(1, tmp_path / "src", reason="manual", framework="test")
+    return url
+
+
+@pytest.mark.parametrize(("target", "plane"), [("", "auto"), ("state.pt", "obstore"), ("state.pt", "boto3")])
+def test_a_bucket_in_another_region_is_named_by_pull_whichever_client_asked(
+    target, plane, s3_server, tmp_path
+) -> None:
+    # AWS answers 301 PermanentRedirect with x-amz-bucket-region to a client of another region. The
+    # proxy says so to every request ("": s3fs' listing meets it first) or to the payload's GETs and
+    # every HEAD (the fast client meets it; obstore reads no headers of an error: boto3 asks once).
+    url = _committed(s3_server, tmp_path, "region")
+    with hostile_proxy(s3_server.port, target, "wrong-region") as proxy:
+        options = json.dumps({**s3_server.storage_options, "endpoint_url": proxy.url})
+        code, _, err, _ = spot_callbacks(
+            "--storage-options", options, "pull", url, str(tmp_path / "dest"), env={"SPOT_DATA_PLANE": plane}
+        )
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("pull ")]
+    assert len(lines) == 1 and lines[0].startswith("spot-callbacks: error: "), err
+    assert code == 1 and f"the bucket '{s3_server.bucket}' is in region '{WRONG_REGION}'" in lines[0]
+    assert f"client_kwargs={{'region_name': '{WRONG_REGION}'}}" in lines[0]
+    assert "Generic S3 error" not in err and "retrying" not in err and "Traceback" not in err
+    if target:
+        # The payload's client met it (obstore's GET; s3transfer's HEAD before its GETs).
+        assert any(method in ("GET", "HEAD") and "state.pt" in path for method, path, _ in proxy.seen)
+
+
+def test_a_resume_from_a_bucket_in_another_region_stops_with_the_region_not_a_fallback(
+    s3_server, tmp_path, caplog
+) -> None:
+    import logging
+
+    from spot_callbacks.resume import pull_newest_valid
+
+    url = _committed(s3_server, tmp_path, "region-resume")
+    with hostile_proxy(s3_server.port, "state.pt", "wrong-region") as proxy:
+        options = {**s3_server.storage_options, "endpoint_url": proxy.url}
+        store = CheckpointStore(url, options, retry=RetryPolicy(attempts=3, initial_backoff_s=0.01))
+        with caplog.at_level(logging.WARNING, logger="spot_callbacks"), pytest.raises(ValueError) as raised:
+            pull_newest_valid(store, lambda step: tmp_path / "pulled" / str(step))
+    assert f"the bucket '{s3_server.bucket}' is in region '{WRONG_REGION}'" in str(raised.value)
+    assert "\n" not in str(raised.value)
+    assert "skipping damaged checkpoint" not in caplog.text and "retrying" not in caplog.text
+    found = diagnose(raised.value, "s3", s3_server.bucket)
+    assert found.permanent and f"client_kwargs={{'region_name': '{WRONG_REGION}'}}" in found.fix
+
+
+@pytest.mark.parametrize(
+    ("error", "says"),
+    [
+        (
+            "Generic S3 error: Error performing GET http://h/b/k in 10s - Connection refused\n\nDebug: ...",
+            "nothing accepts connections",
+        ),
+        (
+            "Generic S3 error: HTTP error: error sending request\n\nDebug source:\nTimeout { .. }",
+            "stopped answering in time",
+        ),
+        (
+            "Generic S3 error: Error performing GET: Client error with status 403 Forbidden: AccessDenied\n\nDebug ...",
+            "permission denied reading",
+        ),
+    ],
+)
+def test_obstores_multi_line_errors_become_one_diagnosis_line(error, says) -> None:
+    from spot_callbacks.store.clients.obstores import translated
+
+    class GenericError(Exception):
+        """obstore's class name for most of object_store's errors."""
+
+    told = translated(GenericError(error), "s3://b/run/step-000000001/state.pt")
+    line = describe_error(told, url="s3://b/run")
+    assert says in line and "\n" not in line and "Debug" not in line, line

@@ -334,3 +334,32 @@ def test_a_verify_that_finds_damage_gives_no_closing_total(tmp_path):
         store.verify(8, deep=True, meter=meter)
     assert meter.reading().files_done == 0  # read, but not counted as verified
     assert not any(line.startswith("verified") for line in piped.getvalue().splitlines()), piped.getvalue()
+
+
+@pytest.mark.parametrize("shape", ["stream", "segments"])
+def test_piped_pull_counts_a_streams_bytes_as_they_land_not_when_its_chunk_or_segment_completes(
+    s3_server, tmp_path, shape
+):
+    # The default budget (96 MiB: 6 MiB ranges) and one 8 MB file through a 1 MB/s link, as one stream
+    # or as 4 segments of 2 MiB: the piped lines move a MiB at a time while the file moves (a count
+    # per completed 6 MiB chunk or segment read 0 B, then jumped).
+    random_file(tmp_path / "src" / "state.ckpt", 8_000_000)
+    url = f"s3://{s3_server.bucket}/landing-{shape}-{tmp_path.name}"
+    store = CheckpointStore(url, storage_options=s3_server.storage_options)
+    CommitWriter(store).write_checkpoint(3, tmp_path / "src", reason="end", framework="test")
+    with throttled(s3_server.port, RATE // 2) as proxy:
+        env = {**os.environ, "SPOT_PROGRESS_EVERY_S": EVERY_S, "AWS_ACCESS_KEY_ID": "testing",
+               "AWS_SECRET_ACCESS_KEY": "testing", "AWS_ENDPOINT_URL": proxy.url,
+               "SPOT_PULL_SEGMENT_MB": "128" if shape == "stream" else "2"}  # fmt: skip
+        env.pop("SPOT_TRANSFER_BUFFER_MB", None)
+        done = subprocess.run(
+            [sys.executable, "-m", "spot_callbacks.cli", "-v", "pull", url, str(tmp_path / "dest")],
+            capture_output=True, text=True, timeout=120, env=env,
+        )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    assert any("obstore" in line and "payload bytes" in line for line in lines), lines
+    moving = sorted(set(progress_bytes(lines, f"pull {url}/step-")) - {0.0})
+    below_a_range = [mb for mb in moving if mb < 6.0]
+    assert len(below_a_range) >= 3 and moving[-1] < 8.0, lines
+    assert (tmp_path / "dest" / "state.ckpt").stat().st_size == 8_000_000

@@ -151,7 +151,7 @@ def test_a_bad_spot_data_plane_or_buffer_is_an_error_naming_the_knob_and_the_cho
         transfer_budget({"SPOT_TRANSFER_BUFFER_MB": "1"})
     with pytest.raises(ConfigError, match=r"SPOT_TRANSFER_BUFFER_MB='lots' is not a positive whole number"):
         transfer_budget({"SPOT_TRANSFER_BUFFER_MB": "lots"})
-    assert transfer_budget({"SPOT_TRANSFER_BUFFER_MB": "1024"}).stream_chunk_bytes() == 16 * MiB
+    assert transfer_budget({"SPOT_TRANSFER_BUFFER_MB": "1024"}).stream_chunk_bytes() == MiB
 
 
 def test_an_option_the_fast_client_cannot_honour_leaves_the_bytes_on_fsspec_and_says_why(

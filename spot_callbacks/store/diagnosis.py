@@ -36,6 +36,13 @@ _UNKNOWN_HOST = re.compile(
     r"Name or service not known|nodename nor servname|Temporary failure in name resolution|"
     r"getaddrinfo failed|No address associated with hostname|Could not resolve host"
 )
+# AWS's redirect to the bucket's own region (botocore's codes; s3fs' message; the fast client's line).
+_WRONG_REGION = re.compile(
+    r"PermanentRedirect|Moved Permanently|AuthorizationHeaderMalformed|must be addressed using the specified endpoint|"
+    r"is in region '|is in another region than the client asked"
+)
+_REGION_IN_TEXT = re.compile(r"(?:in region|expecting) '([a-z]{2}(?:-[a-z]+)+-\d)'")
+_CLIENT_TIMEOUT = re.compile(r"ReadTimeoutError|ConnectTimeoutError|Read timeout on endpoint")
 _REFUSED = re.compile(r"Connection refused|Connect call failed|Could not connect to the endpoint URL")
 # No credentials at all (not wrong ones): botocore's "Unable to locate credentials", adlfs' ValueError.
 _NO_CREDENTIALS = re.compile(
@@ -75,7 +82,11 @@ def diagnose(error: BaseException, protocol: str, bucket: str, *, reading: bool 
     """
     chain = list(causes(error))
     text = " ".join(f"{type(err).__name__}: {err}" for err in chain)
-    found = _diagnose_reachability(chain, text) or _diagnose_refusal(chain, text, protocol, bucket, reading)
+    found = (
+        _diagnose_reachability(chain, text)
+        or _diagnose_region(chain, text, bucket)
+        or _diagnose_refusal(chain, text, protocol, bucket, reading)
+    )
     if found is not None:
         return found
     if is_transient(error):
@@ -103,6 +114,13 @@ def _diagnose_reachability(chain: list[BaseException], text: str) -> Diagnosis |
             "the store accepted the connection but did not answer in time",
             "check endpoint_url and any proxy or firewall between here and the store",
         )
+    if any(isinstance(err, TimeoutError) for err in chain) or _CLIENT_TIMEOUT.search(text):
+        return Diagnosis(
+            False,
+            f"the store stopped answering in time ({one_line(chain[0])})",
+            "check the link to the store; on a slow one raise the read timeout in storage_options "
+            "(config_kwargs={'read_timeout': 60} for s3, read_timeout=60 for az)",
+        )
     if any(isinstance(err, ConnectionRefusedError) for err in chain) or _REFUSED.search(text):
         return Diagnosis(
             False,
@@ -111,6 +129,36 @@ def _diagnose_reachability(chain: list[BaseException], text: str) -> Diagnosis |
             unreachable=True,
         )
     return None
+
+
+def _diagnose_region(chain: list[BaseException], text: str, bucket: str) -> Diagnosis | None:
+    """AWS's answer to a request sent to another region than the bucket's: the region, from the
+    answer's ``x-amz-bucket-region`` (botocore keeps the headers; the fast client's line carries it)."""
+    if not _WRONG_REGION.search(text):
+        return None
+    region = next((r for r in (_told_region(err) for err in chain) if r), None)
+    if region is None:
+        found = _REGION_IN_TEXT.search(text)
+        region = found.group(1) if found else None
+    if region is None:
+        return Diagnosis(
+            True,
+            f"the bucket {bucket!r} is in another region than the client asked ({one_line(chain[0])})",
+            "set storage_options client_kwargs={'region_name': <the bucket's region>} (or AWS_DEFAULT_REGION)",
+        )
+    return Diagnosis(
+        True,
+        f"the bucket {bucket!r} is in region {region!r}, not the one the client asked",
+        f"set storage_options client_kwargs={{'region_name': {region!r}}} (or AWS_DEFAULT_REGION={region})",
+    )
+
+
+def _told_region(error: BaseException) -> str | None:
+    response = getattr(error, "response", None)
+    if isinstance(response, dict):  # botocore's ClientError
+        region = response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("x-amz-bucket-region")
+        return str(region) if region else None
+    return getattr(error, "region", None) if type(error).__name__ == "WrongRegionError" else None
 
 
 def _diagnose_refusal(

@@ -14,8 +14,11 @@ store uses, and nothing is mocked:
 - ``stall``: a GET's headers are true, then nothing.
 - ``no-bulk-delete``: a bulk delete (``POST ?delete``) is answered 501 NotImplemented, as by an S3
   server without DeleteObjects (single DELETEs still work).
+- ``wrong-region``: every request whose path contains ``target``, and a HEAD of the bucket, is answered 301 PermanentRedirect with ``x-amz-bucket-region:
+  eu-west-3``, as AWS answers a client that asked the bucket in another region.
+- ``none``: no lie; the proxy only records what it was asked.
 
-``answered`` counts the lies told by method.
+``answered`` counts the lies told by method; ``seen`` holds every request's method, path and headers.
 """
 
 from __future__ import annotations
@@ -29,7 +32,24 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-LIES = ("head", "html", "extra", "short", "range", "trickle", "stall", "no-bulk-delete")
+LIES = (
+    "head",
+    "html",
+    "extra",
+    "short",
+    "range",
+    "trickle",
+    "stall",
+    "no-bulk-delete",
+    "wrong-region",
+    "none",
+)
+WRONG_REGION = "eu-west-3"
+PERMANENT_REDIRECT = (
+    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>PermanentRedirect</Code><Message>The bucket you '
+    b"are attempting to access must be addressed using the specified endpoint. Please send all future "
+    b"requests to this endpoint.</Message><Endpoint>s3.eu-west-3.amazonaws.com</Endpoint></Error>"
+)
 NOT_IMPLEMENTED = (
     b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>NotImplemented</Code>'
     b"<Message>A header you provided implies functionality that is not implemented</Message></Error>"
@@ -48,6 +68,7 @@ class HostileProxy(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.target_port, self.target, self.lie, self.trickle_s = target_port, target, lie, trickle_s
         self.answered: Counter[str] = Counter()
+        self.seen: list[tuple[str, str, dict[str, str]]] = []
         self.closed = threading.Event()
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
 
@@ -91,6 +112,19 @@ class _Handler(BaseHTTPRequestHandler):
     def _forward(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else b""
+        self.server.seen.append((self.command, self.path, {k.lower(): v for k, v in self.headers.items()}))
+        if self.server.lie == "wrong-region" and (
+            self.server.target in self.path or (self.command == "HEAD" and "/" not in self.path.strip("/"))
+        ):
+            self.server.answered[self.command] += 1
+            self.send_response(301)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("x-amz-bucket-region", WRONG_REGION)
+            self.send_header("Content-Length", str(0 if self.command == "HEAD" else len(PERMANENT_REDIRECT)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(PERMANENT_REDIRECT)
+            return
         if (
             self.server.lie == "no-bulk-delete"
             and self.command == "POST"

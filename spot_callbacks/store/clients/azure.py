@@ -14,12 +14,10 @@ import os
 import threading
 from pathlib import Path
 from typing import Any, cast
-from urllib.parse import urlsplit
 
 from spot_callbacks.store.checksums import FileDigest
 from spot_callbacks.store.clients.base import PULL_STREAMS, TransferBudget, Unsupported
 from spot_callbacks.store.clients.obstores import (
-    DEFAULT_READ_TIMEOUT_S,
     ObstoreReader,
     StoreCache,
     client_options,
@@ -28,9 +26,8 @@ from spot_callbacks.store.clients.obstores import (
     retry_config,
     translated,
 )
+from spot_callbacks.store.clients.options import azure_account_options, azure_timeouts
 from spot_callbacks.store.meter import Moved, ignore_moved
-
-CONNECT_TIMEOUT_S = 10.0
 
 
 def azure_plane(fs: Any, budget: TransferBudget) -> AzurePlane:
@@ -53,10 +50,8 @@ class AzurePlane:
     def __init__(self, fs: Any, budget: TransferBudget) -> None:
         self._fs = fs
         self._budget = budget
-        self._options = _account_options(fs)
-        # adlfs' own read_timeout / connection_timeout where the user set them, else s3fs' defaults.
-        self._read_timeout_s = float(getattr(fs, "read_timeout", None) or DEFAULT_READ_TIMEOUT_S)
-        self._connect_timeout_s = float(getattr(fs, "connection_timeout", None) or CONNECT_TIMEOUT_S)
+        self._options = azure_account_options(fs)
+        self._connect_timeout_s, self._read_timeout_s = azure_timeouts(fs)
         self._reader = ObstoreReader(budget, self._read_timeout_s)
         self._stores: dict[str, StoreCache] = {}
         self._lock = threading.Lock()
@@ -132,38 +127,3 @@ class AzurePlane:
 
         with self._lock:
             return self._stores.setdefault(container, StoreCache(build))
-
-
-def _account_options(fs: Any) -> dict[str, Any]:
-    """obstore's Azure configuration from adlfs' own service client: endpoint, account, key or SAS."""
-    if getattr(fs, "credential", None) is not None or getattr(fs, "sync_credential", None) is not None:
-        raise Unsupported("an Azure identity credential (service principal or DefaultAzureCredential)")
-    if getattr(fs, "location_mode", "primary") != "primary":
-        raise Unsupported(f"location_mode={fs.location_mode!r}")
-    client = getattr(fs, "service_client", None)
-    if client is None:
-        raise Unsupported("adlfs has no service client to read the account from")
-    parts = urlsplit(client.url)
-    endpoint = f"{parts.scheme}://{parts.netloc}{parts.path}".rstrip("/")
-    options: dict[str, Any] = {"account_name": client.account_name, "endpoint": endpoint}
-    key = getattr(getattr(client, "credential", None), "account_key", None)
-    sas = (
-        getattr(fs, "sas_token", None) or _connection_string_field(fs, "SharedAccessSignature") or parts.query
-    )
-    if key:
-        options["account_key"] = key
-    elif sas:
-        options["sas_key"] = sas.lstrip("?")
-    elif getattr(fs, "anon", False):
-        options["skip_signature"] = True
-    else:
-        raise Unsupported("no account key, SAS token or anonymous access that obstore can use")
-    return options
-
-
-def _connection_string_field(fs: Any, name: str) -> str | None:
-    for part in (getattr(fs, "connection_string", None) or "").split(";"):
-        field, _, value = part.partition("=")
-        if field.strip().lower() == name.lower():
-            return value.strip()
-    return None

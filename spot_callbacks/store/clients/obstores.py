@@ -33,7 +33,7 @@ from typing import Any
 import xxhash
 
 import spot_callbacks.settings as settings
-from spot_callbacks.errors import CheckpointError, CorruptCheckpointError
+from spot_callbacks.errors import CheckpointError, ConfigError, CorruptCheckpointError
 from spot_callbacks.store.checksums import CHECKSUM_ALGORITHM, FileDigest
 from spot_callbacks.store.clients.base import PULL_STREAMS, MiB, TransferBudget
 from spot_callbacks.store.clients.streams import Deadline, write_through_temporary
@@ -51,6 +51,27 @@ SHORTEST_DEADLINE_S = 16.0
 UNKNOWN_SIZE_DEADLINE_S = 24 * 3600.0
 _POLL_S = 0.5
 StoreFor = Callable[[float], Any]  # a request's whole deadline in seconds -> an obstore store
+
+
+class WrongRegionError(ConfigError):
+    """The store answered with a redirect: the bucket lives in another region (``region``, where the
+    answer said which). A configuration error: permanent, never retried.
+
+    Example:
+        >>> str(WrongRegionError("s3://b/k", "eu-west-3"))
+        "the bucket 'b' is in region 'eu-west-3', not the one the client asked (s3://b/k). Fix: set storage_options client_kwargs={'region_name': 'eu-west-3'} (or AWS_DEFAULT_REGION=eu-west-3)"
+    """
+
+    def __init__(self, url: str, region: str | None) -> None:
+        bucket = url.split("://", 1)[-1].split("/", 1)[0]
+        if region:
+            cause = f"the bucket {bucket!r} is in region {region!r}, not the one the client asked ({url})"
+            fix = f"client_kwargs={{'region_name': {region!r}}} (or AWS_DEFAULT_REGION={region})"
+        else:
+            cause = f"the bucket {bucket!r} is in another region than the client asked ({url})"
+            fix = "client_kwargs={'region_name': <the bucket's region>} (or AWS_DEFAULT_REGION)"
+        super().__init__(f"{cause}. Fix: set storage_options {fix}")
+        self.url, self.region = url, region
 
 
 class TransferCancelled(CheckpointError):
@@ -353,10 +374,11 @@ def client_options(
     return options
 
 
-def retry_config(total_timeout_s: float = 60.0) -> dict[str, Any]:
-    """object_store's own retries (a 503 burst, a reset): few, and none once a request has used its
-    whole deadline (a trickle that ran out of time is not asked again at the same rate)."""
-    return {"max_retries": OBSTORE_RETRIES, "retry_timeout": timedelta(seconds=total_timeout_s)}
+def retry_config(total_timeout_s: float = 60.0, max_retries: int = OBSTORE_RETRIES) -> dict[str, Any]:
+    """object_store's own retries (a 503 burst, a reset): few (the user's ``retries`` where set), and
+    none once a request has used its whole deadline (a trickle that ran out of time is not asked
+    again at the same rate)."""
+    return {"max_retries": max_retries, "retry_timeout": timedelta(seconds=total_timeout_s)}
 
 
 class StoreCache:
@@ -435,6 +457,10 @@ _RANGE = re.compile(
     re.IGNORECASE,
 )
 _REFUSED = re.compile(r"Connection refused|tcp connect error|ConnectError", re.IGNORECASE)
+# AWS's answer to a request sent to another region than the bucket's (object_store does not follow it).
+_REDIRECT = re.compile(
+    r"PermanentRedirect|301 Moved Permanently|AuthorizationHeaderMalformed|Received redirect|redirect without LOCATION"
+)
 _STATUS = re.compile(r"\b(?:status|Status)(?: code)?:? (\d{3})\b|\b(\d{3}) [A-Z][a-z]+ [A-Z]?")
 
 
@@ -465,17 +491,9 @@ def translated(error: BaseException, url: str) -> BaseException:
         return PermissionError(f"{url}: Unauthorized (the store refused the credentials): {first}")
     if name in ("InvalidPathError", "UnknownConfigurationKeyError", "NotSupportedError"):
         return ValueError(f"{url}: {first}")
-    if (
-        "PermanentRedirect" in text
-        or "301 Moved Permanently" in text
-        or "AuthorizationHeaderMalformed" in text
-    ):
+    if _REDIRECT.search(text):
         region = _REGION.search(text)
-        where = f"in region {region.group(1)!r}" if region else "in another region"
-        fix = (
-            f"client_kwargs={{'region_name': {region.group(1)!r}}}" if region else "client_kwargs region_name"
-        )
-        return ValueError(f"{url}: the bucket is {where}, not the one asked; set storage_options {fix}")
+        return WrongRegionError(url, region.group(1) if region else None)
     if _RANGE.search(text):
         return CorruptCheckpointError(
             f"{url}: the store answered other bytes than the range asked ({first}); "

@@ -3,7 +3,8 @@
 Both clients are built from the s3fs filesystem the store already has, the way s3fs builds its
 own aiobotocore client (its key, secret, token, anon, endpoint_url, use_ssl, client_kwargs,
 config_kwargs, profile, requester_pays, s3_additional_kwargs, and the environment and AWS config
-files botocore reads): no second configuration. An option neither client can honour is an
+files botocore reads): no second configuration. How each option reaches each client, or why it
+cannot, is :mod:`~spot_callbacks.store.clients.options`: an option neither client can honour is an
 :class:`~spot_callbacks.store.clients.base.Unsupported` naming it; one only obstore cannot honour
 moves the pulls to boto3.
 
@@ -18,6 +19,8 @@ clients keep the cloud's own checks.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from typing import Any, cast
 
@@ -29,34 +32,25 @@ from spot_callbacks.store.clients.base import (
     Unsupported,
 )
 from spot_callbacks.store.clients.obstores import (
-    DEFAULT_READ_TIMEOUT_S,
     ObstoreReader,
     StoreCache,
+    WrongRegionError,
     client_options,
-    obstore_installed,
     retry_config,
+)
+from spot_callbacks.store.clients.options import (
+    CREDENTIAL_KEYS,
+    obstore_refusal,
+    obstore_retries,
+    obstore_s3_config,
+    s3_client_arguments,
+    s3_read_args,
+    s3_upload_args,
 )
 from spot_callbacks.store.clients.streams import Deadline, digest_stream
 from spot_callbacks.store.meter import Moved, ignore_moved
 from spot_callbacks.store.transfer import digest_mapped
 
-# What boto3.session.Session(...).client("s3", ...) takes besides config: s3fs passes client_kwargs there.
-_CLIENT_KWARGS = {
-    "region_name", "api_version", "use_ssl", "verify", "endpoint_url", "aws_access_key_id",
-    "aws_secret_access_key", "aws_session_token", "aws_account_id",
-}  # fmt: skip
-# What s3fs hands its AioSession (``**kwargs`` of S3FileSystem that are not its own).
-_SESSION_KWARGS = {"profile"}
-# s3_additional_kwargs a GET carries too: obstore cannot send them, boto3 pulls then.
-_READ_ARGS = {
-    "SSECustomerAlgorithm",
-    "SSECustomerKey",
-    "SSECustomerKeyMD5",
-    "RequestPayer",
-    "ExpectedBucketOwner",
-}
-_CREDENTIAL_KEYS = ("aws_access_key_id", "aws_secret_access_key", "aws_session_token")
-CONNECT_TIMEOUT_S = 10.0
 CREDENTIALS_TTL = timedelta(minutes=5)
 
 
@@ -90,10 +84,10 @@ class S3Plane:
     def __init__(self, fs: Any, budget: TransferBudget, pull_with: str = "auto") -> None:
         self._fs = fs
         self._budget = budget
-        self._init, self._client_kwargs, self._config = _client_arguments(fs)
-        self._upload_args = _upload_args(fs)
-        self._read_args = _read_args(fs)
-        refusal = _obstore_refusal(fs, self._client_kwargs, self._config, self._read_args)
+        self._init, self._client_kwargs, self._config = s3_client_arguments(fs)
+        self._upload_args = s3_upload_args(fs)
+        self._read_args = s3_read_args(fs)
+        refusal = obstore_refusal(fs, self._client_kwargs, self._config, self._read_args)
         if pull_with == "obstore" and refusal:
             raise Unsupported(f"obstore cannot pull from this filesystem: {refusal}")
         self.pull_with = "obstore" if pull_with != "boto3" and not refusal else "boto3"
@@ -122,7 +116,7 @@ class S3Plane:
     # ------------------------------------------------------------------ transfers
     def upload(self, local_path: str, remote_path: str, moved: Moved = ignore_moved) -> None:
         bucket, key = self._split(remote_path)
-        with _boto_errors():
+        with _boto_errors(f"s3://{bucket}/{key}"):
             self._transfers().upload(
                 local_path, bucket, key, extra_args=dict(self._upload_args), subscribers=_told(moved)
             ).result()
@@ -137,11 +131,12 @@ class S3Plane:
     ) -> FileDigest:
         bucket, key = self._split(remote_path)
         if self.pull_with == "obstore":
-            store = self._obstore(bucket)
-            return self._reader.download(
-                store, key, f"s3://{bucket}/{key}", local_path, timeout_s, expected_size, moved
-            )
-        with _boto_errors():
+            with self._region_named(bucket):
+                return self._reader.download(
+                    self._obstore(bucket), key, f"s3://{bucket}/{key}", local_path, timeout_s, expected_size,
+                    moved,
+                )  # fmt: skip
+        with _boto_errors(f"s3://{bucket}/{key}"):
             # s3transfer writes ranged GETs out of order into a temporary it renames: hash after.
             self._transfers().download(
                 bucket, key, local_path, extra_args=dict(self._read_args), subscribers=_told(moved)
@@ -158,8 +153,9 @@ class S3Plane:
         bucket, key = self._split(remote_path)
         url = f"s3://{bucket}/{key}"
         if self.pull_with == "obstore":
-            return self._reader.digest(self._obstore(bucket), key, url, timeout_s, expected_size, moved)
-        with _boto_errors():
+            with self._region_named(bucket):
+                return self._reader.digest(self._obstore(bucket), key, url, timeout_s, expected_size, moved)
+        with _boto_errors(url):
             body = self._boto()[1].get_object(Bucket=bucket, Key=key, **self._read_args)["Body"]
             with body:
                 chunks = body.iter_chunks(self._budget.stream_chunk_bytes())
@@ -192,6 +188,18 @@ class S3Plane:
                 self._manager = TransferManager(client, config)
             return self._manager
 
+    @contextmanager
+    def _region_named(self, bucket: str) -> Iterator[None]:
+        """A redirect obstore got without the region (it reads no headers of an error) is asked of
+        boto3 once: the user's line names the bucket's region."""
+        try:
+            yield
+        except WrongRegionError as err:
+            if err.region is not None:
+                raise
+            region = _told_region(self._boto()[1], bucket)
+            raise WrongRegionError(err.url, region) from err
+
     def _reader_deadline(self) -> float:
         from spot_callbacks.store.clients.obstores import request_deadline_s
 
@@ -205,8 +213,9 @@ class S3Plane:
             stores = self._obstores.get(bucket)
         if stores is None:
             build = _obstore_for(
-                self._fs, session, client, bucket, self._init, self._client_kwargs, self._config
-            )
+                self._fs, session, client, bucket, self._init, self._client_kwargs, self._config,
+                self._read_args,
+            )  # fmt: skip
             with self._lock:
                 stores = self._obstores.setdefault(bucket, StoreCache(build))
         return stores
@@ -223,85 +232,6 @@ def _told(moved: Moved) -> list[Any]:
             moved(bytes_transferred)
 
     return [_Progress()]
-
-
-# ---------------------------------------------------------------------- s3fs's options, read once
-def _client_arguments(fs: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """boto3's ``client("s3", ...)`` arguments from an s3fs filesystem, as s3fs' ``set_session`` builds them."""
-    if not getattr(fs, "_session_is_owned", True):
-        raise Unsupported("storage_options session= (an aiobotocore session of its own) cannot drive boto3")
-    unknown = sorted(set(getattr(fs, "kwargs", {})) - _SESSION_KWARGS)
-    if unknown:
-        raise Unsupported(f"storage_options {', '.join(unknown)} mean nothing to boto3")
-    client_kwargs = dict(getattr(fs, "client_kwargs", {}) or {})
-    unknown = sorted(set(client_kwargs) - _CLIENT_KWARGS)
-    if unknown:
-        raise Unsupported(f"client_kwargs {', '.join(unknown)} mean nothing to boto3")
-    init = {
-        "aws_access_key_id": fs.key,
-        "aws_secret_access_key": fs.secret,
-        "aws_session_token": fs.token,
-        "endpoint_url": fs.endpoint_url,
-    }
-    init = {k: v for k, v in init.items() if v is not None and v != client_kwargs.get(k)}
-    if "use_ssl" not in client_kwargs:
-        init["use_ssl"] = fs.use_ssl
-    config = dict(fs.config_kwargs or {})
-    config.setdefault("connect_timeout", getattr(fs, "connect_timeout", CONNECT_TIMEOUT_S))
-    config.setdefault("read_timeout", getattr(fs, "read_timeout", DEFAULT_READ_TIMEOUT_S))
-    config.setdefault("max_pool_connections", UPLOAD_THREADS + 4)
-    if fs.anon:
-        from botocore import UNSIGNED
-
-        init = {k: v for k, v in init.items() if k not in _CREDENTIAL_KEYS}
-        client_kwargs = {k: v for k, v in client_kwargs.items() if k not in _CREDENTIAL_KEYS}
-        config["signature_version"] = UNSIGNED
-    from botocore.config import Config
-
-    try:
-        Config(**config)
-    except TypeError as err:
-        raise Unsupported(f"config_kwargs that botocore's Config refuses: {err}") from None
-    return init, client_kwargs, config
-
-
-def _upload_args(fs: Any) -> dict[str, Any]:
-    from s3transfer.manager import TransferManager
-
-    args = dict(getattr(fs, "s3_additional_kwargs", {}) or {})
-    if fs.requester_pays:
-        args["RequestPayer"] = "requester"
-    unknown = sorted(set(args) - set(TransferManager.ALLOWED_UPLOAD_ARGS))
-    if unknown:
-        raise Unsupported(f"s3_additional_kwargs {', '.join(unknown)} that s3transfer's upload does not take")
-    return args
-
-
-def _read_args(fs: Any) -> dict[str, Any]:
-    args = {k: v for k, v in (getattr(fs, "s3_additional_kwargs", {}) or {}).items() if k in _READ_ARGS}
-    if fs.requester_pays:
-        args["RequestPayer"] = "requester"
-    return args
-
-
-def _obstore_refusal(
-    fs: Any, client_kwargs: dict[str, Any], config: dict[str, Any], read_args: dict[str, Any]
-) -> str | None:
-    """Why obstore cannot pull for this filesystem (boto3 then pulls), or ``None``."""
-    if not obstore_installed():
-        return "obstore is not installed (pip install 'spot-callbacks[s3]')"
-    if read_args:
-        return f"{', '.join(sorted(read_args))} on every GET"
-    if isinstance(client_kwargs.get("verify"), str):
-        return "client_kwargs verify= a CA bundle"
-    if config.get("proxies") or config.get("proxies_config"):
-        return "config_kwargs proxies"
-    s3_config = config.get("s3") or {}
-    if s3_config.get("use_accelerate_endpoint") or s3_config.get("use_dualstack_endpoint"):
-        return "an accelerate or dual-stack endpoint"
-    if getattr(fs, "version_aware", False):
-        return "version_aware=True"
-    return None
 
 
 def _boto3_client(
@@ -345,6 +275,7 @@ def _obstore_for(
     init: dict[str, Any],
     client_kwargs: dict[str, Any],
     config: dict[str, Any],
+    read_args: dict[str, Any],
 ) -> Any:
     """A builder of obstore's S3Store for ``bucket`` (its argument: a whole request's deadline in
     seconds), with the endpoint, region and credentials boto3 resolved, resolved once."""
@@ -357,8 +288,7 @@ def _obstore_for(
     }
     if not on_aws:
         options["endpoint"] = endpoint
-    if (config.get("s3") or {}).get("addressing_style") == "virtual":
-        options["virtual_hosted_style_request"] = True
+    options.update(obstore_s3_config(config, read_args))
     http = endpoint.startswith("http://")
     if http:
         options["unsigned_payload"] = True
@@ -380,7 +310,7 @@ def _obstore_for(
                 verify=client_kwargs.get("verify", True) is not False,
                 total_timeout_s=total_timeout_s,
             ),
-            retry_config=retry_config(total_timeout_s),
+            retry_config=retry_config(total_timeout_s, obstore_retries(config)),
             credential_provider=provider,
         )
 
@@ -396,14 +326,21 @@ def _is_aws_endpoint(endpoint: str) -> bool:
 
 def _bucket_region(client: Any, bucket: str) -> str:
     """The bucket's own region (obstore does not follow AWS's region redirects; boto3 does)."""
-    from botocore.exceptions import ClientError
+    return _told_region(client, bucket) or client.meta.region_name or "us-east-1"
+
+
+def _told_region(client: Any, bucket: str) -> str | None:
+    """The region a HEAD of ``bucket`` answers with (``x-amz-bucket-region``), if any."""
+    from botocore.exceptions import BotoCoreError, ClientError
 
     try:
         answer = client.head_bucket(Bucket=bucket)
     except ClientError as err:
         answer = err.response
+    except BotoCoreError:
+        return None
     region = answer.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("x-amz-bucket-region")
-    return region or client.meta.region_name or "us-east-1"
+    return str(region) if region else None
 
 
 class _Credentials:
@@ -437,14 +374,19 @@ class _Credentials:
 
 
 def _credentials(session: Any, arguments: dict[str, Any]) -> _Credentials:
-    given = {k: arguments[k] for k in _CREDENTIAL_KEYS if arguments.get(k)}
+    given = {k: arguments[k] for k in CREDENTIAL_KEYS if arguments.get(k)}
     if given and not ("aws_access_key_id" in given and "aws_secret_access_key" in given):
         given = {}  # a token alone: boto3 completes the rest from its chain
     return _Credentials(session, given)
 
 
 class _boto_errors:
-    """botocore's ClientError told as s3fs tells it (the same builtin classes for the same answers)."""
+    """botocore's ClientError told as s3fs tells it (the same builtin classes for the same answers),
+    but a redirect to the bucket's region as :class:`WrongRegionError` naming it (s3fs' OSError
+    would be retried, and says only "Moved Permanently")."""
+
+    def __init__(self, url: str) -> None:
+        self._url = url
 
     def __enter__(self) -> None:
         return None
@@ -452,6 +394,15 @@ class _boto_errors:
     def __exit__(self, kind: Any, error: BaseException | None, tb: Any) -> None:
         if error is None or type(error).__name__ != "ClientError":
             return
+        response = getattr(error, "response", None) or {}
+        metadata = response.get("ResponseMetadata", {})
+        if (
+            metadata.get("HTTPStatusCode") == 301
+            or response.get("Error", {}).get("Code") == "PermanentRedirect"
+        ):
+            raise WrongRegionError(
+                self._url, metadata.get("HTTPHeaders", {}).get("x-amz-bucket-region")
+            ) from error
         from s3fs.errors import translate_boto_error
 
         raise translate_boto_error(error) from error
