@@ -68,6 +68,32 @@ def per_step_s(baseline: Attempt) -> float:
     return (t_last - t_first) / (last - first)
 
 
+def interleaved(jobs: Sequence[str], every: int) -> list[str | None]:
+    """``jobs`` with an uninterrupted baseline (``None``) before the first, after every ``every`` of them
+    and after the last, so that each job is measured between two baselines of the same hour of the box.
+
+    Example:
+        >>> interleaved(["a", "b", "c"], 2)
+        [None, 'a', 'b', None, 'c', None]
+    """
+    order: list[str | None] = [None]
+    for index, job in enumerate(jobs, 1):
+        order.append(job)
+        if index % max(1, every) == 0 or index == len(jobs):
+            order.append(None)
+    return order
+
+
+def around(baselines: Sequence[Attempt]) -> tuple[float, float]:
+    """The mean spawn-to-exit and seconds per step of the baselines run before and after a job."""
+    if not baselines:
+        raise ValueError("no baseline around the job")
+    return (
+        sum(b.billed_s for b in baselines) / len(baselines),
+        sum(per_step_s(b) for b in baselines) / len(baselines),
+    )
+
+
 def lost_steps(attempts: Sequence[Attempt]) -> list[int]:
     """Per restart (attempt 2 onwards), the steps trained before it that it trains again.
 

@@ -104,3 +104,18 @@ def test_markers_are_parsed_and_a_line_cut_by_a_kill_is_ignored() -> None:
     assert outcome.parse_markers(lines) == ([(1, 2.0), (2, 2.5), (3, 2.0)], False)
     assert outcome.parse_markers([*lines, "REPLAY DONE 4 3.0"])[1] is True
     assert outcome.parse_markers(["REPLAY STEP x 1.0"]) == ([], False)
+
+
+def test_every_variant_run_lies_between_two_baselines_and_is_measured_against_their_mean() -> None:
+    order = outcome.interleaved(["spot", "mc", "none", "spot-auto", "hf"], 2)
+    assert order == [None, "spot", "mc", None, "none", "spot-auto", None, "hf", None]
+    assert outcome.interleaved(["spot"], 5) == [None, "spot", None]
+    assert outcome.interleaved(["a", "b"], 0) == [None, "a", None, "b", None]  # 0 means after each
+    fast = attempt(0.0, 12.0, range(1, 101), done=True)  # 0.1 s per step
+    slow = attempt(
+        0.0, 22.0, range(1, 51), done=True
+    )  # 22 s spawn to exit; renumbered below: 0.05 s per step
+    slow.steps[:] = [(step * 2, t) for step, t in slow.steps]
+    assert outcome.around([slow, fast]) == pytest.approx((17.0, 0.075))
+    with pytest.raises(ValueError, match="no baseline"):
+        outcome.around([])
