@@ -1,7 +1,8 @@
 """What the goodput replay measures from outside the training process: attempts parsed, outcomes computed.
 
 The child prints one marker line per event (``_replay_child.py``): ``REPLAY SPAWNED <t>`` before its
-imports, ``REPLAY STEP <step> <t>`` after each optimizer step (``step`` counts the steps done), and
+imports, ``REPLAY READY <t>`` once its imports and set-up are done and it calls ``fit``/``train``,
+``REPLAY STEP <step> <t>`` after each optimizer step (``step`` counts the steps done), and
 ``REPLAY DONE <step> <t>`` when training reached its last step; ``t`` is ``time.time()``.
 """
 
@@ -23,6 +24,7 @@ class Attempt:
     interruption: str  # what the schedule did to it: "-", "SIGTERM@35.0s+5s", "SIGKILL@55.0s"
     steps: list[tuple[int, float]] = field(default_factory=list)  # (step done, time)
     done: bool = False
+    ready: float | None = None  # when the child called fit/train (imports and set-up done)
 
     @property
     def billed_s(self) -> float:
@@ -41,6 +43,12 @@ class Attempt:
         """Spawn to the end of the first training step (the downtime of this machine)."""
         return self.steps[0][1] - self.spawned if self.steps else None
 
+    @property
+    def in_fit_s(self) -> float | None:
+        """The call of fit/train to the end of the first step: the checkpointing's start-up (a preflight,
+        a lock, a pull, a restore) and the framework's, without the interpreter's and the imports'."""
+        return self.steps[0][1] - self.ready if self.steps and self.ready is not None else None
+
 
 def parse_markers(lines: Iterable[str]) -> tuple[list[tuple[int, float]], bool]:
     """The ``(step, time)`` records and whether training finished, from a child's output lines."""
@@ -58,6 +66,18 @@ def parse_markers(lines: Iterable[str]) -> tuple[list[tuple[int, float]], bool]:
         except ValueError:
             continue  # a line cut by SIGKILL
     return steps, done
+
+
+def ready_at(lines: Iterable[str]) -> float | None:
+    """The time of the ``REPLAY READY`` marker, if the child got that far."""
+    for line in lines:
+        parts = line.split()
+        if parts[:2] == [MARKER, "READY"] and len(parts) == 3:
+            try:
+                return float(parts[2])
+            except ValueError:
+                return None
+    return None
 
 
 def per_step_s(baseline: Attempt) -> float:
@@ -164,3 +184,8 @@ class Outcome:
     def restart_downtimes_s(self) -> list[float]:
         """Spawn to first step of every attempt after the first that trained at all."""
         return [a.startup_s for a in self.attempts[1:] if a.startup_s is not None]
+
+    @property
+    def restart_in_fit_s(self) -> list[float]:
+        """Of each restart's downtime, the part inside fit/train (see :attr:`Attempt.in_fit_s`)."""
+        return [a.in_fit_s for a in self.attempts[1:] if a.startup_s is not None and a.in_fit_s is not None]

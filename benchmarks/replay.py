@@ -43,7 +43,7 @@ from _common import (
     section_head,
     versions_line,
 )
-from _replay_outcome import Attempt, Outcome, around, interleaved, parse_markers, per_step_s
+from _replay_outcome import Attempt, Outcome, around, interleaved, parse_markers, per_step_s, ready_at
 from _replay_schedule import (
     BAND_LABELS,
     BANDS,
@@ -71,7 +71,7 @@ LABELS = {
 }
 QUICK = {"steps": 1500, "width": 256, "layers": 3, "variants": "spot,mc,none", "time_scale": 0.4}
 HEADERS = ["variant", "schedule", "attempts", "interruptions", "billed s", "goodput", "useful share",
-           "lost steps per restart", "lost s (sum)", "downtime per restart s", "weights equal",
+           "lost steps per restart", "lost s (sum)", "downtime per restart s", "of which in fit s", "weights equal",
            "report goodput", "report billed s", "report lost s", "plan goodput"]  # fmt: skip
 
 
@@ -174,10 +174,11 @@ class Replay:
                     proc.kill()
                     proc.wait()
             exited = time.time()
-        steps, done = parse_markers(log_path.read_text(errors="replace").splitlines())
+        lines = log_path.read_text(errors="replace").splitlines()
+        steps, done = parse_markers(lines)
         shutil.rmtree(machine)  # the machine is gone; what it left is in the store or the persistent folder
         described = interruption.describe() if sent and interruption else "-"
-        return Attempt(spawned, exited, proc.returncode, described, steps, done)
+        return Attempt(spawned, exited, proc.returncode, described, steps, done, ready_at(lines))
 
     def run_variant(self, variant: str, key: str, schedule: Schedule) -> list[Attempt]:
         out = self.workdir / "out" / f"{key}.pt"
@@ -350,7 +351,8 @@ def row(outcome: Outcome) -> list[str]:
         outcome.variant, outcome.schedule, str(len(outcome.attempts)), str(outcome.interruptions),
         f"{outcome.billed_s:.1f}", f"{outcome.goodput:.3f}" if outcome.finished else "unfinished",
         fmt(outcome.useful_share if outcome.finished else None), " / ".join(str(n) for n in lost) or "-",
-        f"{sum(outcome.lost_s):.1f}", " / ".join(f"{d:.1f}" for d in downtimes) or "-", equal,
+        f"{sum(outcome.lost_s):.1f}", " / ".join(f"{d:.1f}" for d in downtimes) or "-",
+        " / ".join(f"{d:.1f}" for d in outcome.restart_in_fit_s) or "-", equal,
         report.get("report goodput", "-"), report.get("report billed s", "-"), report.get("report lost s", "-"),
         report.get("plan goodput", "-"),
     ]  # fmt: skip
@@ -421,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
         + ", ".join(f"{v:.2f}" for v in os.getloadavg()),
         "- goodput = uninterrupted spawn-to-exit / billed (sum of spawn-to-exit); useful share = steps × the "
         "uninterrupted s/step / billed; lost steps = steps trained before a restart and trained again after it; "
-        "downtime = spawn to the first step done; weights equal: every tensor `torch.equal` to the uninterrupted "
+        "downtime = spawn to the first step done (in fit: from the script's call of fit/train, after the interpreter "
+        "and the imports); weights equal: every tensor `torch.equal` to the uninterrupted "
         "run's; load: `uptime` before and after. report/plan: `spot-callbacks report --json --all` (goodput, billed_s, lost_work_s from the processes' records, else the sum of the ledger's) and "
         "`plan --from` (work = 1000 × the uninterrupted run; goodput = work / expected hours) on the store.",
         "",

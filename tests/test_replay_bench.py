@@ -119,3 +119,18 @@ def test_every_variant_run_lies_between_two_baselines_and_is_measured_against_th
     assert outcome.around([slow, fast]) == pytest.approx((17.0, 0.075))
     with pytest.raises(ValueError, match="no baseline"):
         outcome.around([])
+
+
+def test_the_start_up_inside_fit_is_split_from_the_imports_by_the_ready_marker() -> None:
+    lines = ["REPLAY SPAWNED 100.0", "REPLAY READY 109.5", "REPLAY STEP 1 110.25", "REPLAY READY x"]
+    assert outcome.ready_at(lines) == 109.5 and outcome.ready_at(["REPLAY READY"]) is None
+    first = attempt(90.0, 99.0, range(1, 11))
+    resumed = outcome.Attempt(
+        100.0, 120.0, 0, "-", outcome.parse_markers(lines)[0], True, outcome.ready_at(lines)
+    )
+    never_ready = outcome.Attempt(130.0, 131.0, -9, "SIGKILL@1s", [], False, None)
+    assert resumed.startup_s == pytest.approx(10.25) and resumed.in_fit_s == pytest.approx(0.75)
+    result = outcome.Outcome("spot", "fixed", [first, never_ready, resumed], 20.0, 0.1, 10)
+    assert result.restart_downtimes_s == pytest.approx([10.25]) and result.restart_in_fit_s == pytest.approx(
+        [0.75]
+    )
