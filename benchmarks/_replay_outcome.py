@@ -169,6 +169,25 @@ class Outcome:
         return self.total_steps * self.step_s / self.billed_s if self.finished and self.billed_s > 0 else 0.0
 
     @property
+    def kept_training_s(self) -> float:
+        """Seconds each attempt spent on the steps no later attempt trained again, each timed at its own
+        attempt's speed (first to last kept step, plus one step)."""
+        total = 0.0
+        for index, attempt in enumerate(self.attempts):
+            later = [a.first_step for a in self.attempts[index + 1 :] if a.first_step is not None]
+            kept = [(step, t) for step, t in attempt.steps if not later or step < later[0]]
+            if len(kept) >= 2:
+                span = kept[-1][1] - kept[0][1]
+                total += span + span / (len(kept) - 1)
+        return total
+
+    @property
+    def kept_share(self) -> float:
+        """:attr:`kept_training_s` / billed: the share of billed time that trained what was kept. Unlike
+        goodput, it needs no baseline, so a box whose speed changes under other work moves it less."""
+        return self.kept_training_s / self.billed_s if self.billed_s > 0 else 0.0
+
+    @property
     def steps_trained(self) -> int:
         return sum(len(attempt.steps) for attempt in self.attempts)
 

@@ -134,3 +134,14 @@ def test_the_start_up_inside_fit_is_split_from_the_imports_by_the_ready_marker()
     assert result.restart_downtimes_s == pytest.approx([10.25]) and result.restart_in_fit_s == pytest.approx(
         [0.75]
     )
+
+
+def test_the_kept_share_times_only_the_steps_no_later_attempt_redid_at_their_own_speed() -> None:
+    attempts = [
+        attempt(0.0, 10.0, range(1, 31)),  # 1..30 at 0.1 s; the next resumes at 21: 1..20 kept, 2.0 s
+        attempt(12.0, 14.0, range(0)),  # killed during start-up
+        attempt(16.0, 26.0, range(21, 61), done=True),  # 21..60 kept, 4.0 s
+    ]
+    result = outcome.Outcome("spot", "fixed", attempts, 10.0, 0.1, 60)
+    assert result.kept_training_s == pytest.approx(2.0 + 4.0)
+    assert result.kept_share == pytest.approx(6.0 / (10 + 2 + 10))
