@@ -16,6 +16,7 @@ import os
 import resource
 import shutil
 import statistics
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -237,6 +238,48 @@ class HookMeter:
         self.recorder.record("hook: others' CPU (cores)", others / max(wall, 1e-3), step)
 
 
+class RssPeak:
+    """This process's resident memory, sampled every ``period_s`` in a thread: the peak since :meth:`mark`.
+
+    ``extra_ratio(nbytes)`` = (peak since the mark − RSS at the mark) / ``nbytes``: with the mark at
+    the start of the first checkpoint, the host memory checkpointing added (staging buffers, the
+    writer's and the upload's buffers) while training ran on, in units of the state.
+    """
+
+    PAGE = os.sysconf("SC_PAGE_SIZE")
+
+    def __init__(self, period_s: float = 0.01) -> None:
+        self.period_s = period_s
+        self.base: int | None = None
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-peak", daemon=True)
+
+    @classmethod
+    def rss(cls) -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * cls.PAGE
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            if self.base is not None:
+                self.peak = max(self.peak, self.rss())
+
+    def mark(self) -> None:
+        if self.base is None:
+            self.base = self.peak = self.rss()
+
+    def __enter__(self) -> RssPeak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def extra_ratio(self, nbytes: int) -> float | None:
+        return None if self.base is None else (self.peak - self.base) / nbytes
+
+
 class StepClock:
     """Step periods, and the settling before each checkpoint; fed by the adapter at every step start.
 
@@ -379,7 +422,7 @@ def landed_folders(ctx: Context, extra_check: Callable[[], str] = lambda: "") ->
     sizes: collections.Counter[str] = collections.Counter()
     for path, info in ctx.fs().find(ctx.prefix, detail=True).items():
         rel = path[len(ctx.prefix) :].lstrip("/")
-        if "/" in rel:
+        if "/" in rel and not rel.startswith("."):  # .spot-attempts: the run's attempt records
             sizes[rel.split("/", 1)[0]] += info["size"]
     return _landed(ctx, sizes, "folders", extra_check)
 

@@ -34,6 +34,7 @@ from _stall import (
     FitResult,
     HookMeter,
     Recorder,
+    RssPeak,
     Setup,
     StepClock,
     Variant,
@@ -158,14 +159,35 @@ def run(ctx: Context, variant: Variant) -> FitResult:
         seed=0,
     )
 
+    beside = [FloorBeside(args.every_n, recorder)] if isinstance(setup.timed, SpotCheckpointCallback) else []
+    rss = RssPeak()
+    first_ckpt = ctx.ckpt_steps[0]
+
+    def mark_rss(targs: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == first_ckpt:
+            rss.mark()  # the model, its optimizer state (and the floor's buffers) are in
+
     def train() -> None:
-        callbacks = [Head(marks), *setup.callbacks, Tail(marks)]
+        head = Head(marks)
+        head.on_step_end = _before(mark_rss, head.on_step_end)
+        callbacks = [*beside, head, *setup.callbacks, Tail(marks)]
         trainer = transformers.Trainer(model=model, args=targs, train_dataset=data, callbacks=callbacks)
         trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
         trainer.train()
 
-    error = run_guarded(setup, train)
+    with rss:
+        error = run_guarded(setup, train)
     result = fit_result(ctx, recorder, clock, setup, error)
+    result.add("extra RSS ÷ state", rss.extra_ratio(ctx.state_bytes))
+    if beside:
+        ratios = [
+            hook / floor
+            for step, hook in recorder.by_name.get("hook", {}).items()
+            if (floor := recorder.by_name.get("floor beside", {}).get(step))
+        ]
+        for ratio in ratios:
+            result.add("hook ÷ floor beside", ratio)
+        print("  hook ÷ floor beside per checkpoint: " + " ".join(f"{r:.2f}" for r in ratios), flush=True)
     shutil.rmtree(output_dir, ignore_errors=True)
     return result
 
@@ -203,6 +225,28 @@ class FloorCopy(transformers.TrainerCallback):
         for dst, src in zip(self.buffers, sources, strict=True):
             dst.copy_(src.detach())
         self.copied_steps.append(state.global_step)
+
+
+class FloorBeside(FloorCopy):
+    """The floor timed beside each checkpoint of the same run, before the timed window opens."""
+
+    def __init__(self, every_n: int, recorder: Recorder) -> None:
+        super().__init__(every_n)
+        self.recorder = recorder
+
+    def on_step_end(self, targs: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        started = time.perf_counter()
+        super().on_step_end(targs, state, control, **kwargs)
+        if state.global_step % self.every_n == 0:
+            self.recorder.record("floor beside", time.perf_counter() - started, state.global_step)
+
+
+def _before(first: Callable[..., None], then: Callable[..., None]) -> Callable[..., None]:
+    def both(*args: Any, **kwargs: Any) -> None:
+        first(*args, **kwargs)
+        then(*args, **kwargs)
+
+    return both
 
 
 def hf_floor_setup(ctx: Context, recorder: Recorder) -> Setup:

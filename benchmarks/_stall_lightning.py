@@ -23,6 +23,7 @@ from _stall import (
     FitResult,
     HookMeter,
     Recorder,
+    RssPeak,
     Setup,
     StepClock,
     Variant,
@@ -62,9 +63,11 @@ class StallModel(pl.LightningModule):
 class Probe(pl.Callback):
     """First in the callback list: feeds the :class:`StepClock`, times the Lightning save calls and the hook."""
 
-    def __init__(self, clock: StepClock, recorder: Recorder) -> None:
+    def __init__(self, clock: StepClock, recorder: Recorder, rss: RssPeak, first_ckpt: int) -> None:
         self.clock = clock
         self.recorder = recorder
+        self.rss = rss
+        self.first_ckpt = first_ckpt
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # Every Lightning checkpoint path goes through these two; instance attributes win.
@@ -83,6 +86,8 @@ class Probe(pl.Callback):
         meter = HookMeter(self.recorder)
 
         def on_train_batch_end(trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+            if trainer.global_step == self.first_ckpt:
+                self.rss.mark()  # the model, its optimizer state (and the floor's buffers) are in
             meter.start()
             try:
                 original(trainer, *args, **kwargs)
@@ -102,7 +107,8 @@ def run(ctx: Context, variant: Variant) -> FitResult:
     recorder = Recorder()
     setup = variant.make_setup(ctx, recorder)
     clock = StepClock(ctx.args, recorder, setup.settle)
-    probe = Probe(clock, recorder)
+    rss = RssPeak()
+    probe = Probe(clock, recorder, rss, ctx.ckpt_steps[0])
     probe.time_hook(setup.timed)
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -119,8 +125,11 @@ def run(ctx: Context, variant: Variant) -> FitResult:
         limit_val_batches=0,
         default_root_dir=str(ctx.scratch / "lightning"),
     )
-    error = run_guarded(setup, functools.partial(trainer.fit, model, loader))
-    return fit_result(ctx, recorder, clock, setup, error)
+    with rss:
+        error = run_guarded(setup, functools.partial(trainer.fit, model, loader))
+    result = fit_result(ctx, recorder, clock, setup, error)
+    result.add("extra RSS ÷ state", rss.extra_ratio(ctx.state_bytes))
+    return result
 
 
 # ---------------------------------------------------------------------------------- variants
@@ -155,6 +164,20 @@ class FloorCallback(pl.Callback):
             dst.copy_(src)
 
 
+class FloorBeside(FloorCallback):
+    """The floor timed beside each checkpoint of the same fit: ``copy_`` into kept buffers just before the hook."""
+
+    def __init__(self, every_n: int, recorder: Recorder) -> None:
+        super().__init__(every_n, reuse_buffers=True)
+        self.recorder = recorder
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        started = time.perf_counter()
+        super().on_train_batch_end(trainer, pl_module, *args)
+        if trainer.global_step % self.every_n == 0:
+            self.recorder.record("floor beside", time.perf_counter() - started, trainer.global_step)
+
+
 def floor_setup(reuse_buffers: bool, ctx: Context, recorder: Recorder) -> Setup:
     floor = FloorCallback(ctx.args.every_n, reuse_buffers)
     return Setup(callbacks=[floor], timed=floor, trainer_options={"enable_checkpointing": False})
@@ -177,13 +200,20 @@ def lightning_spot_setup(ctx: Context, recorder: Recorder) -> Setup:
     engine.staging.stage = stage
 
     def hook_rest(result: FitResult) -> None:
+        ratios = []
         for step in ctx.ckpt_steps:
-            keys = ("hook", "dump_checkpoint", "engine.save_state")
-            parts = [recorder.by_name.get(key, {}).get(step) for key in keys]
-            if None not in parts:
-                result.add("hook − dump − save_state", parts[0] - parts[1] - parts[2])
+            keys = ("hook", "dump_checkpoint", "engine.save_state", "floor beside")
+            hook, dump, save, floor = (recorder.by_name.get(key, {}).get(step) for key in keys)
+            if hook is not None and dump is not None and save is not None:
+                result.add("hook − dump − save_state", hook - dump - save)
+            if hook is not None and floor:
+                ratios.append(hook / floor)
+                result.add("hook ÷ floor beside", hook / floor)
+        print("  hook ÷ floor beside per checkpoint: " + " ".join(f"{r:.2f}" for r in ratios), flush=True)
 
+    floor_beside = FloorBeside(ctx.args.every_n, recorder)
     setup = spot_setup(ctx, ckpt, landed_objects)
+    setup.callbacks.insert(0, floor_beside)
     setup.after_fit.append(hook_rest)
     setup.around_fit = functools.partial(profile_staging, recorder)
     return setup
@@ -191,24 +221,31 @@ def lightning_spot_setup(ctx: Context, recorder: Recorder) -> Setup:
 
 @contextlib.contextmanager
 def profile_staging(recorder: Recorder) -> Iterator[None]:
-    """Split ``StagingArea.stage`` into tensor copies and deep copies of other leaves (patched while a fit runs).
+    """Split ``StagingArea.stage`` into its walk over the tensors, the copies (``finish``: CPU tensors are
+    copied together there) and deep copies of other leaves (patched while a fit runs).
 
     A diagnostic over staging's internals: where they moved, the fit runs without the split.
     """
     context_cls = getattr(staging, "_StageContext", None)
     copy_module = getattr(staging, "copy", None)
-    if context_cls is None or copy_module is None or not hasattr(context_cls, "copy_tensor"):
-        print("note: staging internals moved; no tensor-copy / deepcopy split", file=sys.stderr)
+    parts = ("copy_tensor", "finish")
+    if context_cls is None or copy_module is None or not all(hasattr(context_cls, p) for p in parts):
+        print("note: staging internals moved; no walk / copy / deepcopy split", file=sys.stderr)
         yield
         return
-    copy_tensor = context_cls.copy_tensor
+    originals = {name: getattr(context_cls, name) for name in parts}
 
-    def timed_copy_tensor(self: Any, tensor: torch.Tensor, path: tuple[Any, ...]) -> torch.Tensor:
-        started = time.perf_counter()
-        try:
-            return copy_tensor(self, tensor, path)
-        finally:
-            recorder.accumulate("stage: tensor copies", time.perf_counter() - started)
+    def timed(name: str, label: str) -> Any:
+        original = originals[name]
+
+        def wrapper(self: Any, *args: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return original(self, *args)
+            finally:
+                recorder.accumulate(label, time.perf_counter() - started)
+
+        return wrapper
 
     def timed_deepcopy(value: Any, memo: Any = None) -> Any:
         started = time.perf_counter()
@@ -218,12 +255,14 @@ def profile_staging(recorder: Recorder) -> Iterator[None]:
             recorder.accumulate("stage: deepcopy of other leaves", time.perf_counter() - started)
             recorder.counts[f"deepcopy {type(value).__name__}"] += 1
 
-    context_cls.copy_tensor = timed_copy_tensor
+    context_cls.copy_tensor = timed("copy_tensor", "stage: per-tensor walk")
+    context_cls.finish = timed("finish", "stage: copies (finish)")
     staging.copy = types.SimpleNamespace(deepcopy=timed_deepcopy, copy=copy_module.copy)
     try:
         yield
     finally:
-        context_cls.copy_tensor = copy_tensor
+        for name, original in originals.items():
+            setattr(context_cls, name, original)
         staging.copy = copy_module
 
 

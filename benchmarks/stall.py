@@ -11,7 +11,11 @@ Lightning (the default; :mod:`_stall_lightning`)
 * ``floor-copy`` -- reference only: ``copy_`` of the same tensors into buffers kept between
   checkpoints (a memcpy bound; allocation-free);
 * ``spot`` -- ``SpotCheckpoint(every_n_steps=N)``: snapshot in the loop, serialize + upload in
-  the background;
+  the background. Beside each of its checkpoints, in the same fit, just before the hook, the
+  floor is timed again (``copy_`` into buffers kept for the fit): "hook ÷ floor beside" is the
+  per-checkpoint ratio (printed for every checkpoint); "extra RSS ÷ state" is the peak resident
+  memory over the rest of the fit (training runs on while the writer writes and uploads) less
+  the RSS at the first checkpoint, in units of the state (sampled every 10 ms);
 * ``mc-sync`` -- ``ModelCheckpoint(dirpath="s3://...", every_n_train_steps=N)`` (s3fs credentials
   from ``AWS_*`` environment variables);
 * ``mc-async`` -- the same with ``Trainer(plugins=[AsyncCheckpointIO()])``.

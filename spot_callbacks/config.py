@@ -22,7 +22,8 @@ import spot_callbacks.settings as settings
 from spot_callbacks._format import parse_duration
 from spot_callbacks.errors import ConfigError
 from spot_callbacks.preemption.sources import NOTICE_SOURCES
-from spot_callbacks.store.backends import glob_in_dirpath, is_local_path, misread_url, odd_segment_in_dirpath
+from spot_callbacks.store.backends import EXAMPLE_URLS
+from spot_callbacks.store.resolve import glob_in_dirpath, is_local_path, misread_url, odd_segment_in_dirpath
 
 PREEMPTION_SOURCES = tuple(NOTICE_SOURCES)  # the one table of notice sources' names
 ON_PREEMPTION_CHOICES = ("stop", "continue")
@@ -58,6 +59,9 @@ class SpotConfig:
             or ``"continue"``.
         interruptions_per_hour: expected interruption rate, for ``interval="auto"``; ``None``:
             learned from the run's own interruptions (recorded in its manifests), from 0.1/h.
+        verbose: also log a line per checkpoint ("committed ...", "retention deleted ...");
+            off, as Lightning's ``ModelCheckpoint(verbose=False)``, they are debug lines. Warnings,
+            the resume line and the emergency lines are always shown.
 
     Raises:
         ConfigError: a value is out of range or of the wrong kind; the message names the key,
@@ -101,6 +105,9 @@ class SpotConfig:
     interruptions_per_hour: Union[float, None] = field(  # noqa: UP007
         default=None, metadata={"help": "interruption rate for interval='auto'; None: learned from the run"}
     )
+    verbose: bool = field(
+        default=False, metadata={"help": "log a line per checkpoint (committed, retention deleted)"}
+    )
 
     def __post_init__(self) -> None:
         self.dirpath = _check_dirpath(self.dirpath)
@@ -119,6 +126,8 @@ class SpotConfig:
                 f"on_preemption={self.on_preemption!r} is not accepted; use one of {list(ON_PREEMPTION_CHOICES)}"
             )
         self.interruptions_per_hour = _check_rate(self.interruptions_per_hour)
+        if not isinstance(self.verbose, bool):
+            raise ConfigError(f"verbose={self.verbose!r} must be true or false")
 
     @property
     def interval_seconds(self) -> float | None:
@@ -298,7 +307,7 @@ def _check_dirpath(dirpath: Any) -> str:
         dirpath = os.fspath(dirpath)
     if not isinstance(dirpath, str) or not dirpath.strip():
         raise ConfigError(
-            f"dirpath={dirpath!r} must be a non-empty fsspec URL or local path, e.g. 's3://bucket/run' or 'runs/exp1'"
+            f"dirpath={dirpath!r} must be a non-empty fsspec URL or local path, e.g. {EXAMPLE_URLS[0]!r} or 'runs/exp1'"
         )
     if (misread := misread_url(dirpath)) is not None:
         cause, fix = misread
@@ -319,7 +328,7 @@ def _check_options_fit_dirpath(dirpath: str, storage_options: dict[str, Any] | N
         raise ConfigError(
             f"storage_options ({', '.join(sorted(map(str, storage_options)))}) were given but "
             f"dirpath={dirpath!r} is a local folder, where they would be ignored; write the store's URL "
-            "(e.g. 's3://bucket/run', 'gs://bucket/run', 'az://container/run') or drop storage_options"
+            f"(e.g. {', '.join(map(repr, EXAMPLE_URLS))}) or drop storage_options"
         )
 
 

@@ -38,9 +38,9 @@ from spot_callbacks.accounting.region import RegionCheck
 from spot_callbacks.accounting.watch import PersistWatch
 from spot_callbacks.config import SpotConfig
 from spot_callbacks.errors import PersistError, RunLockedError, StoreUnavailableError
-from spot_callbacks.log import show_info_lines
+from spot_callbacks.log import set_verbose, show_info_lines
 from spot_callbacks.persist import PersistRecord
-from spot_callbacks.persist.scratch_folders import claim_scratch_root
+from spot_callbacks.persist.scratch_folders import claim_scratch_root, drop_unused_scratch_root
 from spot_callbacks.preemption import Notice, PreemptionWatcher, exit_guard
 from spot_callbacks.preemption.emergency import EXIT_MARGIN_S, Emergency, time_left_s, warn_if_grace_too_short
 from spot_callbacks.preemption.startup import exit_on_notice
@@ -50,6 +50,7 @@ from spot_callbacks.saving import CheckpointWriter
 from spot_callbacks.staging import StagingArea
 from spot_callbacks.store import CheckpointStore, step_dirname
 from spot_callbacks.store.layout import STATE_FILE
+from spot_callbacks.store.preflight import preflight_enabled, probe_readable
 from spot_callbacks.store.runlock import RELEASE_TIMEOUT_S
 from spot_callbacks.trigger import CheckpointTrigger, rules
 
@@ -140,6 +141,8 @@ class SpotEngine:
         """Install notice sources and start the interval clock; call once training is about to run."""
         # Set first: a start that fails half-way (after the lock) is undone by stop() like any exit.
         self.running = True
+        set_verbose(self.config.verbose)
+        self._claim_scratch()
         # The interval counts training time, not the set-up before it (model build, a long pull).
         self.trigger.mark_checkpoint()
         self.accounts.start_clock()
@@ -150,6 +153,7 @@ class SpotEngine:
                 self.lease.acquire(on_store_writable=self._first_record, on_store_ready=self._begin_attempt)
         except (RunLockedError, StoreUnavailableError):
             self.attempt.discard()  # not a process of the run in this dirpath (or none could be kept)
+            drop_unused_scratch_root(self.scratch_root)  # a start that never ran leaves no folder
             raise
         except SystemExit:
             self.attempt.close("preempted")
@@ -160,6 +164,10 @@ class SpotEngine:
         self.watcher.start()
         warn_if_grace_too_short(self.watcher.sources)
         self.watch.start(self.is_writer)
+
+    def _claim_scratch(self) -> None:
+        if not self.scratch_root.is_dir():  # an earlier start that failed removed it
+            claim_scratch_root(self.store.url, self.config.scratch_dir)
 
     def stop(self) -> None:
         """An exception ends training: stop the notice sources and the workers, release the run lock."""
@@ -459,11 +467,22 @@ class SpotEngine:
         already holds exactly this checkpoint is not downloaded again.
         """
         in_scratch = lambda step: self.scratch_root / step_dirname(step)  # noqa: E731
+        self._claim_scratch()
         try:
             with exit_on_notice(self.watcher.sources, "pulling the checkpoint to resume from"):
-                resumed = pull_latest(self.store, dest or in_scratch, rank(), local_rank(), check)
+                if not self.running and preflight_enabled():
+                    # Before the start (HF's latest()): the preflight's bounds and one-line diagnosis,
+                    # not a listing's retries ending in the backend's own error 25 s later.
+                    probe_readable(self.store)
+                resumed = pull_latest(
+                    self.store, dest or in_scratch, rank(), local_rank(), check, self._own_lineage()
+                )
         except SystemExit:
             self.attempt.close("preempted")
+            raise
+        except Exception:
+            if not self.running:  # a refused store before the start: no scratch folder stays behind
+                drop_unused_scratch_root(self.scratch_root)
             raise
         if resumed is None:
             return None
@@ -473,6 +492,14 @@ class SpotEngine:
         self.saves.resumed_from(resumed.info.step, resumed.local_dir)  # not rewritten; older copies go
         self._resume_recorded = False
         return resumed.local_dir
+
+    def _own_lineage(self) -> str | None:
+        """This run's lineage once it committed or resumed (``None`` before): a resume while it runs
+        follows it, whatever another lineage wrote into ``dirpath`` since (store/commit.py)."""
+        if self.resumed is None and not self.saves.all_records():
+            return None
+        lineage_id = self.accounts.lineage.get("id")
+        return lineage_id if isinstance(lineage_id, str) else None
 
     def move_aside_uncommitted(
         self, local_checkpoints: Iterable[tuple[int, Path]], aside: Callable[[Path], Path]

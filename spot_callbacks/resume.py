@@ -21,7 +21,7 @@ from spot_callbacks.persist.dcp_safety import check_sharded_folder
 from spot_callbacks.progress import showing_progress
 from spot_callbacks.store import CheckpointInfo, CheckpointStore
 from spot_callbacks.store.checkpoint_store import walk_down
-from spot_callbacks.store.commit import DAMAGE_ERRORS, lineage_of, resume_order
+from spot_callbacks.store.commit import DAMAGE_ERRORS, lineage_of
 from spot_callbacks.store.meter import TransferMeter
 
 log = logging.getLogger("spot_callbacks")
@@ -41,8 +41,12 @@ def pull_newest_valid(
     store: CheckpointStore,
     folder_for: Callable[[int], Path],
     check: Callable[[Path, CheckpointInfo], None] | None = None,
+    own: str | None = None,
 ) -> CheckpointInfo | None:
     """Pull the newest checkpoint that downloads intact; a damaged one is skipped for the previous.
+
+    ``own``: the lineage of a run that resumes again while it runs (it committed or resumed): its
+    checkpoints come first, whatever another lineage wrote since (``commit.current_lineage``).
 
     ``check(folder, info)``, the framework's, raises :class:`~spot_callbacks.errors.CorruptCheckpointError`
     for a payload it cannot load (a truncated file behind a matching manifest, another kind of
@@ -70,15 +74,15 @@ def pull_newest_valid(
                 problem = str(err) or type(err).__name__
         return problem
 
-    found, seen = walk_down(store, problem_of)
+    found, seen = walk_down(store, problem_of, own)
     if found is not None:
-        say_lineage(store, found, resume_order(seen))
+        say_lineage(store, found, seen)
     return found
 
 
-def say_lineage(store: CheckpointStore, resumed: CheckpointInfo, ordered: list[CheckpointInfo]) -> None:
-    """A resume below the store's highest committed step says why, and what ``latest`` follows."""
-    above = [info for info in ordered if info.step > resumed.step]
+def say_lineage(store: CheckpointStore, resumed: CheckpointInfo, seen: list[CheckpointInfo]) -> None:
+    """A resume below the highest committed step ``seen`` says why, and what ``latest`` follows."""
+    above = [info for info in seen if info.step > resumed.step]
     if not above:
         return
     lineage = lineage_of(resumed)
@@ -96,7 +100,8 @@ def say_lineage(store: CheckpointStore, resumed: CheckpointInfo, ordered: list[C
         )
     log.warning(
         "spot_callbacks: resuming %s from step %d, below step %d, the highest committed: %s; `latest` "
-        "follows the lineage of the newest commit, this run's (%s) from its first checkpoint on",
+        "follows the lineage of the newest commit (the manifest the store wrote last), this run's (%s) from its "
+        "first checkpoint on",
         store.url, resumed.step, max(info.step for info in above), "; ".join(parts), _lineage_name(lineage),
     )  # fmt: skip
 
@@ -130,15 +135,17 @@ def pull_latest(
     rank: int,
     local_rank: int,
     check: Callable[[Path, CheckpointInfo], None] | None = None,
+    own: str | None = None,
 ) -> ResumeInfo | None:
     """The newest valid checkpoint, pulled on every node into ``folder_for(step)`` (collective).
 
-    Every rank gets the same answer (rank 0 decides); ``None`` when nothing is committed.
+    Every rank gets the same answer (rank 0 decides); ``None`` when nothing is committed. ``own``:
+    see :func:`pull_newest_valid`.
     """
     started = time.perf_counter()
     if local_rank == 0:
         store.warm_data_plane()  # while the manifests are read
-    info = pull_newest_valid(store, folder_for, check) if rank == 0 else None
+    info = pull_newest_valid(store, folder_for, check, own) if rank == 0 else None
     info = broadcast_object(info)
     say = log.info if rank == 0 else log.debug  # once per run, not once per rank
     if info is None:

@@ -1,11 +1,13 @@
 """How a checkpoint is taken: snapshot, hand it to the persister of its kind, account for it.
 
 The engine's saves (``SpotEngine.saves``, a :class:`CheckpointWriter`): every save an adapter asks
-for goes through it. It picks the persister of the save's kind (:data:`SINGLE_WRITER`,
-:data:`SHARDED`, :data:`FOLDERS_ACROSS_NODES`; a run that mixes kinds is refused, since each
-kind commits its own way), builds each persist job's ``metrics``, ``extra`` (the ledger, the
-preemption record) and ``deadline`` once for every kind of save, remembers the last step saved
-(the "never twice" rule reads it) and the commits and failures it reported.
+for goes through it. It picks the persister from the layout of the step folder the save writes
+(``store/layout.py``'s :class:`~spot_callbacks.store.layout.StepLayout` says who writes its
+files; :data:`PERSISTERS` maps that to :data:`SINGLE_WRITER`, :data:`SHARDED` or
+:data:`FOLDERS_ACROSS_NODES`; a run that mixes them is refused, since each commits its own way),
+builds each persist job's ``metrics``, ``extra`` (the ledger, the preemption record) and
+``deadline`` once for every kind of save, remembers the last step saved (the "never twice" rule
+reads it) and the commits and failures it reported.
 
 - :data:`SINGLE_WRITER`: the writer rank persists a staged state (``STATE_FILE``, :func:`state_file_job`)
   or a folder the framework wrote (:func:`folder_job`) (:class:`~spot_callbacks.persist.Persister`);
@@ -22,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, TypeVar, cast
+from typing import Any, Generic, TypeVar
 
 from spot_callbacks._dist import (
     barrier,
@@ -43,7 +45,17 @@ from spot_callbacks.preemption.emergency import Emergency
 from spot_callbacks.staging import StagedState, StagingArea, write_state
 from spot_callbacks.store import CheckpointStore, step_dirname
 from spot_callbacks.store.checksums import FileDigest
-from spot_callbacks.store.layout import STATE_FILE
+from spot_callbacks.store.layout import (
+    EVERY_RANK,
+    FOLDER_LAYOUT,
+    ONE_WRITER,
+    RANK_FOLDER_LAYOUT,
+    RANK_SHARDS,
+    SHARDED_LAYOUT,
+    STATE_FILE,
+    STATE_LAYOUT,
+    StepLayout,
+)
 from spot_callbacks.trigger import CheckpointTrigger, rules
 
 log = logging.getLogger("spot_callbacks")
@@ -81,11 +93,16 @@ def _folders_across_nodes(store: CheckpointStore, scratch_root: Path, keep_last:
     return NodeFolderPersister(store, keep_last=keep_last)  # each node's folders are the framework's
 
 
-# Three kinds of save, one persister each, chosen by the save the engine is asked for (a run that
-# mixes kinds is refused, since each kind commits its own way).
+# Three persisters, one per writer of a step folder: the layout of what is saved (store/layout.py's
+# StepLayout.written_by) picks it. A run that mixes them is refused, since each commits its own way.
 SINGLE_WRITER = PersisterKind("single-file", "save_state", _single_writer)
 SHARDED = PersisterKind("sharded", "save_sharded_state", _sharded)
 FOLDERS_ACROSS_NODES = PersisterKind("multi-node folder", "save_folder across nodes", _folders_across_nodes)
+PERSISTERS: dict[str, PersisterKind[Any]] = {
+    ONE_WRITER: SINGLE_WRITER,
+    RANK_SHARDS: SHARDED,
+    EVERY_RANK: FOLDERS_ACROSS_NODES,
+}
 
 
 def state_file_job(
@@ -227,8 +244,10 @@ class CheckpointWriter:
         own copies go, once a newer checkpoint whose folder the run owns commits (every rank)."""
         self._adopted_copy = Path(folder)
 
-    def persister_for(self, kind: PersisterKind[P]) -> P:
-        """The persister of this kind of save; made on first use (for sharded kinds: on every rank at once)."""
+    def persister_for(self, layout: StepLayout) -> Any:
+        """The persister of a step folder of ``layout`` (its writer's, :data:`PERSISTERS`); made on first
+        use (for the multi-rank ones: on every rank at once)."""
+        kind = PERSISTERS[layout.written_by]
         if self.persister is None:
             persister = kind.make(self.store, self.scratch_root, self.keep_last)
             self.persister, self.persister_kind = persister, kind
@@ -242,7 +261,7 @@ class CheckpointWriter:
         if self.persister_kind is not kind:
             assert self.persister_kind is not None  # set with the persister
             raise RuntimeError(self.persister_kind.mixing_error(kind))
-        return cast(P, self.persister)  # made by this kind
+        return self.persister  # made by this kind
 
     def save_state(
         self, step: int, epoch: int | None, state: Any, reason: str, extra: dict[str, Any] | None = None
@@ -261,7 +280,7 @@ class CheckpointWriter:
             job = state_file_job(
                 step, reason, self.framework, self.scratch_root, staged, epoch=epoch, **terms
             )
-            self.persister_for(SINGLE_WRITER).submit(job)
+            self.persister_for(STATE_LAYOUT).submit(job)
         return self._after_save(step, time.perf_counter() - started)
 
     def save_sharded_state(
@@ -283,7 +302,7 @@ class CheckpointWriter:
         started = time.perf_counter()
         if self._refused(step):
             return 0.0
-        persister = self.persister_for(SHARDED)
+        persister = self.persister_for(SHARDED_LAYOUT)
         staged, nbytes = persister.stage(state)
         terms = self._job_terms(reason, time.perf_counter() - started, extra, staged_bytes=nbytes)
         persister.submit(persister.job(step, reason, self.framework, staged, meta=meta, epoch=epoch, **terms))
@@ -324,8 +343,9 @@ class CheckpointWriter:
                 on_written()
             return False
         barrier()
-        if self.spans_nodes() or self.folders_span_ranks:
-            persister = self.persister_for(FOLDERS_ACROSS_NODES)
+        layout = RANK_FOLDER_LAYOUT if self.spans_nodes() or self.folders_span_ranks else FOLDER_LAYOUT
+        if layout.written_by == EVERY_RANK:
+            persister = self.persister_for(layout)
             terms = self._job_terms(reason, stall_s, extra)
             persister.submit(
                 persister.job(
@@ -339,7 +359,7 @@ class CheckpointWriter:
                 step, reason, self.framework, folder, owns_folder=owns_folder, epoch=epoch, **terms
             )
             job.write, job.on_written = write, on_written
-            self.persister_for(SINGLE_WRITER).submit(job)
+            self.persister_for(layout).submit(job)
         self._after_save(step, stall_s)
         return True
 
@@ -367,7 +387,7 @@ class CheckpointWriter:
             if on_written is not None:
                 on_written()
             return False
-        persister = self.persister_for(FOLDERS_ACROSS_NODES)
+        persister = self.persister_for(RANK_FOLDER_LAYOUT)
         terms = self._job_terms(reason, stall_s, extra)
         persister.submit(
             persister.job(

@@ -189,7 +189,7 @@ PREFLIGHT_TIMEOUT_S = Knob(
 CONNECT_TIMEOUT_S = Knob(
     "SPOT_CONNECT_TIMEOUT_S", 5.0, seconds,
     "how long a connection to the store may take to open; at start, a store that accepts nothing (refused) "
-    "fails after this, and one that accepts but answers nothing after twice this, with the cause",
+    "fails after half this, and one that accepts but answers nothing after twice this, with the cause",
 )  # fmt: skip
 LOCK_STALE_S = Knob(
     "SPOT_LOCK_STALE_S", 10.0, seconds,

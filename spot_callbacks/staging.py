@@ -25,12 +25,14 @@ import numpy as np
 import torch
 
 from spot_callbacks.errors import CorruptCheckpointError, UnsafeCheckpointError
+from spot_callbacks.log import checkpoint_line
 from spot_callbacks.store.checksums import ChecksumWriter, FileDigest
 from spot_callbacks.store.manifest_limits import ManifestLimits
 
 log = logging.getLogger("spot_callbacks")
 
-_TensorKey = tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype, str]
+# Where a tensor's bytes are and how they are laid out: equal keys are one tensor (tied weights).
+_TensorKey = tuple[int, torch.Size, tuple[int, ...], torch.dtype, torch.device]
 
 
 class StagedState:
@@ -69,7 +71,14 @@ class StagingArea:
     """Host buffers reused across checkpoints, one per tensor position in the state.
 
     A single set of buffers is kept (peak extra host memory is one copy of the state); a new
-    :meth:`stage` waits until the previous staged state was released by its writer.
+    :meth:`stage` waits until the previous staged state was released by its writer. What a stage
+    found (each tensor's storage, shape, stride, dtype and device, in the order the state is
+    walked, and the buffer or alias it became) is kept as the area's plan. While every tensor fits
+    the buffer planned for its place (same shape, dtype and device; a new tensor object or a new
+    storage does), a stage only walks the state and copies (CPU tensors in one
+    ``torch._foreach_copy_``), ties between tensors decided as before; a tensor of another shape,
+    dtype or device, or one more tensor, makes that stage find its buffers by path again (and
+    free those of tensors gone from the state).
 
     Args:
         pin_memory: pin the buffers of CUDA tensors (default: when CUDA is available).
@@ -82,6 +91,8 @@ class StagingArea:
         >>> second.state["weight"] is buffer  # the same buffer, refilled
         True
         >>> second.release()
+        >>> area.plan_builds  # the second stage reused the first one's plan
+        1
     """
 
     def __init__(self, pin_memory: bool | None = None) -> None:
@@ -89,6 +100,8 @@ class StagingArea:
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
         self._in_use = threading.Semaphore(1)
         self._streams: dict[torch.device, Any] = {}
+        self._plan: _Plan | None = None
+        self.plan_builds = 0  # stages that (re)built the plan: the first, then one per change
         self.last_wait_s = 0.0
 
     @property
@@ -108,18 +121,22 @@ class StagingArea:
             )
         self.last_wait_s = time.perf_counter() - started
         if self.last_wait_s > 0.05:
-            log.info(
+            checkpoint_line(
                 "spot_callbacks: waited %.2fs for the previous checkpoint to leave the staging buffers",
                 self.last_wait_s,
             )
         try:
-            context = _StageContext(self)
-            staged = context.copy(state, ())
+            try:
+                context = _StageContext(self, self._plan)
+                staged = context.copy(state, None if self._plan is not None else ())
+            except _PlanChanged:  # nothing was copied yet: walk again, building the plan
+                context = _StageContext(self, None)
+                staged = context.copy(state, ())
             events = context.finish()
         except BaseException:
             self._in_use.release()
             raise
-        return StagedState(self, staged, context.nbytes, events)
+        return StagedState(self, staged, context.nbytes + cast(_Plan, self._plan).nbytes, events)
 
     def _release(self) -> None:
         self._in_use.release()
@@ -137,76 +154,148 @@ class StagingArea:
             self._buffers[path] = buffer
         return buffer
 
+    def _new_plan(self, plan: _Plan, paths: set[tuple[Any, ...]]) -> None:
+        """Keep the plan a stage built; buffers of tensors that left the state go with the old one."""
+        self._plan = plan
+        self._buffers = {path: buffer for path, buffer in self._buffers.items() if path in paths}
+        self.plan_builds += 1
+
     def _stream_for(self, device: torch.device) -> Any:
         if device not in self._streams:
             self._streams[device] = torch.cuda.Stream(device=device)
         return self._streams[device]
 
 
+class _Plan:
+    """The tensors of the last stage in walk order: each one's key and the tensor staged for it."""
+
+    def __init__(self) -> None:
+        self.keys: list[_TensorKey] = []
+        self.staged: list[torch.Tensor] = []
+        self.copies: list[bool] = []  # False: an alias of an earlier tensor's buffer
+        self.sizes: list[int] = []
+        self.nbytes = 0  # of the buffers
+
+    def add(self, staged: torch.Tensor, copied: bool, nbytes: int) -> None:
+        self.staged.append(staged)
+        self.copies.append(copied)
+        self.sizes.append(nbytes)
+        self.nbytes += nbytes
+
+
+def _fits(planned: _TensorKey, key: _TensorKey) -> bool:
+    """Whether the buffer staged for the ``planned`` tensor takes this one: same shape, dtype, device."""
+    return planned == key or (planned[1] == key[1] and planned[3] == key[3] and planned[4] == key[4])
+
+
+class _PlanChanged(Exception):
+    """A tensor did not match the plan: the stage restarts and builds a new one."""
+
+
+_ATOMIC = (str, bytes, int, float, bool, type(None))
+_ATOMIC_TYPES = frozenset(_ATOMIC)
+
+
 class _StageContext:
-    def __init__(self, area: StagingArea) -> None:
+    """One walk over a state. With a ``plan`` every tensor must fit the buffer planned for its place
+    (else :class:`_PlanChanged`, raised before any CPU tensor is copied); without one, it finds each
+    tensor's buffer by its path in the state, and the plan is rebuilt."""
+
+    def __init__(self, area: StagingArea, plan: _Plan | None) -> None:
         self.area = area
-        self.nbytes = 0
+        self.plan = plan
+        self.built = _Plan()
+        self.paths: set[tuple[Any, ...]] = set()
+        self.nbytes = 0  # of tensors copied whole (sparse, quantized, subclasses); buffers: the plan's
         self.aliases: dict[_TensorKey, torch.Tensor] = {}
         self.cuda_devices: set[torch.device] = set()
+        self.sources: list[torch.Tensor] = []  # CPU tensors, copied together by finish()
+        self.buffers: list[torch.Tensor] = []
 
-    def copy(self, value: Any, path: tuple[Any, ...]) -> Any:
+    def copy(self, value: Any, path: tuple[Any, ...] | None) -> Any:
+        """A copy of ``value``; ``path`` is ``None`` when following a plan (buffers are the plan's)."""
         if isinstance(value, torch.Tensor):
             return self.copy_tensor(value, path)
-        if isinstance(value, (str, bytes, int, float, bool, type(None))):
+        if type(value) in _ATOMIC_TYPES or isinstance(value, _ATOMIC):
             return value
         if type(value) in (dict, OrderedDict):
-            duplicate = type(value)((key, self.copy(item, (*path, key))) for key, item in value.items())
+            duplicate = type(value)((key, self.copy(item, _child(path, key))) for key, item in value.items())
             if hasattr(value, "_metadata"):  # module state_dict versions, read by load_state_dict
-                duplicate._metadata = copy.deepcopy(value._metadata)
+                duplicate._metadata = _copy_plain(value._metadata)
             return duplicate
         if isinstance(value, Mapping):
             mapping: Any = copy.copy(value)  # a Mapping subclass that supports item assignment
             for key, item in value.items():
-                mapping[key] = self.copy(item, (*path, key))
+                mapping[key] = self.copy(item, _child(path, key))
             return mapping
         if type(value) is list:
-            return [self.copy(item, (*path, index)) for index, item in enumerate(value)]
+            if all(type(item) in _ATOMIC_TYPES for item in value):  # parameter ids of a param group
+                return list(value)
+            return [self.copy(item, _child(path, index)) for index, item in enumerate(value)]
         if type(value) is tuple:
-            return tuple(self.copy(item, (*path, index)) for index, item in enumerate(value))
+            return tuple(self.copy(item, _child(path, index)) for index, item in enumerate(value))
         if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
-            return type(value)(*(self.copy(item, (*path, index)) for index, item in enumerate(value)))
+            return type(value)(*(self.copy(item, _child(path, index)) for index, item in enumerate(value)))
         # Anything else (numpy arrays, small objects) may be mutated by training after we return.
         return copy.deepcopy(value)
 
-    def copy_tensor(self, tensor: torch.Tensor, path: tuple[Any, ...]) -> torch.Tensor:
-        tensor = tensor.detach()
+    def copy_tensor(self, tensor: torch.Tensor, path: tuple[Any, ...] | None) -> torch.Tensor:
+        if type(tensor) is not torch.Tensor:
+            tensor = tensor.detach()  # a Parameter; other subclasses stay what they are
         if tensor.layout != torch.strided or type(tensor) is not torch.Tensor or tensor.is_quantized:
             # Sparse, quantized and subclassed tensors have no plain buffer shape: copy them whole.
-            copied = tensor.to("cpu", copy=True)
+            copied = tensor.detach().to("cpu", copy=True)
             self.nbytes += _tensor_nbytes(copied)
             return copied
-        key: _TensorKey = (
-            tensor.untyped_storage().data_ptr(),
-            int(tensor.storage_offset()),
-            tuple(tensor.shape),
-            tuple(tensor.stride()),
-            tensor.dtype,
-            str(tensor.device),
-        )
+        key: _TensorKey = (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype, tensor.device)
+        built = self.built
+        position = len(built.keys)
+        built.keys.append(key)
         if tensor.numel() and key in self.aliases:
-            return self.aliases[key]  # tied weights stay one tensor, as torch.save would store them
-        buffer = self.area._buffer_for(path, tensor)
-        if tensor.device.type == "cuda":
+            staged = self.aliases[key]  # tied weights stay one tensor, as torch.save would store them
+            built.add(staged, copied=False, nbytes=0)
+            return staged
+        plan = self.plan
+        if plan is None:
+            assert path is not None  # no plan: the walk carries paths
+            staged = self.area._buffer_for(path, tensor)
+            self.paths.add(path)
+            nbytes = _tensor_nbytes(staged)
+        elif position < len(plan.keys) and plan.copies[position] and _fits(plan.keys[position], key):
+            # A new tensor in the same place (a fresh RNG state, a reloaded parameter) refills its buffer.
+            staged, nbytes = plan.staged[position], plan.sizes[position]
+        else:
+            raise _PlanChanged
+        built.add(staged, copied=True, nbytes=nbytes)
+        self._copy_into(staged, tensor)
+        self.aliases[key] = staged
+        return staged
+
+    def _copy_into(self, buffer: torch.Tensor, tensor: torch.Tensor) -> None:
+        if tensor.is_cuda:
             stream = self.area._stream_for(tensor.device)
             if tensor.device not in self.cuda_devices:
                 stream.wait_stream(torch.cuda.current_stream(tensor.device))
                 self.cuda_devices.add(tensor.device)
-            with torch.cuda.stream(stream):
+            with torch.cuda.stream(stream), torch.no_grad():
                 buffer.copy_(tensor, non_blocking=True)
             tensor.record_stream(stream)
-        else:
-            buffer.copy_(tensor)
-        self.aliases[key] = buffer
-        self.nbytes += _tensor_nbytes(buffer)
-        return buffer
+        elif tensor.is_cpu:
+            self.sources.append(tensor)
+            self.buffers.append(buffer)
+        else:  # another accelerator: a plain synchronous copy
+            with torch.no_grad():
+                buffer.copy_(tensor)
 
     def finish(self) -> list[Any]:
+        if self.buffers:
+            with torch.no_grad():
+                torch._foreach_copy_(self.buffers, self.sources)
+            self.sources, self.buffers = [], []
+        if self.plan is None:
+            self.area._new_plan(self.built, self.paths)
+        else:
+            self.area._plan = self.built  # the same buffers; the tensors' keys may have moved
         events = []
         for device in self.cuda_devices:
             stream = self.area._stream_for(device)
@@ -217,6 +306,22 @@ class _StageContext:
             torch.cuda.current_stream(device).wait_stream(stream)
             events.append(event)
         return events
+
+
+def _child(path: tuple[Any, ...] | None, key: Any) -> tuple[Any, ...] | None:
+    return None if path is None else (*path, key)
+
+
+def _copy_plain(value: Any) -> Any:
+    """A deep copy of plain data (dicts and lists of strings and numbers); ``deepcopy`` for the rest."""
+    kind = type(value)
+    if kind in _ATOMIC_TYPES:
+        return value
+    if kind in (dict, OrderedDict) and all(type(key) in _ATOMIC_TYPES for key in value):
+        return kind((key, _copy_plain(item)) for key, item in value.items())
+    if kind is list:
+        return [_copy_plain(item) for item in value]
+    return copy.deepcopy(value)
 
 
 def _tensor_nbytes(tensor: torch.Tensor) -> int:

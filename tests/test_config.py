@@ -68,8 +68,9 @@ def test_defaults_match_the_design_table():
     assert cfg.interval_seconds == 1800
     assert [f.name for f in dataclasses.fields(SpotConfig)] == [
         "dirpath", "interval", "every_n_steps", "keep_last", "scratch_dir", "storage_options",
-        "preemption", "on_preemption", "interruptions_per_hour",
+        "preemption", "on_preemption", "interruptions_per_hour", "verbose",
     ]  # fmt: skip
+    assert cfg.verbose is False  # quiet per checkpoint, as ModelCheckpoint(verbose=False)
 
 
 def test_auto_and_off_intervals():
@@ -90,6 +91,7 @@ def test_auto_and_off_intervals():
         ("interruptions_per_hour", -0.1, ">= 0"),
         ("storage_options", "{not json", "JSON"),
         ("dirpath", "", "fsspec URL"),
+        ("verbose", "yes", "true or false"),
     ],
 )
 def test_bad_values_name_key_and_accepted_values(key, value, expected_words):

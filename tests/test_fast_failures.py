@@ -81,3 +81,22 @@ def test_a_training_start_on_a_refused_port_fails_before_the_first_step(
     with pytest.raises(StoreUnavailableError, match="nothing accepts connections"):
         engine.start()
     assert time.monotonic() - started <= 10.0
+
+
+def test_hf_latest_before_train_on_a_refused_port_fails_in_seconds_with_the_diagnosis(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """HF's latest() runs before the Trainer's start: it takes the preflight's bounds and one-line cause
+    too (it used to retry a listing for ~25 s and end in botocore's own EndpointConnectionError)."""
+    from spot_callbacks.hf import SpotCheckpointCallback
+
+    monkeypatch.delenv("SPOT_CONNECT_TIMEOUT_S", raising=False)
+    monkeypatch.delenv("SPOT_PREFLIGHT_TIMEOUT_S", raising=False)
+    options = {"endpoint_url": _refused_endpoint(), "key": "k", "secret": "s"}
+    callback = SpotCheckpointCallback(
+        dirpath="s3://bucket/run", interval=None, preemption=[], storage_options=options
+    )
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailableError, match="nothing accepts connections"):
+        callback.latest()
+    assert time.monotonic() - started <= 10.0

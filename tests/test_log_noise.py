@@ -42,6 +42,23 @@ def test_info_lines_come_from_rank_0_only_warnings_from_every_rank(monkeypatch, 
     assert lines(caplog) == ["spot_callbacks: checkpoints are staged in RAM"]
 
 
+def test_a_signal_notice_is_said_by_rank_0_alone_a_cloud_notice_by_the_rank_that_saw_it(
+    monkeypatch, caplog
+) -> None:
+    from spot_callbacks.preemption.watcher import PreemptionWatcher
+
+    said = {}
+    for rank in ("1", "0"):
+        monkeypatch.setenv("RANK", rank)  # torchrun's, before (or without) a process group
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger=LOGGER):
+            PreemptionWatcher.from_setting([]).report(Notice("SIGTERM", None))
+            PreemptionWatcher.from_setting([]).report(Notice("aws", time.time() + 120, "spot interruption"))
+        said[rank] = lines(caplog)
+    assert said["0"][0] == "spot_callbacks: preemption notice from SIGTERM" and len(said["0"]) == 2
+    assert len(said["1"]) == 1 and said["1"][0].startswith("spot_callbacks: preemption notice from aws")
+
+
 def test_a_changed_data_setting_is_said_by_rank_0_alone(monkeypatch, caplog) -> None:
     old = {"batch_size": [16], "world_size": 2, "accumulate_grad_batches": 1, "dataset_length": [512]}
     monkeypatch.setattr("spot_callbacks.data_position.rank", lambda: 1)

@@ -199,15 +199,10 @@ def _spelled_names(path: Path) -> tuple[Counter[str], list[list[str]]]:
     return spelled, tables
 
 
-# Outside preemption/, a name stands for one source's own behaviour in another layer; pinned, so a
-# new spelling is a decision. (Homonyms, fsspec's "file" protocol and a placement's "aws", are no
-# source names: only the no-second-table rule covers them.)
-SIGNAL_NAMES_ELSEWHERE = {
-    ("hf/callback.py", "SIGTERM"): 1,  # the Trainer's own SIGTERM checkpoint (jit_checkpoint) is ours
-    ("hf/saves.py", "SIGTERM"): 1,
-    ("lightning/_compat.py", "SIGTERM"): 1,  # Lightning's signal connector saw a SIGTERM
-    ("trigger/rules.py", "SIGINT"): 1,  # Ctrl-C always stops
-}
+# Outside the table no module spells a signal's name: one that answers to a signal by name (the
+# Trainer's own SIGTERM checkpoint, Lightning's signal connector, Ctrl-C always stopping) asks
+# sources.py's TERMINATION or INTERRUPT. (Homonyms, fsspec's "file" protocol and a placement's
+# "aws", are no source names: only the no-second-table rule covers them.)
 
 
 def test_the_table_is_the_only_place_the_source_names_are_spelled():
@@ -231,7 +226,7 @@ def test_the_table_is_the_only_place_the_source_names_are_spelled():
         for name, count in spelled.items()
         if name in signal_names
     }
-    assert elsewhere == SIGNAL_NAMES_ELSEWHERE
+    assert elsewhere == {}
 
 
 # ----------------------------------------------------------------------------------- the config

@@ -21,8 +21,9 @@ import pytest
 
 from spot_callbacks.errors import StoreUnavailableError, UnknownStoreError
 from spot_callbacks.store import CheckpointStore
-from spot_callbacks.store.backends import resolve_filesystem, with_backend_defaults
+from spot_callbacks.store.backends import with_backend_defaults
 from spot_callbacks.store.preflight import PROBE_PREFIX, preflight
+from spot_callbacks.store.resolve import resolve_filesystem
 from spot_callbacks.store.writer import CommitWriter
 
 WRONG_AZURE_KEY = "d3Jvbmcta2V5LXdyb25nLWtleS13cm9uZy1rZXktd3Jvbmcta2V5LXdyb25nLWtleQ=="

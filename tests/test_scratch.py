@@ -438,3 +438,57 @@ def test_a_marker_with_an_impossible_pid_or_time_is_unknown_not_an_exception(
     assert listed.path == engine.scratch_root == folder
     assert listed.held_by == f"pid {os.getpid()}"
     assert not (folder / ".spot-scratch-live-1.json").exists()  # forgotten: it names no process
+
+
+# ----------------------------------------------------------------- a start that never ran
+def test_a_start_refused_by_the_store_leaves_the_scratch_base_as_it_was(tmp_path) -> None:
+    from conftest import closed_port_url
+
+    from spot_callbacks.errors import StoreUnavailableError
+
+    base = tmp_path / "scratch"
+    base.mkdir()
+    (base / "notes.txt").write_text("the user's own file")
+    before = sorted(path.name for path in base.iterdir())
+    options = {"key": "k", "secret": "s", "endpoint_url": closed_port_url()}
+    spot = SpotCheckpoint(
+        dirpath="s3://bucket/refused-run", interval=None, preemption=[], scratch_dir=str(base),
+        storage_options=options,
+    )  # fmt: skip
+    assert spot.engine.scratch_root.is_dir()  # made when the callback was
+    trainer = pl.Trainer(max_steps=2, callbacks=[spot], logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, accelerator="cpu")  # fmt: skip
+    with pytest.raises(StoreUnavailableError):
+        trainer.fit(BoringModel(), ckpt_path="latest")
+    assert sorted(path.name for path in base.iterdir()) == before
+
+    # HF's latest() asks the store before train(): refused there too, nothing stays.
+    from spot_callbacks.hf import SpotCheckpointCallback
+
+    callback = SpotCheckpointCallback(
+        dirpath="s3://bucket/refused-run", interval=None, preemption=[], scratch_dir=str(base),
+        storage_options=options,
+    )  # fmt: skip
+    with pytest.raises(Exception, match="endpoint"):
+        callback.latest()
+    assert sorted(path.name for path in base.iterdir()) == before
+
+
+def test_a_failed_start_keeps_a_scratch_folder_an_earlier_run_left(tmp_path) -> None:
+    from conftest import closed_port_url
+
+    from spot_callbacks.errors import StoreUnavailableError
+
+    options = {"key": "k", "secret": "s", "endpoint_url": closed_port_url()}
+    earlier = default_scratch_root(SpotConfig(dirpath="s3://bucket/kept-run").dirpath, str(tmp_path))
+    (earlier / "step-000000004").mkdir(parents=True)  # a copy a restart here may use
+    config = SpotConfig(
+        dirpath="s3://bucket/kept-run", interval=None, preemption=[], scratch_dir=str(tmp_path),
+        storage_options=options,
+    )  # fmt: skip
+    engine = SpotEngine(config, "test")
+    assert engine.scratch_root == earlier
+    with pytest.raises(StoreUnavailableError):
+        engine.start()
+    engine.stop()
+    assert (earlier / "step-000000004").is_dir()

@@ -88,6 +88,50 @@ def test_buffers_are_reused_across_checkpoints():
     third.release()
 
 
+def test_the_plan_is_reused_until_a_shape_changes_and_the_resume_stays_exact(tmp_path):
+    model, optimizer = training_state()
+    area = StagingArea()
+
+    def stage_and_check(name, state):
+        staged = area.stage(state)
+        buffers = dict(staged.state["model"])
+        write_state(staged, tmp_path / name)
+        staged.release()
+        loaded = load_state(tmp_path / name)
+        assert_same(loaded, state)  # what a resume loads is the state at the snapshot, bit for bit
+        return buffers, loaded
+
+    first, _ = stage_and_check("a.pt", {"model": model.state_dict(), "optim": optimizer.state_dict()})
+    model[0].weight.data = torch.randn(16, 8)  # new storages of the same shapes, as a reload leaves them
+    state = optimizer.state[model[0].weight]
+    state["exp_avg"] = state["exp_avg"] + 1
+    second, _ = stage_and_check("b.pt", {"model": model.state_dict(), "optim": optimizer.state_dict()})
+    assert area.plan_builds == 1  # new tensors of the same shapes refill the planned buffers
+    assert all(second[k] is first[k] for k in first)
+
+    model[2] = torch.nn.Linear(16, 6)  # a shape changes: its buffers are reallocated
+    third, loaded = stage_and_check("c.pt", {"model": model.state_dict()})
+    assert area.plan_builds == 2
+    assert loaded["model"]["2.weight"].shape == (6, 16) and third["0.bias"] is first["0.bias"]
+    # The optimizer state left the staged state: its buffers went with the old plan.
+    assert area.buffer_bytes == sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+def test_a_tie_that_appears_follows_the_plan_as_an_alias():
+    weight, bias = torch.randn(4, 4), torch.randn(4)
+    area = StagingArea()
+    area.stage({"a": weight.clone(), "b": weight.clone(), "c": bias}).release()
+    staged = area.stage({"a": weight, "b": weight, "c": bias})  # "b" is now "a"
+    assert staged.state["a"] is staged.state["b"] and staged.nbytes == (16 + 4) * 4
+    assert torch.equal(staged.state["b"], weight) and torch.equal(staged.state["c"], bias)
+    staged.release()
+    assert area.plan_builds == 1  # an alias needs no buffer
+    untied = area.stage({"a": weight, "b": weight.clone() + 1, "c": bias})  # and apart again
+    assert untied.state["a"] is not untied.state["b"] and torch.equal(untied.state["b"], weight + 1)
+    untied.release()
+    assert area.plan_builds == 2  # "b" had no buffer in the plan: found by its path again
+
+
 def test_tied_weights_stay_tied_and_are_staged_once(tmp_path):
     embedding = torch.nn.Embedding(10, 4)
     head = torch.nn.Linear(4, 10, bias=False)

@@ -29,8 +29,7 @@ import spot_callbacks.settings as settings
 from spot_callbacks._format import format_seconds
 from spot_callbacks.preemption.clouds import CLOUDS, ask_each
 from spot_callbacks.preemption.metadata import DETECT_TIMEOUT_S
-from spot_callbacks.store.families import in_family
-from spot_callbacks.store.layout import fs_protocols
+from spot_callbacks.store.backends import backend_of_fs, load
 
 log = logging.getLogger("spot_callbacks")
 
@@ -130,17 +129,30 @@ def gcs_placement(bucket: dict[str, Any]) -> Placement | None:
     return Placement("gcp", location)
 
 
+def s3_bucket_placement(fs: Any, bucket: str) -> Placement | None:
+    """S3 ``GetBucketLocation`` of ``bucket`` through s3fs (the backend table's lookup for ``s3``)."""
+    if not hasattr(fs, "call_s3"):
+        return None
+    answer = fs.call_s3("get_bucket_location", Bucket=bucket)
+    return Placement("aws", s3_location(answer.get("LocationConstraint")))
+
+
+def gcs_bucket_placement(fs: Any, bucket: str) -> Placement | None:
+    """The GCS bucket resource of ``bucket`` through gcsfs (the backend table's lookup for ``gs``)."""
+    if not hasattr(fs, "call"):
+        return None
+    answer = fs.call("GET", "b/{}", bucket, json_out=True)
+    return gcs_placement(answer if isinstance(answer, dict) else json.loads(answer))
+
+
 def bucket_placement(fs: Any, path: str) -> Placement | None:
-    """The region of the bucket holding ``path`` on ``fs`` (s3fs or gcsfs); None when unknown or not allowed."""
-    bucket = path.split("/", 1)[0]
-    protocols = set(fs_protocols(fs))
-    if in_family(protocols, "s3") and hasattr(fs, "call_s3"):
-        answer = fs.call_s3("get_bucket_location", Bucket=bucket)
-        return Placement("aws", s3_location(answer.get("LocationConstraint")))
-    if in_family(protocols, "gs") and hasattr(fs, "call"):
-        answer = fs.call("GET", "b/{}", bucket, json_out=True)
-        return gcs_placement(answer if isinstance(answer, dict) else json.loads(answer))
-    return None
+    """The region of the bucket holding ``path`` on ``fs``, by its backend's lookup in the backend
+    table (:mod:`spot_callbacks.store.backends`); None when unknown, not allowed or not told."""
+    lookup = backend_of_fs(fs).bucket_region
+    if lookup is None:
+        return None
+    placement: Placement | None = load(lookup)(fs, path.split("/", 1)[0])
+    return placement
 
 
 def _endpoint(fs: Any) -> str | None:
@@ -247,7 +259,7 @@ class RegionCheck:
 
     def compare(self) -> Mismatch | None:
         """Ask both sides; a :class:`Mismatch` when both are known and differ."""
-        if not in_family(fs_protocols(self.fs), "s3", "gs"):
+        if backend_of_fs(self.fs).bucket_region is None:
             return None  # local, memory, Azure (no location on the data plane): nothing to compare
         instance = instance_placement(self.timeout_s)
         if instance is None:

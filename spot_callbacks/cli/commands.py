@@ -72,7 +72,8 @@ from spot_callbacks.persist.scratch import scratch_base
 from spot_callbacks.persist.scratch_folders import delete_scratch_folder, list_scratch
 from spot_callbacks.progress import is_terminal, showing_progress
 from spot_callbacks.store import CheckpointInfo, CheckpointStore
-from spot_callbacks.store.commit import Verdict, lineage_of, resume_order
+from spot_callbacks.store.backends import BARE_PATH_PROTOCOL, URL_PREFIXES
+from spot_callbacks.store.commit import Verdict, commit_order, lineage_of
 from spot_callbacks.store.diagnosis import diagnose
 from spot_callbacks.store.layout import list_folder
 from spot_callbacks.store.meter import TransferMeter
@@ -168,9 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def command(name: str, help_text: str, run: Callable[[argparse.Namespace, dict[str, Any]], int]) -> Any:
         sub = commands.add_parser(name, help=help_text, description=help_text)
-        sub.add_argument(
-            "url", metavar="URL", help="the run folder: s3://, gs://, az://, file://, memory:// or a path"
-        )
+        sub.add_argument("url", metavar="URL", help=f"the run folder: {', '.join(URL_PREFIXES)} or a path")
         _add_global_options(sub, suppress_defaults=True)
         sub.set_defaults(run=run)
         return sub
@@ -458,10 +457,11 @@ def _cmd_ls(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
         else:
             print(f"no committed checkpoints in {store.url}")
         return EXIT_OK
-    problems = size_problems(store, [verdict.info for verdict in verdicts if verdict.info is not None])
+    infos = [verdict.info for verdict in verdicts if verdict.info is not None]
+    problems = size_problems(store, infos)
     problems.update({verdict.step: verdict.problem for verdict in verdicts if verdict.info is None})
-    # What latest() picks: the lineage of the newest commit first (store/commit.py resume_order).
-    ordered = resume_order([verdict.info for verdict in verdicts if verdict.info is not None])
+    # What latest() picks: the lineage of the manifest the store wrote last, first (lineage_ordered).
+    ordered, _ = checkpoint_store.lineage_ordered(store, infos)
     newest_valid = next((info.step for info in reversed(ordered) if problems[info.step] is None), None)
     if getattr(args, "json", False):
         _print_json({
@@ -533,19 +533,29 @@ def newest_valid_lineage(
         >>> newest_valid_lineage(CheckpointStore("memory://doc-cli/lineage"), [])
         ([], [])
     """
-    newest = checkpoint_store.newest_valid(store, infos, on_damaged=lambda info, problem: None)
+    ordered, stored_at = checkpoint_store.lineage_ordered(store, infos)  # latest()'s order
+    newest = checkpoint_store.newest_valid(store, ordered, on_damaged=lambda info, problem: None)
     if newest is None:
         return infos, []
-    lineage = [info for info in infos if (info.created, info.step) <= (newest.created, newest.step)]
+    # Committed before it by the store's clock, and not dated after it (the history speaks with its newest).
+    committed_before = commit_order(stored_at)
+    lineage = [
+        info
+        for info in infos
+        if committed_before(info) <= committed_before(newest) and info.created <= newest.created
+    ]
     notes = []
     for info in infos:
         if info in lineage:
             continue
         created = info.created.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-        what = "damaged" if info.step > newest.step else "a run that started again below it"
+        if lineage_of(info) != lineage_of(newest):
+            what = "another lineage's (another run's); `latest` follows the lineage the store wrote last"
+        else:
+            what = "damaged" if info.step > newest.step else "a run that started again below it"
         notes.append(
-            f"not in this report: step {info.step} ({info.reason}, committed {created}) is newer than the "
-            f"newest valid checkpoint, step {newest.step}, which this report follows: {what}"
+            f"not in this report: step {info.step} ({info.reason}, committed {created}) is not in the history "
+            f"of the newest valid checkpoint, step {newest.step}, which this report follows: {what}"
         )
     return lineage, notes
 
@@ -889,7 +899,7 @@ def describe_error(err: BaseException, verbose: bool = False, url: str = "") -> 
     elif isinstance(err, (CliError, CheckpointError, ConfigError)):
         message = str(err)
     else:
-        protocol = fsspec.core.split_protocol(url)[0] or "file"
+        protocol = fsspec.core.split_protocol(url)[0] or BARE_PATH_PROTOCOL
         bucket = url.split("://", 1)[-1].lstrip("/").split("/")[0]
         found = diagnose(err, protocol, bucket, reading=True)
         if found.specific:

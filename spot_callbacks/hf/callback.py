@@ -13,13 +13,15 @@ import transformers
 
 import spot_callbacks.hf._compat as compat
 import spot_callbacks.hf.saves as hf_saves
+import spot_callbacks.settings as settings
 from spot_callbacks.config import SpotConfig, checked_arguments
 from spot_callbacks.engine import SpotEngine
 from spot_callbacks.hf.checkpoint import STAGED, TRAINER, StagedSaves
 from spot_callbacks.hf.loadable import check_loadable
 from spot_callbacks.hf.metrics import SpotMetrics
 from spot_callbacks.hf.saves import SaveRequest
-from spot_callbacks.preemption import Notice
+from spot_callbacks.log import log
+from spot_callbacks.preemption import TERMINATION, Notice
 from spot_callbacks.store import CheckpointStore
 from spot_callbacks.training_horizon import (
     Horizon,
@@ -77,11 +79,12 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
         preemption: Union[str, list[str]] = "auto",  # noqa: UP007
         on_preemption: Literal["stop", "continue"] = "stop",
         interruptions_per_hour: Union[float, None] = None,  # noqa: UP007
+        verbose: bool = False,
     ) -> None:
         self.config = SpotConfig(
             dirpath=dirpath, interval=interval, every_n_steps=every_n_steps, keep_last=keep_last,
             scratch_dir=scratch_dir, storage_options=storage_options, preemption=preemption,
-            on_preemption=on_preemption, interruptions_per_hour=interruptions_per_hour,
+            on_preemption=on_preemption, interruptions_per_hour=interruptions_per_hour, verbose=verbose,
         )  # fmt: skip
         self.engine = SpotEngine(self.config, framework="hf")
         compat.never_rebuild_from_checkpoints()  # trainer_state.json is untrusted
@@ -137,10 +140,11 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
         self._saves.clear()
         self.preempted = False
         compat.check_trainer_spans_the_process_group(args)
-        if compat.jit_checkpoint_enabled(args) and self.engine.watches("SIGTERM"):
+        if compat.jit_checkpoint_enabled(args) and self.engine.watches(TERMINATION):
             compat.bypass_jit_sigterm_handler(self.store.url)
         self.engine.start()
         compat.place_ahead_of_integrations(trainer := compat.running_trainer(), self)
+        warn_if_sharding_ignored(trainer, args)
         self._staged.start(trainer, args, self.engine.spans_nodes())
         self.engine.save_folders_from_every_rank(self._staged.every_rank)  # FSDP: every rank's shards
         self._metrics.attach(trainer)
@@ -278,6 +282,44 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
         self._metrics.add_records(self.engine.new_records())
         self._metrics.flush()  # ahead of the integrations' on_train_end: their writers are still open
         self.engine.log_cost_summary()
+
+
+def warn_if_sharding_ignored(trainer: Any, args: Any) -> str | None:
+    """Warn (rank 0, before the first step) when the TrainingArguments ask for FSDP or DeepSpeed and
+    accelerate did not enable it, so the run trains unsharded: say why and what is checkpointed
+    instead. Returns the warning, or ``None`` when what was asked is what runs."""
+    if trainer is None:
+        return None
+    asked = [
+        name
+        for name, wanted, enabled in (
+            ("FSDP", bool(getattr(args, "fsdp", None)), getattr(trainer, "is_fsdp_enabled", False)),
+            (
+                "DeepSpeed",
+                bool(getattr(args, "deepspeed", None)),
+                getattr(trainer, "is_deepspeed_enabled", False),
+            ),
+        )
+        if wanted and not enabled
+    ]
+    if not asked:
+        return None
+    import torch.distributed as dist
+
+    world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    device = str(getattr(args, "device", "cpu"))
+    why = [f"device {device}"] if not device.startswith("cuda") else []
+    if world_size == 1 and settings.environment_variable("WORLD_SIZE") is None:
+        why.append("no distributed launcher (torchrun / accelerate launch)")
+    how = f"DDP across {world_size} processes" if world_size > 1 else "in one process"
+    line = (
+        f"spot_callbacks: TrainingArguments ask for {' and '.join(asked)} but accelerate did not enable it "
+        f"({', '.join(why) or 'see accelerate env'}): the Trainer trains {how}, unsharded, and each checkpoint "
+        "holds that full state (no shards); launch with torchrun or accelerate launch on GPUs to shard"
+    )
+    if getattr(args, "process_index", 0) == 0:
+        log.warning("%s", line)
+    return line
 
 
 __all__ = ["SpotCheckpointCallback"]

@@ -37,9 +37,11 @@ from typing import Any
 
 import torch
 
+from spot_callbacks.store.layout import DCP_METADATA_FILE
+
 FSDP_MODEL_DIR = "pytorch_model_fsdp_0"  # accelerate's f"{FSDP_MODEL_NAME}_{model_index}"
 FSDP_OPTIMIZER_DIR = "optimizer_0"  # accelerate's f"{OPTIMIZER_NAME}_{optimizer_index}"
-DCP_METADATA = ".metadata"
+DCP_METADATA = DCP_METADATA_FILE
 
 
 @dataclass(frozen=True)

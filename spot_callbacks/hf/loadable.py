@@ -26,9 +26,10 @@ from transformers.trainer_pt_utils import safe_globals
 
 from spot_callbacks.errors import CorruptCheckpointError, ManifestError
 from spot_callbacks.store import CheckpointInfo
+from spot_callbacks.store.layout import DCP_METADATA_FILE, HF_TRAINER_STATE_FILE
 from spot_callbacks.store.manifest_limits import load_bounded_json
 
-TRAINER_STATE = "trainer_state.json"
+TRAINER_STATE = HF_TRAINER_STATE_FILE
 TRAINER_STATE_MAX_BYTES = 64 * 1024 * 1024  # a log history of millions of rows still fits
 SAFETENSORS_HEADER_MAX_BYTES = 100 * 1024 * 1024  # safetensors' own limit
 MAX_GLOBAL_STEP = 10**12
@@ -151,7 +152,7 @@ _STATE_VALUES: dict[str, tuple[Any, str]] = {
 
 
 def _check_weights(folder: Path, info: CheckpointInfo) -> None:
-    sharded = any(path.is_dir() and (path / ".metadata").is_file() for path in folder.iterdir())
+    sharded = any(path.is_dir() and (path / DCP_METADATA_FILE).is_file() for path in folder.iterdir())
     if not sharded and not any((folder / name).is_file() for name in WEIGHT_NAMES):
         raise _fault(info, "the model weights", f"are missing (none of {', '.join(WEIGHT_NAMES[:3])}, ...)")
     for path in sorted(folder.glob("*.safetensors")):

@@ -17,7 +17,7 @@ from typing import Any
 import spot_callbacks.hf._compat as compat
 from spot_callbacks._dist import gather_from_ranks, is_writer
 from spot_callbacks.data_position import DataPosition, warn_if_changed
-from spot_callbacks.preemption import PREEMPTED_EXIT_CODE, Notice
+from spot_callbacks.preemption import PREEMPTED_EXIT_CODE, TERMINATION, Notice
 
 log = logging.getLogger("spot_callbacks")
 
@@ -90,7 +90,7 @@ def jit_checkpoint_to_persist(engine: Any, args: Any, state: Any) -> Path | None
     With ``enable_jit_checkpoint`` and SIGTERM not among the engine's notice sources, the Trainer
     saved on SIGTERM without calling ``on_save``. Collective: every rank calls it together.
     """
-    if not compat.jit_checkpoint_enabled(args) or engine.watches("SIGTERM"):
+    if not compat.jit_checkpoint_enabled(args) or engine.watches(TERMINATION):
         return None
     step = state.global_step
     if step >= state.max_steps or not engine.needs_checkpoint(step):

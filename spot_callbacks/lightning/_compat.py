@@ -47,7 +47,7 @@ from spot_callbacks._dist import gather_from_ranks, rank, world_size
 from spot_callbacks.data_position import DataPosition, warn_if_changed
 from spot_callbacks.errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
 from spot_callbacks.persist.tracking import PersistRecord
-from spot_callbacks.preemption import Notice, signal_grace_s
+from spot_callbacks.preemption import TERMINATION, Notice, signal_grace_s
 from spot_callbacks.resume import ResumeInfo
 from spot_callbacks.run_lease import release_on_unwind
 from spot_callbacks.staging import (
@@ -58,10 +58,8 @@ from spot_callbacks.staging import (
     unsafe_checkpoint_error,
 )
 from spot_callbacks.store import CheckpointInfo
-from spot_callbacks.store.layout import DCP_METADATA_FILE, STATE_FILE
+from spot_callbacks.store.layout import DCP_METADATA_FILE, SHARDED_META_FILE, STATE_FILE
 from spot_callbacks.training_horizon import Horizon
-
-SHARDED_META_FILE = "meta.pt"  # Lightning's _METADATA_FILENAME beside a sharded checkpoint's DCP files
 
 log = logging.getLogger("spot_callbacks")
 
@@ -319,7 +317,7 @@ def epochs_done(trainer: Any) -> int:
 def signal_connector_notice(trainer: Any, known: Notice | None) -> Notice | None:
     """A SIGTERM that Lightning's own handler caught (``received_sigterm``) and no watcher saw."""
     if getattr(trainer, "received_sigterm", False) and known is None:
-        return Notice("SIGTERM", time.time() + signal_grace_s(), "Lightning signal connector")
+        return Notice(TERMINATION, time.time() + signal_grace_s(), "Lightning signal connector")
     return None
 
 

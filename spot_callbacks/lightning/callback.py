@@ -72,12 +72,13 @@ class _SpotCheckpointHooks:
         preemption: Union[str, list[str]] = "auto",  # noqa: UP007
         on_preemption: Literal["stop", "continue"] = "stop",
         interruptions_per_hour: Union[float, None] = None,  # noqa: UP007
+        verbose: bool = False,
     ) -> None:
         super().__init__()
         self.config = SpotConfig(
             dirpath=dirpath, interval=interval, every_n_steps=every_n_steps, keep_last=keep_last,
             scratch_dir=scratch_dir, storage_options=storage_options, preemption=preemption,
-            on_preemption=on_preemption, interruptions_per_hour=interruptions_per_hour,
+            on_preemption=on_preemption, interruptions_per_hour=interruptions_per_hour, verbose=verbose,
         )  # fmt: skip
         self.engine = SpotEngine(self.config, framework="lightning")
         self.preempted = False

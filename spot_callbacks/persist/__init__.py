@@ -10,7 +10,9 @@
 The two multi-rank ones share the round of ``rank_group.py``; all three keep their settled steps,
 records and failures as ``tracking.py`` does, and take every step of the commit sequence (begin,
 upload, commit, settle) through one :class:`~spot_callbacks.store.CommitWriter`. The engine calls them only through
-:class:`CheckpointPersister` (and ``submit`` with the job the persister made), never by type.
+:class:`CheckpointPersister` (and ``submit`` with the job the persister made), never by type; which
+one a run gets follows from the layout of its step folders (who writes their files:
+``store/layout.py``'s ``StepLayout``, mapped to a persister by ``saving.py``'s ``PERSISTERS``).
 The multi-rank persisters import torch.distributed, so they are imported from their own modules.
 """
 

@@ -51,8 +51,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from spot_callbacks.errors import CorruptCheckpointError, UnsafeCheckpointError
+from spot_callbacks.store.layout import DCP_METADATA_FILE
 
-METADATA_NAME = ".metadata"
+METADATA_NAME = DCP_METADATA_FILE
 _RANK_METADATA = re.compile(r"__\d+\.metadata")  # DCP's rank-local index (use_collectives=False)
 
 

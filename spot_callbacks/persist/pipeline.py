@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from spot_callbacks._format import human_rate, human_size
+from spot_callbacks.log import checkpoint_line
 from spot_callbacks.persist.emergency import measured_bytes_per_s, plan_emergency
 from spot_callbacks.persist.scratch import NewestCommittedFolder, discard_folder, folder_bytes, prune_scratch
 from spot_callbacks.persist.tracking import CheckpointJob, Outcome, PersistRecord, StepTracker
@@ -202,10 +203,12 @@ class Persister(StepTracker):
                     else ""
                 )
                 advice = f"; uploads take longer than the interval between checkpoints{running}: {self.slow_upload_fix}"
-            self._drop(dropped, f"step {job.step} is newer{advice}")
+            # Only the first drop is news (it carries the cause); later ones are per-checkpoint lines.
+            self._drop(dropped, f"step {job.step} is newer{advice}", every_checkpoint=not advice)
 
-    def _drop(self, job: PersistJob, why: str) -> None:
-        log.info("spot_callbacks: dropping checkpoint of step %d before upload: %s", job.step, why)
+    def _drop(self, job: PersistJob, why: str, every_checkpoint: bool = False) -> None:
+        say = checkpoint_line if every_checkpoint else log.info
+        say("spot_callbacks: dropping checkpoint of step %d before upload: %s", job.step, why)
         discard_folder(job.local_dir, job.owns_local_dir)
         self._settle(job.step, "dropped")
 
@@ -306,7 +309,7 @@ class Persister(StepTracker):
         upload_s = time.perf_counter() - started
         record = PersistRecord(info, job.write_s, upload_s, info.size_bytes, queued_s)
         newest = self._record_commit(job.step, record)
-        log.info(
+        checkpoint_line(
             "spot_callbacks: committed %s (%s, %s in %.2fs, %s)",
             info.url, job.reason, human_size(info.size_bytes), upload_s, human_rate(info.size_bytes, upload_s),
         )  # fmt: skip

@@ -36,6 +36,7 @@ import torch.distributed as dist
 import spot_callbacks.settings as settings
 from spot_callbacks._dist import broadcast_object
 from spot_callbacks.errors import CheckpointError, PersistError
+from spot_callbacks.log import checkpoint_line
 from spot_callbacks.persist.scratch import discard_folder
 from spot_callbacks.persist.tracking import CheckpointJob, PersistRecord, StepTracker
 from spot_callbacks.store import CheckpointStore, CommitWriter, local_payload_names
@@ -309,7 +310,7 @@ class RankGroupPersister(StepTracker, ABC, Generic[JobT]):
             )
         except Exception as err:  # noqa: BLE001
             return ("failed", f"rank 0: {type(err).__name__}: {err}")
-        log.info(
+        checkpoint_line(
             "spot_callbacks: committed %s (%s, %d rank%s, %.1f MB in %.2fs)",
             info.url, job.reason, self.world_size, "" if self.world_size == 1 else "s", info.size_bytes / 1e6,
             upload_s,

@@ -32,7 +32,12 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import spot_callbacks.settings as settings
-from spot_callbacks.persist.scratch import per_user_base, private_scratch_root, scratch_base
+from spot_callbacks.persist.scratch import (
+    default_scratch_root,
+    per_user_base,
+    private_scratch_root,
+    scratch_base,
+)
 
 log = logging.getLogger("spot_callbacks")
 
@@ -282,6 +287,12 @@ class ScratchClaim:
         with contextlib.suppress(OSError):
             self.marker.unlink()
 
+    def holds_only_its_record(self) -> bool:
+        """The folder holds nothing but the run's record and live markers: no step was ever staged."""
+        with contextlib.suppress(OSError):
+            return all(p.name == RECORD_NAME or p.name.startswith(LIVE_PREFIX) for p in self.root.iterdir())
+        return False
+
 
 _CLAIMS: dict[Path, ScratchClaim] = {}  # this process's, by folder: held until the process ends
 
@@ -296,9 +307,39 @@ def claim_scratch_root(store_url: str, scratch_dir: str | None = None) -> Path:
         >>> [folder.dirpath for folder in list_scratch(root.parent)]
         ['s3://bucket/run']
     """
+    made = not os.path.lexists(default_scratch_root(store_url, scratch_dir))
     root = private_scratch_root(store_url, scratch_dir)
     _CLAIMS[root] = claim_scratch(root, store_url)
+    if made:
+        _MADE.add(root)
     return root
+
+
+_MADE: set[Path] = set()  # the scratch folders this process created (not found from an earlier run)
+
+
+def drop_unused_scratch_root(root: Path) -> bool:
+    """Undo :func:`claim_scratch_root` for a start that failed before its first step (a refused store):
+    the folder goes if this process made it, nothing but its record is in it and no other live process
+    (another rank of this machine) holds it. A folder an earlier run left, with its copies, stays.
+
+    Example:
+        >>> import tempfile
+        >>> root = claim_scratch_root("s3://bucket/run", scratch_dir=tempfile.mkdtemp())
+        >>> drop_unused_scratch_root(root), root.exists()
+        (True, False)
+    """
+    root = Path(root)
+    claim = _CLAIMS.get(root)
+    if claim is None or root not in _MADE or not claim.holds_only_its_record():
+        return False
+    claim.release()
+    del _CLAIMS[root]
+    _MADE.discard(root)
+    if _live_holder(root) is not None:
+        return False
+    shutil.rmtree(root, ignore_errors=True)
+    return not os.path.lexists(root)
 
 
 def claim_scratch(root: Path, store_url: str) -> ScratchClaim:

@@ -35,9 +35,10 @@ from spot_callbacks.persist.rank_group import RankGroup, RankGroupPersister
 from spot_callbacks.persist.scratch import discard_folder, discard_leftover_step_folders
 from spot_callbacks.persist.tracking import CheckpointJob
 from spot_callbacks.store import CheckpointStore, step_dirname
+from spot_callbacks.store.layout import SHARDED_META_FILE
 from spot_callbacks.store.transfer import write_local_atomically
 
-META_FILE = "meta.pt"  # the non-tensor rest of the checkpoint (Lightning's _METADATA_FILENAME)
+META_FILE = SHARDED_META_FILE  # the non-tensor rest of the checkpoint (Lightning's _METADATA_FILENAME)
 
 
 def is_sharded_state(state: Any) -> bool:

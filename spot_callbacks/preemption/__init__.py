@@ -18,8 +18,10 @@ from spot_callbacks.preemption.signals import DEFAULT_SIGNAL_GRACE_S, signal_gra
 from spot_callbacks.preemption.sources import (
     CLOUD_SOURCES,
     GRACE_SIGNALS,
+    INTERRUPT,
     NOTICE_SOURCES,
     SIGNAL_SOURCES,
+    TERMINATION,
     NoticeSource,
 )
 from spot_callbacks.preemption.watcher import PreemptionWatcher, resolve_sources
@@ -28,9 +30,11 @@ __all__ = [
     "CLOUD_SOURCES",
     "DEFAULT_SIGNAL_GRACE_S",
     "GRACE_SIGNALS",
+    "INTERRUPT",
     "NOTICE_SOURCES",
     "PREEMPTED_EXIT_CODE",
     "SIGNAL_SOURCES",
+    "TERMINATION",
     "Notice",
     "NoticeSource",
     "PreemptionWatcher",

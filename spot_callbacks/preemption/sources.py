@@ -122,11 +122,16 @@ def _notice_file(name: str, context: SourceContext) -> NoticeSource:
     return NoticeFileSource(name)
 
 
+# The two signals other layers answer to by name: the termination a scheduler, Lightning's signal
+# connector and the HF Trainer's own jit checkpoint answer to, and Ctrl-C, which always stops.
+TERMINATION = "SIGTERM"
+INTERRUPT = "SIGINT"
+
 NOTICE_SOURCES: dict[str, SourceKind] = {
-    "SIGTERM": SourceKind(_signal, in_auto=_always, signal=True, grace=True),
+    TERMINATION: SourceKind(_signal, in_auto=_always, signal=True, grace=True),
     "SIGUSR1": SourceKind(_signal, in_auto=_in_slurm, signal=True, grace=True),
     # Ctrl-C: the first checkpoints and stops, the second stops at once.
-    "SIGINT": SourceKind(_signal, in_auto=_always, signal=True),
+    INTERRUPT: SourceKind(_signal, in_auto=_always, signal=True),
     "aws": SourceKind(_cloud(AwsPoller), in_auto=_always, cloud=AwsPoller),
     "gcp": SourceKind(_cloud(GcpPoller), in_auto=_always, cloud=GcpPoller),
     "azure": SourceKind(_cloud(AzurePoller), in_auto=_always, cloud=AzurePoller),

@@ -118,6 +118,8 @@ class PreemptionWatcher:
                 log.warning(
                     "spot_callbacks: preemption notice from %s%s", notice.source,
                     f" ({notice.detail}), {notice.seconds_left():.0f}s left" if notice.deadline else "",
+                    # A signal from the launcher reaches every rank alike: rank 0 says it for the run.
+                    extra={"run_level": notice.source.startswith("SIG")},
                 )  # fmt: skip
 
     def wait(self, timeout: float | None = None) -> Notice | None:

@@ -7,6 +7,7 @@ Where each part lives:
 - :mod:`~spot_callbacks.store.writer`: :class:`CommitWriter`, the one writer of the commit sequence.
 - :mod:`~spot_callbacks.store.manifest`: :class:`CheckpointInfo`, building and validating manifests.
 - :mod:`~spot_callbacks.store.layout`: step folder names, URLs and paths, backend quirks, payload names.
+- :mod:`~spot_callbacks.store.backends`: the backend table, one row per protocol family.
 - :mod:`~spot_callbacks.store.transfer`: parallel uploads and pulls, timeouts, the local disk.
 - :mod:`~spot_callbacks.store.checksums`, :mod:`~spot_callbacks.store.retry`,
   :mod:`~spot_callbacks.store.runlock`: checksums, retries and timeouts, the run lock.
@@ -14,10 +15,10 @@ Where each part lives:
 
 from __future__ import annotations
 
+from spot_callbacks.store.backends import S3_UPLOAD_CONCURRENCY
 from spot_callbacks.store.checkpoint_store import CheckpointStore
 from spot_callbacks.store.layout import (
     MANIFEST_NAME,
-    S3_UPLOAD_CONCURRENCY,
     local_payload_names,
     parse_step_dirname,
     step_dirname,

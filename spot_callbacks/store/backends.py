@@ -1,297 +1,278 @@
-"""Which fsspec backend a ``dirpath`` needs, the extra that installs it, and the timeouts it starts with.
+"""The backend table: one row per protocol family, the one place a protocol name is spelled.
 
-A cloud SDK's own defaults make a store that cannot be reached slow to say so: botocore waits
-60 s to connect and retries 5 times over s3fs' own retries (155 s for a refused endpoint), and
-gcsfs asks a gRPC control API for every bucket's layout with a 60 s retry budget, uncached
-when it fails. :func:`with_backend_defaults` sets shorter ones, only where the user set none.
+Like fsspec's ``known_implementations`` or torchsnapshot's storage plugins, each :class:`Backend`
+row says everything the library knows of a family of fsspec protocols (``s3``/``s3a``,
+``az``/``abfs``/``abfss``, ...): the package that implements it and the extra that installs it,
+the options it starts with, the fast client that moves its payload bytes, how to ask its
+bucket's region, and what the store can promise on it. Every module asks the table
+(:func:`backend_of`, :func:`backend_of_fs`, :func:`family_of`, :func:`in_family`) instead of
+naming protocols; a new backend is a row here plus its client module.
+
+Factories are referenced by dotted name (``"package.module:function"``) and imported when first
+used, so this module imports nothing of the store's and the layers stay as ``.importlinter`` draws them.
 """
 
 from __future__ import annotations
 
-import difflib
-import importlib.util
-import inspect
-import re
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
-import fsspec
-
 import spot_callbacks.settings as settings
-from spot_callbacks.errors import ConfigError, StoreUnavailableError, UnknownStoreError
-from spot_callbacks.store.families import PROTOCOL_FAMILIES, family_of
-
-# family -> (the package that implements it, the spot-callbacks extra that installs it)
-_CLOUD_PACKAGES = {"s3": ("s3fs", "s3"), "gs": ("gcsfs", "gcs"), "az": ("adlfs", "azure")}
-# protocol -> (package, extra), for the cloud families
-CLOUD_BACKENDS: dict[str, tuple[str, str]] = {
-    protocol: package for family, package in _CLOUD_PACKAGES.items() for protocol in PROTOCOL_FAMILIES[family]
-}
-# Families whose first path segment is a bucket (or container).
-BUCKET_FAMILIES = ("s3", "gs", "az", "adl")
 
 
-# family -> the conditional writes its backend here promises: "etag" where a PUT can be made
-# conditional on the object's absence (If-None-Match: *) or its ETag (If-Match), as this library
-# uses them (the run lock). GCS (ifGenerationMatch) and Azure (ETags) have them too, but gcsfs and
-# adlfs do not pass them through their writes, so they are not promised here yet.
-CONDITIONAL_WRITES: dict[str, str] = {"s3": "etag"}
+def _s3_defaults(options: dict[str, Any]) -> None:
+    # botocore waits 60 s to connect and retries 5 times over s3fs' own retries (155 s for a
+    # refused endpoint): a store that cannot be reached would be slow to say so.
+    config = dict(options.get("config_kwargs") or {})
+    config.setdefault("connect_timeout", settings.CONNECT_TIMEOUT_S.value())
+    config.setdefault("read_timeout", S3_READ_TIMEOUT_S)
+    config.setdefault("retries", {"max_attempts": S3_MAX_ATTEMPTS, "mode": "standard"})
+    options["config_kwargs"] = config
+
+
+def _gcs_defaults(options: dict[str, Any]) -> None:
+    # gcsfs asks a gRPC control API for every bucket's layout with a 60 s retry budget, uncached
+    # when it fails.
+    options.setdefault("retry_timeout", GCS_CONTROL_RETRY_S)
+
+
 S3_READ_TIMEOUT_S = 60
 S3_MAX_ATTEMPTS = 3  # botocore's, each inside one of the store's own retried attempts
 GCS_CONTROL_RETRY_S = 5.0  # gcsfs' bucket-layout probe (gRPC); a plain bucket answers in well under 1 s
-# "word:" not followed by "//": fsspec reads it as a local path (a folder named "s3:" on a disk
-# that dies with the VM). One letter is a Windows drive ("C:/runs").
-_SCHEME_WITHOUT_SLASHES = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]+):(?!//)(.*)$", re.DOTALL)
-LOCAL_PROTOCOLS = PROTOCOL_FAMILIES["file"]
+# s3fs uploads a file's parts max_concurrency at a time, each held twice in RAM (the part and
+# botocore's copy): 10 (its default) x 50 MiB x 2 is ~1 GB per file in flight, beside the staged
+# checkpoint itself. 4 keeps it near 420 MB; storage_options={"max_concurrency": N} overrides.
+S3_UPLOAD_CONCURRENCY = 4
 
 
-def resolve_filesystem(dirpath: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:
-    """``fsspec.core.url_to_fs(dirpath, ...)`` with :func:`with_backend_defaults`, or an
-    :class:`UnknownStoreError` naming ``dirpath``, the protocol, the installed backends and the extra to install.
-
-    Example:
-        >>> resolve_filesystem("memory://doc-backends/run", None)[1]
-        '/doc-backends/run'
-        >>> resolve_filesystem("s4://bucket/run", None)  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        spot_callbacks.errors.UnknownStoreError: dirpath='s4://bucket/run' cannot hold checkpoints: ...
-    """
-    if (
-        misread := misread_url(dirpath) or glob_in_dirpath(dirpath) or odd_segment_in_dirpath(dirpath)
-    ) is not None:
-        raise UnknownStoreError(dirpath, *misread)
-    protocol, _ = fsspec.core.split_protocol(dirpath)
-    if protocol is not None:
-        check_protocol(dirpath, protocol)
-        check_option_names(protocol, storage_options)
-    try:
-        return fsspec.core.url_to_fs(dirpath, **with_backend_defaults(protocol, storage_options))
-    except (ImportError, TypeError, ValueError) as err:  # a backend refusing its options as it is built
-        raise_diagnosed(dirpath, protocol or "file", err)
-        raise
+def _s3_upload_defaults(options: dict[str, Any]) -> None:
+    options.setdefault("max_concurrency", S3_UPLOAD_CONCURRENCY)
 
 
-GLOB_CHARACTERS = "*?["
-
-
-def odd_segment_in_dirpath(dirpath: str) -> tuple[str, str] | None:
-    """``(cause, fix)`` when an object-store ``dirpath`` has a ``.``, ``..`` or empty segment: s3fs and
-    boto3 keep such a key literally, but obstore's path parser refuses it, so the run could write and
-    commit checkpoints it can never pull.
+def load(dotted: str) -> Any:
+    """The object a dotted name (``"package.module:attribute"``) names, its module imported now.
 
     Example:
-        >>> odd_segment_in_dirpath("s3://bucket/x/./run")[0]
-        "has the path segment '.', which object stores keep literally but the fast client cannot read back"
-        >>> odd_segment_in_dirpath("s3://bucket/x//run")[0][:30], odd_segment_in_dirpath("s3://bucket/x/run/") is None
-        ("has an empty path segment ('//", True)
-        >>> odd_segment_in_dirpath("./runs/../exp1") is None  # a local path: the OS resolves it
-        True
+        >>> load("posixpath:join")("a", "b")
+        'a/b'
     """
-    protocol, path = fsspec.core.split_protocol(dirpath)
-    if protocol is None or family_of(protocol) not in ("s3", "gs", "az"):
-        return None
-    segments = path.rstrip("/").split("/")
-    if "" in segments:
-        cause = "has an empty path segment ('//'), which object stores keep literally but the fast client cannot read back"
-        return cause, "write the URL with single slashes between folders"
-    odd = next((segment for segment in segments if segment in (".", "..")), None)
-    if odd is None:
-        return None
-    cause = f"has the path segment {odd!r}, which object stores keep literally but the fast client cannot read back"
-    return cause, "write the folder path without '.' and '..' segments"
+    module, _, name = dotted.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
-def glob_in_dirpath(dirpath: str) -> tuple[str, str] | None:
-    """``(cause, fix)`` when ``dirpath`` holds a character fsspec expands as a glob (``*``, ``?``, ``[``):
-    its deletes expand them, so retention could delete another folder's objects that match.
+def _s3_plane(fs: Any, budget: Any, choice: str) -> Any:
+    return load("spot_callbacks.store.clients.s3:s3_plane")(fs, budget, choice)
+
+
+def _azure_plane(fs: Any, budget: Any, choice: str) -> Any:
+    return load("spot_callbacks.store.clients.azure:azure_plane")(fs, budget)
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One row of the backend table: a family of fsspec protocols and what the library knows of it.
+
+    Args:
+        family: the family's name (its first protocol).
+        protocols: every protocol fsspec answers to for it (``fs.protocol``).
+        package: the package that implements it (``None``: fsspec itself, or not one we install).
+        extra: the spot-callbacks extra that installs ``package`` (``pip install 'spot-callbacks[<extra>]'``).
+        local: the local disk, where a write is not atomic and a rename is.
+        in_fsspec: fsspec itself implements it (always installed).
+        bucketed: the first path segment is a bucket (or container), which must exist.
+        container: what a user calls that first segment (the root folder on a local disk).
+        starts_with: sets the options it starts with where the user set none (short timeouts).
+        opens_with: sets what :func:`~spot_callbacks.store.layout.open_filesystem` adds for a run's store.
+        passed_on_options: ``storage_options`` keys its filesystem hands on to the client it builds.
+        strict_options: an unknown ``storage_options`` key fails only at the first request there.
+        data_plane: ``(fs, budget, choice) -> DataPlane``, the fast client of its payload bytes.
+        data_plane_choices: the ``$SPOT_DATA_PLANE`` values besides ``auto`` its fast client honours.
+        no_data_plane: why fsspec moves its payload bytes, where a user would expect a faster client.
+        bucket_region: dotted name of ``(fs, bucket) -> Placement | None`` (``accounting/region.py``).
+        no_credentials_fix: how to give it credentials; ``credentials_fix``: how to check them.
+        conditional_writes: ``"etag"`` where a PUT can be made conditional on an object's absence
+            (If-None-Match: *) or its ETag (If-Match), as the run lock uses them; else ``None``.
+        sorted_listing: its listings come in key order. Declared, not relied on: the store sorts
+            what it lists (``store/commit.py``'s protocol assumes any order).
+        bulk_delete: its filesystem deletes many objects in one request. Declared, not relied on:
+            a step folder is deleted, and the delete confirmed, either way.
 
     Example:
-        >>> glob_in_dirpath("s3://bucket/run[1]")[0]
-        "contains '[', which fsspec expands as a glob when it deletes: retention could delete the objects of every folder it matches (s3://bucket/run1, ...)"
-        >>> glob_in_dirpath("s3://bucket/run-1") is None
-        True
+        >>> backend_of("s3a").family, backend_of("s3a").extra, backend_of("gcs").conditional_writes
+        ('s3', 's3', None)
+        >>> backend_of("hdfs").family, backend_of("hdfs").data_plane is None  # not in the table: fsspec's
+        ('hdfs', True)
     """
-    found = [char for char in GLOB_CHARACTERS if char in dirpath]
-    if not found:
-        return None
-    example = re.sub(r"\[([^\]]*)\]", r"\1", dirpath).replace("*", "").replace("?", "")
-    cause = (
-        f"contains {found[0]!r}, which fsspec expands as a glob when it deletes: retention could delete "
-        f"the objects of every folder it matches ({example}, ...)"
-    )
-    return cause, "name the folder without *, ? and [ (e.g. with '-' or '_')"
+
+    family: str
+    protocols: tuple[str, ...]
+    package: str | None = None
+    extra: str | None = None
+    local: bool = False
+    in_fsspec: bool = False
+    bucketed: bool = False
+    container: str = "bucket"
+    starts_with: Callable[[dict[str, Any]], None] | None = None
+    opens_with: Callable[[dict[str, Any]], None] | None = None
+    passed_on_options: frozenset[str] = field(default_factory=frozenset)
+    strict_options: bool = False
+    data_plane: Callable[[Any, Any, str], Any] | None = None
+    data_plane_choices: tuple[str, ...] = ()
+    no_data_plane: str | None = None
+    bucket_region: str | None = None
+    no_credentials_fix: str = "pass the credentials in storage_options"
+    credentials_fix: str = "check the credentials in storage_options"
+    conditional_writes: str | None = None
+    sorted_listing: bool = False
+    bulk_delete: bool = False
+
+    @property
+    def url_prefix(self) -> str:
+        """``"s3://"``: how a user writes a URL of this backend."""
+        return f"{self.protocols[0]}://"
+
+    @property
+    def install(self) -> str | None:
+        """The command that installs this backend, or ``None`` (nothing to install)."""
+        return f"pip install 'spot-callbacks[{self.extra}]'" if self.extra else None
 
 
-def misread_url(dirpath: str) -> tuple[str, str] | None:
-    """``(cause, fix)`` when ``dirpath`` looks like a URL with a slash missing after its scheme, which
-    fsspec would silently read as a local folder (``s3:/bucket/run`` is the folder ``s3:``); else ``None``.
-
-    Any scheme-like word (two characters or more) before ``:/`` counts, and a known protocol
-    before a bare ``:`` too (``s3:bucket``). ``./s3:/x`` spells a local folder with a colon.
-
-    Example:
-        >>> misread_url("s3:/bucket/run")[1]
-        "write 's3://bucket/run' (two slashes after 's3:'), or './s3:/bucket/run' if you do mean a local folder"
-        >>> misread_url("runs/exp:1") is None and misread_url("C:/runs") is None
-        True
-    """
-    if "://" in dirpath:
-        return None
-    match = _SCHEME_WITHOUT_SLASHES.match(dirpath)
-    if match is None:
-        return None
-    scheme, rest = match.groups()
-    known = scheme.lower() in (*CLOUD_BACKENDS, *LOCAL_PROTOCOLS, *fsspec.available_protocols())
-    if not rest.startswith("/") and not known:
-        return None  # "exp:1/run": a folder name with a colon, not a URL
-    slashes = "one slash" if rest.startswith("/") and not rest.startswith("//") else "no slash"
-    fixed = f"{scheme}://{rest}" if scheme.lower() in LOCAL_PROTOCOLS else f"{scheme}://{rest.lstrip('/')}"
-    where = (
-        "in the current directory"
-        if scheme.lower() in LOCAL_PROTOCOLS
-        else "(storage_options ignored, checkpoints on a disk that dies with the machine)"
-    )
-    cause = f"{slashes} after {scheme + ':'!r}, so it would be a local folder named {scheme + ':'!r} {where}"
-    return (
-        cause,
-        f"write {fixed!r} (two slashes after {scheme + ':'!r}), or './{dirpath}' if you do mean a local folder",
-    )
-
-
-def is_local_path(dirpath: str) -> bool:
-    """True when ``dirpath`` names a folder of the local filesystem (a bare path, ``file://``, ``local://``).
-
-    Example:
-        >>> is_local_path("runs/exp1"), is_local_path("file:///tmp/x"), is_local_path("s3://b/r")
-        (True, True, False)
-    """
-    protocol, _ = fsspec.core.split_protocol(dirpath)
-    return protocol is None or protocol in LOCAL_PROTOCOLS
-
-
-def check_protocol(dirpath: str, protocol: str) -> None:
-    """Raise :class:`UnknownStoreError` unless fsspec knows ``protocol`` and its package imports."""
-    if protocol not in fsspec.available_protocols():
-        close = difflib.get_close_matches(protocol, [*CLOUD_BACKENDS, "file", "memory"], n=1, cutoff=0.5)
-        suggestion = f"did you mean {close[0]}://? " if close else ""
-        raise UnknownStoreError(
-            dirpath,
-            f"fsspec knows no protocol {protocol!r} (installed backends: {', '.join(installed_protocols())})",
-            f"{suggestion}use s3://, gs://, az:// or a local path; "
-            "pip install 'spot-callbacks[s3]' (or [gcs], [azure]) adds a cloud backend",
-        )
-    try:
-        fsspec.get_filesystem_class(protocol)
-    except ImportError as err:
-        package, extra = CLOUD_BACKENDS.get(protocol, (None, None))
-        fix = (
-            f"pip install 'spot-callbacks[{extra}]'" if extra else f"install the package fsspec names: {err}"
-        )
-        raise UnknownStoreError(
-            dirpath,
-            f"protocol {protocol!r} needs the package {package or 'behind it'}, which is not installed "
-            f"(installed backends: {', '.join(installed_protocols())})",
-            fix,
-            err,
-        ) from None
-
-
-# Keys every fsspec filesystem takes beyond its class's own signature (fsspec.spec._Cached, AbstractFileSystem).
-_FSSPEC_OPTION_NAMES = frozenset(
-    {"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths", "asynchronous", "loop"}
+# The table. GCS (ifGenerationMatch) and Azure (ETags) have conditional writes too, but gcsfs and
+# adlfs do not pass them through their writes, so they are not promised here yet.
+BACKENDS: tuple[Backend, ...] = (
+    Backend(
+        "s3",
+        ("s3", "s3a"),
+        package="s3fs",
+        extra="s3",
+        bucketed=True,
+        starts_with=_s3_defaults,
+        opens_with=_s3_upload_defaults,
+        passed_on_options=frozenset({"session_vars", "event_hooks", "include_builtin_handlers", "profile"}),
+        strict_options=True,  # s3fs hands every other key to AioSession, which raises at the first request
+        data_plane=_s3_plane,
+        data_plane_choices=("boto3", "obstore"),
+        bucket_region="spot_callbacks.accounting.region:s3_bucket_placement",
+        no_credentials_fix="set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or "
+        "storage_options key/secret (anon=True for a public bucket)",
+        credentials_fix="check the access key and secret (storage_options key/secret, or "
+        "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)",
+        conditional_writes="etag",
+        sorted_listing=True,
+        bulk_delete=True,
+    ),
+    Backend(
+        "gs",
+        ("gs", "gcs"),
+        package="gcsfs",
+        extra="gcs",
+        bucketed=True,
+        starts_with=_gcs_defaults,
+        passed_on_options=frozenset({"retry_timeout"}),
+        # obstore's GCS client sends object names percent-encoded and asks the metadata server for
+        # a token even unsigned: it cannot be shown to work against fake-gcs-server, so gcsfs stays.
+        no_data_plane="no faster client is verified for gs:// yet",
+        bucket_region="spot_callbacks.accounting.region:gcs_bucket_placement",
+        no_credentials_fix="set GOOGLE_APPLICATION_CREDENTIALS, or storage_options token "
+        "(token='anon' for a public bucket)",
+        credentials_fix="check the token (storage_options token, or GOOGLE_APPLICATION_CREDENTIALS) and the project",
+        sorted_listing=True,
+        bulk_delete=True,
+    ),
+    Backend(
+        "az",
+        ("az", "abfs", "abfss"),
+        package="adlfs",
+        extra="azure",
+        bucketed=True,
+        container="container",
+        data_plane=_azure_plane,
+        data_plane_choices=("obstore",),
+        no_credentials_fix="set AZURE_STORAGE_CONNECTION_STRING, or storage_options connection_string, or "
+        "account_name with account_key, sas_token or credential (anon=True for a public container)",
+        credentials_fix="check the account key, SAS token or connection string (storage_options, or AZURE_STORAGE_*)",
+        sorted_listing=True,  # no bulk delete: adlfs deletes blob by blob
+        # no bucket_region: Azure's data plane does not tell a storage account's location
+    ),
+    Backend("adl", ("adl",), bucketed=True),
+    Backend("file", ("file", "local"), local=True, in_fsspec=True, container="folder"),
+    Backend("memory", ("memory",), in_fsspec=True),
 )
-# Keys a backend hands on through its **kwargs to what it builds (s3fs: the aiobotocore session;
-# gcsfs: its retry budget), by the package's protocol.
-_PASSED_ON_OPTION_NAMES = {
-    "s3fs": frozenset({"session_vars", "event_hooks", "include_builtin_handlers", "profile"}),
-    "gcsfs": frozenset({"retry_timeout"}),
+_BY_PROTOCOL = {protocol: backend for backend in BACKENDS for protocol in backend.protocols}
+# The families fsspec itself implements, always installed.
+BUILT_IN = tuple(backend.protocols[0] for backend in BACKENDS if backend.in_fsspec)
+LOCAL_PROTOCOLS = tuple(p for backend in BACKENDS if backend.local for p in backend.protocols)
+BARE_PATH_PROTOCOL = LOCAL_PROTOCOLS[0]  # what fsspec reads a path without "<protocol>://" as
+# How a user writes a run folder's URL: the families we install, then fsspec's own (the CLI's help).
+URL_PREFIXES = tuple(backend.url_prefix for backend in BACKENDS if backend.extra or backend.in_fsspec)
+# A run folder's URL in each family we install, for the examples in error messages.
+EXAMPLE_URLS = tuple(f"{backend.url_prefix}{backend.container}/run" for backend in BACKENDS if backend.extra)
+# protocol -> (package, extra), for the families a spot-callbacks extra installs
+CLOUD_BACKENDS: dict[str, tuple[str, str]] = {
+    protocol: (backend.package, backend.extra)
+    for backend in BACKENDS
+    if backend.package and backend.extra
+    for protocol in backend.protocols
 }
-# s3fs hands every other key to AioSession, which raises TypeError at the first request: any
-# unknown key is an error there; elsewhere an unknown key may be read from **kwargs, so only a
-# near miss of a known one is.
-_STRICT_PACKAGES = frozenset({"s3fs"})
 
 
-def option_names(protocol: str) -> frozenset[str]:
-    """The ``storage_options`` keys the backend of ``protocol`` accepts: its class's signature (and its
-    bases'), fsspec's own, and what it hands on to the client it builds.
+def backend_of(protocol: str) -> Backend:
+    """The row of ``protocol``; a protocol the table does not know gets an empty row of its own
+    (fsspec's backend, nothing promised, no fast client).
 
     Example:
-        >>> "endpoint_url" in option_names("s3"), "endpoint" in option_names("s3")
+        >>> backend_of("abfss").family, backend_of("file").local, backend_of("memory").bucketed
+        ('az', True, False)
+    """
+    return _BY_PROTOCOL.get(protocol) or Backend(protocol, (protocol,))
+
+
+def fs_protocols(fs: Any) -> tuple[str, ...]:
+    """The protocols an fsspec filesystem answers to (``fs.protocol`` is a str or a tuple)."""
+    protocol = fs.protocol
+    return (protocol,) if isinstance(protocol, str) else tuple(protocol)
+
+
+def backend_of_fs(fs: Any) -> Backend:
+    """The row of an fsspec filesystem: the first of its protocols the table knows.
+
+    Example:
+        >>> import fsspec
+        >>> backend_of_fs(fsspec.filesystem("file")).family
+        'file'
+    """
+    protocols = fs_protocols(fs)
+    return next((_BY_PROTOCOL[p] for p in protocols if p in _BY_PROTOCOL), backend_of(protocols[0]))
+
+
+def family_of(protocol: str) -> str:
+    """The family a protocol belongs to (``"s3a"`` -> ``"s3"``); an unknown protocol is its own.
+
+    Example:
+        >>> family_of("abfss"), family_of("gcs"), family_of("hdfs")
+        ('az', 'gs', 'hdfs')
+    """
+    return backend_of(protocol).family
+
+
+def in_family(protocols: str | tuple[str, ...] | list[str] | set[str], *families: str) -> bool:
+    """True when any of ``protocols`` (an fsspec ``fs.protocol``) belongs to one of ``families``.
+
+    Example:
+        >>> in_family(("s3", "s3a"), "s3"), in_family("gcs", "s3", "az")
         (True, False)
     """
-    cls = fsspec.get_filesystem_class(protocol)
-    names: set[str] = set(_FSSPEC_OPTION_NAMES)
-    for klass in cls.__mro__:
-        init = klass.__dict__.get("__init__")
-        if init is None:
-            continue
-        try:
-            parameters = inspect.signature(init).parameters.values()
-        except (TypeError, ValueError):
-            continue
-        names.update(p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
-    names.discard("self")
-    return frozenset(names | _PASSED_ON_OPTION_NAMES.get(cls.__module__.split(".")[0], frozenset()))
-
-
-def check_option_names(protocol: str, storage_options: dict[str, Any] | None) -> None:
-    """Raise :class:`ConfigError` for a ``storage_options`` key the backend of ``protocol`` does not take,
-    with the closest one it does ("did you mean ..."): the backend's own error comes late and names
-    its internals (``AioSession.__init__() got an unexpected keyword argument 'endpoint'``), and
-    gcsfs or adlfs ignore a mistyped key silently.
-
-    Example:
-        >>> check_option_names("s3", {"endpoint": "http://localhost:9000"})
-        Traceback (most recent call last):
-        ...
-        spot_callbacks.errors.ConfigError: storage_options key 'endpoint' is not an option of s3fs.S3FileSystem; did you mean 'endpoint_url'?
-    """
-    if not storage_options:
-        return
-    try:
-        cls = fsspec.get_filesystem_class(protocol)
-        accepted = option_names(protocol)
-    except (ImportError, ValueError):
-        return  # check_protocol says what is missing
-    package = cls.__module__.split(".")[0]
-    for key in storage_options:
-        if not isinstance(key, str) or key in accepted:
-            continue
-        close = difflib.get_close_matches(key, sorted(accepted), n=1, cutoff=0.75)
-        if not close and package not in _STRICT_PACKAGES:
-            continue
-        where = f"storage_options key {key!r} is not an option of {package}.{cls.__name__}"
-        if close:
-            raise ConfigError(f"{where}; did you mean {close[0]!r}?")
-        shown = sorted(name for name in accepted if name not in _FSSPEC_OPTION_NAMES)
-        raise ConfigError(f"{where}; its options are {', '.join(shown)}")
-
-
-def raise_diagnosed(dirpath: str, protocol: str, err: BaseException) -> None:
-    """Raise :class:`StoreUnavailableError` with the cause and fix of a backend's failure to build its
-    filesystem (no credentials, say) when :func:`~spot_callbacks.store.diagnosis.diagnose` knows it;
-    return otherwise (the caller re-raises the original)."""
-    from spot_callbacks.store.diagnosis import diagnose
-
-    found = diagnose(err, protocol, dirpath)
-    if found.specific:
-        raise StoreUnavailableError(dirpath, found.cause, found.fix, err) from None
-
-
-def installed_protocols() -> list[str]:
-    """The local protocols and every cloud protocol whose package is installed.
-
-    Example:
-        >>> installed_protocols()[:2]
-        ['file', 'memory']
-    """
-    clouds = [p for p, (package, _) in CLOUD_BACKENDS.items() if importlib.util.find_spec(package)]
-    return ["file", "memory", *clouds]
+    names = (protocols,) if isinstance(protocols, str) else tuple(protocols)
+    return any(family_of(name) in families for name in names)
 
 
 def with_backend_defaults(protocol: str | None, storage_options: dict[str, Any] | None) -> dict[str, Any]:
     """``storage_options`` plus the start-up-friendly timeouts of its backend, where none are set.
+
+    A cloud SDK's own defaults make a store that cannot be reached slow to say so; the row's
+    ``starts_with`` sets shorter ones, only where the user set none.
 
     Example:
         >>> with_backend_defaults("s3", {"config_kwargs": {"connect_timeout": 3}})["config_kwargs"]
@@ -300,15 +281,9 @@ def with_backend_defaults(protocol: str | None, storage_options: dict[str, Any] 
         {'retry_timeout': 5.0}
     """
     options = dict(storage_options or {})
-    family = family_of(protocol) if protocol else None
-    if family == "s3":
-        config = dict(options.get("config_kwargs") or {})
-        config.setdefault("connect_timeout", settings.CONNECT_TIMEOUT_S.value())
-        config.setdefault("read_timeout", S3_READ_TIMEOUT_S)
-        config.setdefault("retries", {"max_attempts": S3_MAX_ATTEMPTS, "mode": "standard"})
-        options["config_kwargs"] = config
-    elif family == "gs":
-        options.setdefault("retry_timeout", GCS_CONTROL_RETRY_S)
+    starts_with = backend_of(protocol).starts_with if protocol else None
+    if starts_with is not None:
+        starts_with(options)
     return options
 
 
@@ -320,5 +295,4 @@ def conditional_writes(protocols: str | tuple[str, ...] | list[str]) -> str | No
         ('etag', None, None)
     """
     names = (protocols,) if isinstance(protocols, str) else tuple(protocols)
-    families = [family_of(name) for name in names]
-    return next((CONDITIONAL_WRITES[family] for family in families if family in CONDITIONAL_WRITES), None)
+    return next((w for name in names if (w := backend_of(name).conditional_writes)), None)

@@ -9,6 +9,7 @@ and the transfers (:mod:`~spot_callbacks.store.transfer`) are below it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -226,6 +227,10 @@ class CheckpointStore:
         ]
         return [verdict for verdict in verdicts if verdict is not None]
 
+    def _stored_times(self, folders: dict[int, str]) -> dict[int, float]:
+        """:func:`stored_times` (for retention, which may not import this module)."""
+        return stored_times(self, folders)
+
     def damage(self, info: CheckpointInfo) -> str | None:
         """Why the committed checkpoint ``info`` cannot be used (``None``: its files have the
         manifest's sizes): THE verdict, which :func:`newest_valid` and ``spot-callbacks ls`` share.
@@ -243,10 +248,12 @@ class CheckpointStore:
 
         A checkpoint that fails the check is skipped with a warning naming it and the reason; it
         is never deleted here. With checkpoints of several lineages (a fresh run on an old
-        dirpath), the lineage of the newest commit is followed (``commit.resume_order``).
+        dirpath), the lineage of the newest commit is followed (``commit.resume_order``): of the
+        manifest the store wrote last, by the store's clock (:func:`stored_times`), so no writer's
+        skewed clock moves it; a manifest's own ``created`` only where the store gives no time.
 
-        Thousands of step folders cost one listing and a batch or two of manifest reads
-        (:data:`LATEST_BATCH` from the highest step down, the lineage of the newest commit read so far).
+        Thousands of step folders cost a listing or two and a batch or two of manifest reads
+        (:func:`walk_down`: :data:`LATEST_BATCH` at a time, from the highest step down).
         """
         return _walk_down(self)
 
@@ -453,25 +460,81 @@ def _read_manifests(
     return found
 
 
+def stored_times(store: CheckpointStore, folders: dict[int, str]) -> dict[int, float]:
+    """When the store wrote the manifest of each step folder in ``folders`` (step -> path), by the
+    store's own clock, where it says (``commit.stored_time``): what orders the lineages.
+
+    One recursive listing of the run folder (object stores: 1,000 keys a request), never a request
+    per checkpoint; on the local disk the ``mtime`` of each manifest (no symbolic link followed).
+    A store that gives no time, or a listing that fails, gives none: the manifests' ``created`` decide.
+    """
+    wanted = {posixpath.join(path, MANIFEST_NAME): step for step, path in folders.items()}
+    if not wanted:
+        return {}
+    if store._is_local:
+        found = {}
+        for path, step in wanted.items():
+            with contextlib.suppress(OSError):
+                found[step] = os.lstat(path).st_mtime
+        return found
+    try:
+        listing = store.retry.call(
+            lambda: store.fs.find(store.root, withdirs=False, detail=True), f"list {store.url}"
+        )
+    except FileNotFoundError:
+        return {}
+    except Exception as err:  # noqa: BLE001 - without the store's times, the manifests' own decide
+        log.warning(
+            "spot_callbacks: could not list when %s's manifests were written (%s); ordering its lineages "
+            "by the times their manifests say instead", store.url, err,
+        )  # fmt: skip
+        return {}
+    times = {}
+    for path, entry in listing.items():
+        listed = wanted.get(path.rstrip("/"))
+        if listed is not None and (stamp := protocol.stored_time(entry)) is not None:
+            times[listed] = stamp
+    return times
+
+
+def lineage_ordered(
+    store: CheckpointStore, infos: list[CheckpointInfo]
+) -> tuple[list[CheckpointInfo], dict[int, float]]:
+    """``infos`` (oldest first) in the order :meth:`CheckpointStore.latest` tries them, reversed (the
+    current lineage, of the manifest the store wrote last, last: ``commit.resume_order``), and the
+    store's times of their manifests (:func:`stored_times`): what ``spot-callbacks ls`` and ``report`` follow."""
+    stored_at = stored_times(store, {info.step: store.step_path(info.step) for info in infos})
+    return protocol.resume_order(infos, stored_at), stored_at
+
+
 def _walk_down(store: CheckpointStore) -> CheckpointInfo | None:
     """:meth:`CheckpointStore.latest`: the newest checkpoint of :func:`walk_down` whose sizes match."""
     return walk_down(store, store.damage)[0]
 
 
+# The first batch of manifests read also holds the ones the store wrote last (a fresh run's low
+# steps below an old lineage's thousands), so the current lineage is known from it.
+NEWEST_STORED_FIRST = 4
+
+
 def walk_down(
-    store: CheckpointStore, problem_of: Callable[[CheckpointInfo], str | None]
+    store: CheckpointStore, problem_of: Callable[[CheckpointInfo], str | None], own: str | None = None
 ) -> tuple[CheckpointInfo | None, list[CheckpointInfo]]:
     """The newest checkpoint ``problem_of`` finds nothing wrong with (``None``: a problem, said once
     as damage), and the checkpoints read on the way, oldest first.
 
-    One listing, then the manifests from the highest step down, :data:`LATEST_BATCH` at a time: the
-    current lineage (of the newest commit read so far) from its highest step down, and only when
-    none of it is valid another lineage's, highest first (``commit.resume_order``). Each checkpoint
-    is judged once, so a resume that pulls each candidate to judge it pulls none twice.
+    One listing (and :func:`stored_times`), then the manifests, :data:`LATEST_BATCH` at a time: the
+    :data:`NEWEST_STORED_FIRST` the store wrote last, then from the highest step down. The current
+    lineage (``commit.current_lineage``: of the manifest the store wrote last) is tried from its
+    highest step down, and only when none of it is valid another lineage's, highest first
+    (``commit.resume_order``; ``own``: the asking run's lineage, while it runs). Each checkpoint is
+    judged once, so a resume that pulls each candidate to judge it pulls none twice.
     """
-    steps = sorted(store.step_folders(), reverse=True)
-    folders = {step: store.step_path(step) for step in steps}
-    seen: list[CheckpointInfo] = []  # oldest first
+    folders = store.step_folders()
+    stored_at = stored_times(store, folders)
+    newest_stored = sorted(stored_at, key=lambda step: (stored_at[step], step))[-NEWEST_STORED_FIRST:]
+    order = [*reversed(newest_stored), *(s for s in sorted(folders, reverse=True) if s not in newest_stored)]
+    by_step: dict[int, CheckpointInfo] = {}
     judged: dict[int, str | None] = {}
 
     def valid(info: CheckpointInfo) -> bool:
@@ -481,12 +544,19 @@ def walk_down(
                 store._warn_once(info.step, protocol.damaged_message(info.url, problem))
         return judged[info.step] is None
 
-    for start in range(0, len(steps), LATEST_BATCH):
-        batch = {step: folders[step] for step in steps[start : start + LATEST_BATCH]}
-        seen = store._infos(store._verdicts_of(batch)) + seen
-        lineage = protocol.current_lineage(seen)
+    for start in range(0, len(order), LATEST_BATCH):
+        end = start + LATEST_BATCH
+        batch = {step: folders[step] for step in order[start:end]}
+        by_step.update((info.step, info) for info in store._infos(store._verdicts_of(batch)))
+        seen = [by_step[step] for step in sorted(by_step)]
+        lineage = protocol.current_lineage(seen, stored_at, own)
+        # The highest step not read yet: one found below it (read early, as the store's newest) waits.
+        unread_top = order[end] if end < len(order) else -1
         for info in reversed(seen):
-            if protocol.lineage_of(info) == lineage and valid(info):
+            if protocol.lineage_of(info) == lineage and info.step > unread_top and valid(info):
                 return info, seen
-    found = next((info for info in reversed(protocol.resume_order(seen)) if valid(info)), None)
+    seen = [by_step[step] for step in sorted(by_step)]
+    found = next(
+        (info for info in reversed(protocol.resume_order(seen, stored_at, own)) if valid(info)), None
+    )
     return found, seen

@@ -8,8 +8,9 @@ The rules:
 2. It is **valid** when, besides, every file it lists exists with the listed size
    (:func:`size_problem`, checked by ``CheckpointStore.damage``) and every file its
    framework needs. ``latest()``, what a resume uses, is the newest valid one **of the current
-   lineage** (:func:`resume_order`: the lineage of the newest commit; another lineage's only when
-   none of it is valid), and ``verify()`` also compares every checksum. A checkpoint that fails is
+   lineage** (:func:`resume_order`: the lineage of the newest commit, the manifest the store wrote
+   last by its own clock, :func:`commit_order`; another lineage's only when none of it is valid),
+   and ``verify()`` also compares every checksum. A checkpoint that fails is
    skipped with a warning, never deleted.
 3. **Writing** step N (``CommitWriter.write_checkpoint``): clear a stale folder of step N
    (``begin``: its manifest first, so a mix of old and new payload is never committed), upload
@@ -32,9 +33,12 @@ listing means, what retention may delete) and never calls back into the store.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
 
 from spot_callbacks.errors import CorruptCheckpointError, ManifestError
 from spot_callbacks.store.layout import DCP_METADATA_FILE, HF_TRAINER_STATE_FILE, STATE_FILE
@@ -168,12 +172,40 @@ def resumed_from(info: CheckpointInfo) -> int | None:
 FUTURE_SLACK_S = 15 * 60.0
 _said_future: set[str] = set()
 
+# Where each backend's listing entry says when the store wrote the object: S3 ``LastModified``, Azure
+# ``last_modified``, the local disk and others ``mtime``, GCS ``updated``, the memory store ``created``.
+STORED_TIME_KEYS = ("LastModified", "last_modified", "mtime", "updated", "created")
+
+
+def stored_time(entry: Mapping[str, Any]) -> float | None:
+    """When the store says it wrote the object of the listing ``entry`` (epoch seconds), or ``None``
+    where the backend does not say: a time the store's clock put there, not a writer's.
+
+    Example:
+        >>> from datetime import datetime, timezone
+        >>> stored_time({"name": "run/step-000000006/manifest.json", "LastModified": datetime(2026, 1, 1, tzinfo=timezone.utc)})
+        1767225600.0
+        >>> stored_time({"updated": "2026-01-01T00:00:00.000Z"}), stored_time({"size": 3})
+        (1767225600.0, None)
+    """
+    for key in STORED_TIME_KEYS:
+        value = entry.get(key)
+        if isinstance(value, str):
+            try:
+                value = datetime.fromisoformat(value.replace("Z", "+00:00"))
+            except ValueError:
+                continue
+        if isinstance(value, datetime):
+            return (value if value.tzinfo else value.replace(tzinfo=timezone.utc)).timestamp()
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+    return None
+
 
 def is_future_dated(info: CheckpointInfo, now: float | None = None) -> bool:
     """``info``'s manifest says it was committed more than :data:`FUTURE_SLACK_S` from now.
 
     Example:
-        >>> from datetime import datetime, timezone
         >>> info = CheckpointInfo(1, "memory://run/1", datetime(2100, 1, 1, tzinfo=timezone.utc), "end", 1, "demo")
         >>> is_future_dated(info)
         True
@@ -181,23 +213,54 @@ def is_future_dated(info: CheckpointInfo, now: float | None = None) -> bool:
     return info.created.timestamp() > (time.time() if now is None else now) + FUTURE_SLACK_S
 
 
-def current_lineage(infos: list[CheckpointInfo]) -> str | None:
-    """The lineage of the newest commit (by its manifest's ``created``, then step): the one
-    ``latest()`` follows and retention prunes. ``None`` also when ``infos`` is empty.
-
-    A manifest dated in the future (:func:`is_future_dated`: a skewed clock, or forged) does not
-    count as the newest commit while one dated sanely is at hand; it is logged once.
+def commit_order(stored_at: Mapping[int, float]) -> Callable[[CheckpointInfo], tuple[float, datetime, int]]:
+    """The key that orders commits, newest last: when the **store** wrote each manifest
+    (``stored_at``, by step, from the listing: the store's clock), else, where the store gives no
+    time, the manifest's own ``created`` (its writer's clock); within one stamp of the store (S3
+    and Azure stamp whole seconds), ``created``, then the step.
 
     Example:
-        >>> from datetime import datetime, timezone
+        >>> def ckpt(step, year):
+        ...     return CheckpointInfo(step, f"memory://run/{step}", datetime(year, 1, 1, tzinfo=timezone.utc), "end", 1, "demo")
+        >>> key = commit_order({6: 2.0e9, 50: 1.9e9})  # step 6 stored after step 50, whatever their created says
+        >>> [info.step for info in sorted([ckpt(6, 2026), ckpt(50, 2027)], key=key)]
+        [50, 6]
+    """
+
+    def key(info: CheckpointInfo) -> tuple[float, datetime, int]:
+        stored = stored_at.get(info.step)
+        return (info.created.timestamp() if stored is None else stored, info.created, info.step)
+
+    return key
+
+
+def current_lineage(
+    infos: list[CheckpointInfo], stored_at: Mapping[int, float] | None = None, own: str | None = None
+) -> str | None:
+    """The lineage of the newest commit (:func:`commit_order`: when the store wrote its manifest,
+    ``stored_at`` by step; ``created`` only where the store gives no time): the one ``latest()``
+    follows and retention prunes. ``None`` also when ``infos`` is empty.
+
+    A host whose clock runs ahead cannot move the resume point: the store stamps its manifests when
+    they land, by its own clock. A manifest dated in the future (:func:`is_future_dated`: a skewed
+    clock, or forged) does not count as the newest commit while one dated sanely is at hand; it is
+    logged once. ``own``: the lineage of the run asking, while it runs (it committed or resumed):
+    followed while it has a checkpoint among ``infos``, whatever another lineage wrote since.
+
+    Example:
         >>> def ckpt(step, year, lineage):
         ...     return CheckpointInfo(step, f"memory://run/{step}", datetime(year, 1, 1, tzinfo=timezone.utc),
         ...                           "interval", 1, "demo", extra={"lineage": {"id": lineage}})
         >>> current_lineage([ckpt(10, 2026, "ours"), ckpt(99, 2999, "forged")])
         'ours'
+        >>> # the old run's host dated its step 50 later than the fresh run's step 6; the store wrote 6 last:
+        >>> current_lineage([ckpt(6, 2026, "fresh"), ckpt(50, 2027, "old")], {6: 1.9e9, 50: 1.8e9})
+        'fresh'
     """
     if not infos:
         return None
+    if own is not None and any(lineage_of(info) == own for info in infos):
+        return own
     now = time.time()
     sane = [info for info in infos if not is_future_dated(info, now)]
     for info in infos:
@@ -208,19 +271,22 @@ def current_lineage(infos: list[CheckpointInfo]) -> str | None:
                 "writer's clock is off (or the manifest is not a run's); it does not decide which run's "
                 "checkpoints a resume follows", info.url, info.created.isoformat(),
             )  # fmt: skip
-    return lineage_of(max(sane or infos, key=lambda info: (info.created, info.step)))
+    return lineage_of(max(sane or infos, key=commit_order(stored_at or {})))
 
 
-def resume_order(infos: list[CheckpointInfo]) -> list[CheckpointInfo]:
-    """``infos`` (oldest first) reordered so the current lineage comes last, by step: walking it
-    from the end, as ``newest_valid`` does, tries the current lineage from its highest step down,
-    then the other lineages' (highest first) only when none of it is valid.
+def resume_order(
+    infos: list[CheckpointInfo], stored_at: Mapping[int, float] | None = None, own: str | None = None
+) -> list[CheckpointInfo]:
+    """``infos`` (oldest first) reordered so the current lineage (:func:`current_lineage`, with the
+    store's times ``stored_at`` and the asking run's ``own``) comes last, by step: walking it from
+    the end, as ``newest_valid`` does, tries the current lineage from its highest step down, then
+    the other lineages' (highest first) only when none of it is valid.
 
     A fresh run on an old dirpath (another lineage up to step 50) resumes its own step 12 after a
     preemption, not step 50.
 
     Example:
-        >>> from datetime import datetime, timedelta, timezone
+        >>> from datetime import timedelta
         >>> t0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
         >>> def ckpt(step, minute, lineage):
         ...     return CheckpointInfo(step, f"memory://run/{step}", t0 + timedelta(minutes=minute), "interval", 1,
@@ -228,8 +294,12 @@ def resume_order(infos: list[CheckpointInfo]) -> list[CheckpointInfo]:
         >>> old = [ckpt(30, 0, "a"), ckpt(50, 1, "a")]
         >>> [info.step for info in resume_order([ckpt(5, 9, "b"), *old, ckpt(10, 10, "b")])]
         [30, 50, 5, 10]
+        >>> # "a"'s host clock ran 20 minutes ahead; the store wrote "b"'s step 10 last:
+        >>> stored = {30: 1000.0, 50: 1060.0, 5: 1100.0, 10: 1160.0}
+        >>> [info.step for info in resume_order([ckpt(5, 9, "b"), ckpt(30, 20, "a"), ckpt(50, 21, "a"), ckpt(10, 10, "b")], stored)]
+        [30, 50, 5, 10]
     """
-    lineage = current_lineage(infos)
+    lineage = current_lineage(infos, stored_at, own)
     others = sorted((info for info in infos if lineage_of(info) != lineage), key=lambda info: info.step)
     return [*others, *(info for info in infos if lineage_of(info) == lineage)]
 

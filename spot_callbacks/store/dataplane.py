@@ -38,6 +38,7 @@ from typing import Any
 
 import spot_callbacks.settings as settings
 from spot_callbacks.errors import ConfigError
+from spot_callbacks.store.backends import BACKENDS, backend_of_fs
 from spot_callbacks.store.checksums import FileDigest, digest_chunks, read_blocks
 from spot_callbacks.store.clients.base import (
     DataPlane,
@@ -45,8 +46,6 @@ from spot_callbacks.store.clients.base import (
     TransferBudget,
     Unsupported,
 )
-from spot_callbacks.store.families import in_family
-from spot_callbacks.store.layout import fs_protocols, is_local_fs
 from spot_callbacks.store.meter import Moved, ignore_moved
 from spot_callbacks.store.transfer import digest_mapped, put_file
 
@@ -181,25 +180,16 @@ def select_data_plane(fs: Any, environ: Mapping[str, str] | None = None) -> Data
     choice = data_plane_choice(environ)
     if choice == "fsspec":
         return FsspecPlane(fs, f"{DATA_PLANE_ENV}=fsspec")
-    protocols = set(fs_protocols(fs))
-    if is_local_fs(fs) or not in_family(protocols, "s3", "gs", "az"):
-        return FsspecPlane(fs)
+    backend = backend_of_fs(fs)
+    if backend.data_plane is None:  # the local disk, memory, gs:// (``no_data_plane`` says why)
+        return FsspecPlane(fs, backend.no_data_plane)
     try:
-        if in_family(protocols, "s3"):
-            from spot_callbacks.store.clients.s3 import s3_plane
-
-            return s3_plane(fs, transfer_budget(environ), choice)
-        if in_family(protocols, "az"):
-            if choice == "boto3":
-                raise Unsupported(f"{DATA_PLANE_ENV}=boto3, and boto3 speaks s3:// only")
-            from spot_callbacks.store.clients.azure import azure_plane
-
-            return azure_plane(fs, transfer_budget(environ))
+        if choice != "auto" and choice not in backend.data_plane_choices:
+            speaks = ", ".join(b.url_prefix for b in BACKENDS if choice in b.data_plane_choices)
+            raise Unsupported(f"{DATA_PLANE_ENV}={choice}, and {choice} speaks {speaks} only")
+        return backend.data_plane(fs, transfer_budget(environ), choice)
     except Unsupported as why:
         return FsspecPlane(fs, str(why))
-    # obstore's GCS client sends object names percent-encoded and asks the metadata server for a
-    # token even unsigned: it cannot be shown to work against fake-gcs-server, so gcsfs stays.
-    return FsspecPlane(fs, "no faster client is verified for gs:// yet")
 
 
 def warm_in_background(plane: DataPlane, fs: Any, remote_path: str) -> threading.Thread | None:

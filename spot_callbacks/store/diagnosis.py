@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from spot_callbacks.errors import AttemptTimeoutError
-from spot_callbacks.store.families import family_of
+from spot_callbacks.store.backends import backend_of
 from spot_callbacks.store.retry import http_status, is_transient
 
 _AUTH_NAMES = {
@@ -41,19 +41,7 @@ _REFUSED = re.compile(r"Connection refused|Connect call failed|Could not connect
 _NO_CREDENTIALS = re.compile(
     r"Unable to locate credentials|Must provide either a connection_string or account_name with credentials"
 )
-_NO_CREDENTIALS_FIX = {
-    "s3": "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or storage_options key/secret "
-    "(anon=True for a public bucket)",
-    "gs": "set GOOGLE_APPLICATION_CREDENTIALS, or storage_options token (token='anon' for a public bucket)",
-    "az": "set AZURE_STORAGE_CONNECTION_STRING, or storage_options connection_string, or account_name with "
-    "account_key, sas_token or credential (anon=True for a public container)",
-}
 _UNEXPECTED_OPTION = re.compile(r"unexpected keyword argument '([^']+)'")
-_CREDENTIALS_FIX = {
-    "s3": "check the access key and secret (storage_options key/secret, or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)",
-    "gs": "check the token (storage_options token, or GOOGLE_APPLICATION_CREDENTIALS) and the project",
-    "az": "check the account key, SAS token or connection string (storage_options, or AZURE_STORAGE_*)",
-}
 
 
 @dataclass(frozen=True)
@@ -129,12 +117,12 @@ def _diagnose_refusal(
     chain: list[BaseException], text: str, protocol: str, bucket: str, reading: bool
 ) -> Diagnosis | None:
     statuses = {http_status(err) for err in chain}
-    cloud = _cloud(protocol)
+    backend = backend_of(protocol)
     if _NO_CREDENTIALS.search(text):
         return Diagnosis(
             True,
             "no credentials were found for the store",
-            _NO_CREDENTIALS_FIX.get(cloud, "pass the credentials in storage_options"),
+            backend.no_credentials_fix,
         )
     unexpected = _UNEXPECTED_OPTION.search(text)
     if unexpected and any(isinstance(err, TypeError) for err in chain):
@@ -147,7 +135,7 @@ def _diagnose_refusal(
         return Diagnosis(
             True,
             f"the store refused the credentials ({one_line(chain[0])})",
-            _CREDENTIALS_FIX.get(cloud, "check the credentials in storage_options"),
+            backend.credentials_fix,
         )
     errnos = {getattr(err, "errno", None) for err in chain}
     if errno.EROFS in errnos:
@@ -165,7 +153,7 @@ def _diagnose_refusal(
                 f"permission denied reading {bucket!r}: {one_line(chain[0])}",
                 "grant this identity read and list on it, or use other credentials",
             )
-        where = f"the folder {bucket!r} (read-only or immutable?)" if cloud == "file" else f"{bucket!r}"
+        where = f"the folder {bucket!r} (read-only or immutable?)" if backend.local else f"{bucket!r}"
         return Diagnosis(
             True,
             f"permission denied writing into {where}: {one_line(chain[0])}",
@@ -176,7 +164,7 @@ def _diagnose_refusal(
         or _MISSING_CODES.search(text)
         or any(isinstance(err, FileNotFoundError) for err in chain)
     ):
-        kind = {"az": "container", "file": "folder"}.get(cloud, "bucket")
+        kind = backend.container
         return Diagnosis(
             True,
             f"the {kind} {bucket!r} does not exist",
@@ -210,7 +198,3 @@ def causes(error: BaseException) -> Iterator[BaseException]:
 
 def _named(error: BaseException, names: set[str]) -> bool:
     return any(cls.__name__ in names for cls in type(error).__mro__)
-
-
-def _cloud(protocol: str) -> str:
-    return family_of(protocol)

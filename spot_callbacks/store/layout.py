@@ -11,13 +11,14 @@ import contextlib
 import os
 import re
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import fsspec
 
-from spot_callbacks.store.backends import BUCKET_FAMILIES, resolve_filesystem
-from spot_callbacks.store.families import PROTOCOL_FAMILIES, in_family
+from spot_callbacks.store.backends import backend_of, fs_protocols
+from spot_callbacks.store.resolve import resolve_filesystem
 
 # Every file name a step folder is known by, defined here once (the frameworks' own names stay theirs):
 MANIFEST_NAME = "manifest.json"  # written last: the commit
@@ -25,13 +26,52 @@ STATE_FILE = "state.ckpt"  # the one payload file of a single-writer checkpoint 
 # torch.distributed.checkpoint's index of every shard: a hidden name, yet payload.
 DCP_METADATA_FILE = ".metadata"
 HF_TRAINER_STATE_FILE = "trainer_state.json"  # the HF Trainer reads it first on every resume
+SHARDED_META_FILE = "meta.pt"  # a sharded checkpoint's non-tensor rest (Lightning's _METADATA_FILENAME)
+DCP_SHARD_FILE = "__{rank}_0.distcp"  # DCP's FileSystemWriter: one per rank
 # Beside the step folders: one record per process that trained here (accounting/attempts.py).
 ATTEMPTS_FOLDER = ".spot-attempts"
 _STEP_DIR = re.compile(r"^step-(\d{9,})$")
-# s3fs uploads a file's parts max_concurrency at a time, each held twice in RAM (the part and
-# botocore's copy): 10 (its default) x 50 MiB x 2 is ~1 GB per file in flight, beside the staged
-# checkpoint itself. 4 keeps it near 420 MB; storage_options={"max_concurrency": N} overrides.
-S3_UPLOAD_CONCURRENCY = 4
+
+
+# Who writes a step folder's files. The engine's saves take the persister from it
+# (saving.py's PERSISTERS): the layout, not the adapter's call, decides how a checkpoint commits.
+ONE_WRITER = "one writer"  # the writer rank writes every file; the others write nothing
+RANK_SHARDS = "rank shards"  # every rank its DCP shards; rank 0 the shards' index and the non-tensor rest
+EVERY_RANK = "every rank"  # every rank (on several nodes: each node's main process) its own files
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """One kind of step folder: what it is called, the file names the library gives it, who writes them.
+
+    ``files`` holds the names this library defines (``{rank}`` in one: a file per rank); a
+    framework's folder keeps the framework's own names. ``written_by`` picks the persister.
+
+    Example:
+        >>> STATE_LAYOUT.files, STATE_LAYOUT.written_by
+        (('state.ckpt',), 'one writer')
+        >>> SHARDED_LAYOUT.rank_files(2)
+        ['__0_0.distcp', '__1_0.distcp']
+    """
+
+    name: str
+    files: tuple[str, ...]
+    written_by: str
+
+    def rank_files(self, world_size: int) -> list[str]:
+        """The per-rank names of a run of ``world_size`` ranks."""
+        return [
+            name.format(rank=rank) for name in self.files if "{rank}" in name for rank in range(world_size)
+        ]
+
+
+# The step folders this library writes (a new per-rank file is a name here, and EVERY_RANK as writer):
+STATE_LAYOUT = StepLayout("single-file", (STATE_FILE,), ONE_WRITER)  # Lightning, the engine's save_state
+SHARDED_LAYOUT = StepLayout(
+    "sharded", (DCP_METADATA_FILE, SHARDED_META_FILE, DCP_SHARD_FILE), RANK_SHARDS
+)  # Lightning's sharded strategies, save_sharded_state
+FOLDER_LAYOUT = StepLayout("framework folder", (), ONE_WRITER)  # HF's checkpoint-N on one node
+RANK_FOLDER_LAYOUT = StepLayout("multi-node folder", (), EVERY_RANK)  # HF across nodes, FSDP's shards
 
 
 def step_dirname(step: int) -> str:
@@ -57,15 +97,9 @@ def parse_step_dirname(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def fs_protocols(fs: Any) -> tuple[str, ...]:
-    """The protocols an fsspec filesystem answers to (``fs.protocol`` is a str or a tuple)."""
-    protocol = fs.protocol
-    return (protocol,) if isinstance(protocol, str) else tuple(protocol)
-
-
 def is_local_fs(fs: Any) -> bool:
     """True for the local disk, where a write is not atomic and a rename is."""
-    return bool({"file", "local"} & set(fs_protocols(fs)))
+    return any(backend_of(protocol).local for protocol in fs_protocols(fs))
 
 
 def open_filesystem(dirpath: str, storage_options: dict[str, Any] | None) -> tuple[Any, str, str | None]:
@@ -79,8 +113,9 @@ def open_filesystem(dirpath: str, storage_options: dict[str, Any] | None) -> tup
     """
     options = dict(storage_options or {})
     protocol, _ = fsspec.core.split_protocol(dirpath)
-    if protocol is not None and in_family(protocol, "s3"):
-        options.setdefault("max_concurrency", S3_UPLOAD_CONCURRENCY)
+    opens_with = backend_of(protocol).opens_with if protocol is not None else None
+    if opens_with is not None:
+        opens_with(options)
     fs, root = resolve_filesystem(dirpath, options)
     return fs, root.rstrip("/") or root, protocol if protocol in fs_protocols(fs) else None
 
@@ -157,9 +192,6 @@ def local_stray(fs: Any, path: str, *, folder: bool) -> str | None:
     return f"it is {kind}, not {'a folder' if folder else 'a file'}"
 
 
-_BUCKET_PROTOCOLS = frozenset(p for family in BUCKET_FAMILIES for p in PROTOCOL_FAMILIES[family])
-
-
 def missing_root_reason(fs: Any, root: str) -> str | None:
     """Why the run folder ``root`` cannot hold checkpoints (it, or its bucket, is missing), or ``None``.
 
@@ -174,7 +206,7 @@ def missing_root_reason(fs: Any, root: str) -> str | None:
         if not os.path.exists(root):
             return f"no such folder: {root}"
         return None if os.path.isdir(root) else f"{root} is not a folder"
-    if _BUCKET_PROTOCOLS & set(fs_protocols(fs)):
+    if any(backend_of(protocol).bucketed for protocol in fs_protocols(fs)):
         bucket = root.split("/", 1)[0]
         if not exists_fresh(fs, bucket):
             return f"the bucket (container) {bucket!r} does not exist, or these credentials cannot see it"

@@ -25,8 +25,9 @@ from urllib.parse import urlsplit
 
 import spot_callbacks.settings as settings
 from spot_callbacks.errors import AttemptTimeoutError, SpotError, StoreUnavailableError
+from spot_callbacks.store.backends import backend_of, fs_protocols
 from spot_callbacks.store.diagnosis import Diagnosis, causes, diagnose
-from spot_callbacks.store.layout import fs_protocols, list_folder, missing_root_reason, remove_file
+from spot_callbacks.store.layout import list_folder, missing_root_reason, remove_file
 from spot_callbacks.store.retry import call_with_timeout
 from spot_callbacks.store.transfer import put_bytes
 
@@ -159,19 +160,19 @@ class _Probe:
         self.reading = reading
         self.budget_s = budget_s
         self.started = time.monotonic()
-        # Until the store first answers anything, a refused endpoint is retried for the connect timeout
-        # and a silent one (accepts, never answers) for twice it: seconds, not the whole budget.
+        # Until the store first answers anything, a refused endpoint is retried for half the connect
+        # timeout (a refusal comes back in milliseconds: that is a dozen tries, enough for a server
+        # still starting) and a silent one (accepts, never answers) for twice it: seconds, not the budget.
         connect_s = settings.CONNECT_TIMEOUT_S.value()
-        self.refused_until = self.started + min(connect_s, budget_s / 2)
+        self.refused_until = self.started + min(connect_s / 2, budget_s / 2)
+        self.refused = False  # the last try was refused: the next one may not outlive refused_until
         self.first_answer_by = self.started + min(2 * connect_s, budget_s)
         self.answered = False
         self.deadline = self.started + budget_s
         self.path = posixpath.join(store.root, f"{PROBE_PREFIX}{uuid.uuid4().hex[:12]}")
         self.payload = f"spot_callbacks preflight of {store.url}\n".encode()
         self.protocol = fs_protocols(store.fs)[0]
-        self.bucket = (
-            store.root if self.protocol in ("file", "local") else store.root.lstrip("/").split("/")[0]
-        )
+        self.bucket = store.root if backend_of(self.protocol).local else store.root.lstrip("/").split("/")[0]
 
     def run(self) -> None:
         fs = self.store.fs
@@ -213,6 +214,8 @@ class _Probe:
         waiter = threading.Event()
         for tries in range(1, 10_000):
             limit = self.deadline if self.answered else min(self.deadline, self.first_answer_by)
+            if self.refused and not self.answered:  # botocore's own retries must not outlive the window
+                limit = min(limit, self.refused_until + 0.5)
             remaining_s = limit - time.monotonic()
             try:
                 value = call_with_timeout(step, max(remaining_s, 0.05), f"preflight: {what}", _TIMEOUT_FIX)
@@ -227,6 +230,7 @@ class _Probe:
                 if not (found.unreachable or silent):
                     self.answered = True  # an answer, if an error one (a 503): the whole budget applies
                 pause_s = _BACKOFF_S[min(tries - 1, len(_BACKOFF_S) - 1)]
+                self.refused = found.unreachable
                 if found.unreachable:
                     give_up_at = self.refused_until if not self.answered else self.deadline
                 elif silent and not self.answered:

@@ -27,6 +27,7 @@ from typing import Any
 import spot_callbacks.store.commit as protocol
 import spot_callbacks.store.layout as layout
 from spot_callbacks.errors import DeleteIncompleteError, ForeignCheckpointError
+from spot_callbacks.log import checkpoint_line
 from spot_callbacks.store.layout import MANIFEST_NAME
 from spot_callbacks.store.manifest import CheckpointInfo
 
@@ -79,7 +80,8 @@ def prune(
 
 
 def _look(store: Any, memory: RetentionMemory, lineage: str | None, followed: str) -> str | None:
-    """Bring ``memory`` up to date with one listing; return the lineage to prune.
+    """Bring ``memory`` up to date with one listing (and, to choose the lineage ``latest()`` follows,
+    the store's times of the manifests: ``CheckpointStore._stored_times``); return the lineage to prune.
 
     Read now: the folders not remembered, then (when ``lineage`` is not known until those are
     read) the remembered checkpoints of the lineage chosen, which are never judged from memory.
@@ -98,7 +100,8 @@ def _look(store: Any, memory: RetentionMemory, lineage: str | None, followed: st
     _read(store, memory, {step: path for step, path in folders.items() if step not in memory.verdicts})
     if lineage != followed:
         return lineage
-    chosen = protocol.current_lineage(memory.infos())
+    # The lineage latest() follows: of the manifest the store wrote last (its clock, not a writer's).
+    chosen = protocol.current_lineage(memory.infos(), store._stored_times(folders))
     again = {
         step: folders[step]
         for step, verdict in memory.verdicts.items()
@@ -245,4 +248,4 @@ def _could_not(url: str, keep_last: int, err: Exception) -> None:
 
 
 def _deleted(url: str, keep_last: int) -> None:
-    log.info("spot_callbacks: retention deleted %s (keep_last=%d)", url, keep_last)
+    checkpoint_line("spot_callbacks: retention deleted %s (keep_last=%d)", url, keep_last)

@@ -60,9 +60,9 @@ from typing import Any
 
 import spot_callbacks.settings as settings
 from spot_callbacks.errors import ManifestError, RunLockedError
-from spot_callbacks.store.backends import conditional_writes
+from spot_callbacks.store.backends import conditional_writes, fs_protocols
 from spot_callbacks.store.checkpoint_store import CheckpointStore
-from spot_callbacks.store.layout import fs_protocols, is_local_fs
+from spot_callbacks.store.layout import is_local_fs
 from spot_callbacks.store.manifest_limits import load_bounded_json
 from spot_callbacks.store.transfer import put_bytes
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import spot_callbacks.settings as settings
 from spot_callbacks.errors import PersistError
-from spot_callbacks.preemption import Notice
+from spot_callbacks.preemption import INTERRUPT, Notice
 
 FAILURE_CONTINUES = "training continues, the last committed checkpoint stands"
 # Set to 1: any checkpoint that could not be persisted fails the run at its end, not only the newest.
@@ -190,7 +190,7 @@ def after_emergency(on_preemption: str, notice: Notice | None = None) -> AfterEm
         >>> after_emergency("continue", Notice("SIGINT", None, "Ctrl-C"))
         <AfterEmergency.STOP: 'stop'>
     """
-    if on_preemption == "stop" or (notice is not None and notice.source == "SIGINT"):
+    if on_preemption == "stop" or (notice is not None and notice.source == INTERRUPT):
         return AfterEmergency.STOP
     return AfterEmergency.CONTINUE
 
