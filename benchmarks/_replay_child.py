@@ -149,6 +149,7 @@ def run_lightning(args: argparse.Namespace) -> int:
         max_steps=args.steps, max_epochs=-1, callbacks=callbacks, logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=args.variant != "none", accelerator="cpu", devices=1,
     )  # fmt: skip
+    mark("READY", f"{time.time():.6f}")
     trainer.fit(module, loader, ckpt_path=ckpt_path)
     if spot is not None and spot.preempted:
         return 143
@@ -199,6 +200,7 @@ def run_hf(args: argparse.Namespace) -> int:
         resume = spot.latest()
     elif args.variant == "hf-steps" and any(Path(output_dir).glob("checkpoint-*")):
         resume = True
+    mark("READY", f"{time.time():.6f}")
     trainer.train(resume_from_checkpoint=resume)
     if spot is not None and spot.preempted:
         return 143

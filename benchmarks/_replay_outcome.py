@@ -1,7 +1,8 @@
 """What the goodput replay measures from outside the training process: attempts parsed, outcomes computed.
 
 The child prints one marker line per event (``_replay_child.py``): ``REPLAY SPAWNED <t>`` before its
-imports, ``REPLAY STEP <step> <t>`` after each optimizer step (``step`` counts the steps done), and
+imports, ``REPLAY READY <t>`` once its imports and set-up are done and it calls ``fit``/``train``,
+``REPLAY STEP <step> <t>`` after each optimizer step (``step`` counts the steps done), and
 ``REPLAY DONE <step> <t>`` when training reached its last step; ``t`` is ``time.time()``.
 """
 
@@ -23,6 +24,7 @@ class Attempt:
     interruption: str  # what the schedule did to it: "-", "SIGTERM@35.0s+5s", "SIGKILL@55.0s"
     steps: list[tuple[int, float]] = field(default_factory=list)  # (step done, time)
     done: bool = False
+    ready: float | None = None  # when the child called fit/train (imports and set-up done)
 
     @property
     def billed_s(self) -> float:
@@ -40,6 +42,12 @@ class Attempt:
     def startup_s(self) -> float | None:
         """Spawn to the end of the first training step (the downtime of this machine)."""
         return self.steps[0][1] - self.spawned if self.steps else None
+
+    @property
+    def in_fit_s(self) -> float | None:
+        """The call of fit/train to the end of the first step: the checkpointing's start-up (a preflight,
+        a lock, a pull, a restore) and the framework's, without the interpreter's and the imports'."""
+        return self.steps[0][1] - self.ready if self.steps and self.ready is not None else None
 
 
 def parse_markers(lines: Iterable[str]) -> tuple[list[tuple[int, float]], bool]:
@@ -60,12 +68,50 @@ def parse_markers(lines: Iterable[str]) -> tuple[list[tuple[int, float]], bool]:
     return steps, done
 
 
+def ready_at(lines: Iterable[str]) -> float | None:
+    """The time of the ``REPLAY READY`` marker, if the child got that far."""
+    for line in lines:
+        parts = line.split()
+        if parts[:2] == [MARKER, "READY"] and len(parts) == 3:
+            try:
+                return float(parts[2])
+            except ValueError:
+                return None
+    return None
+
+
 def per_step_s(baseline: Attempt) -> float:
     """The uninterrupted run's seconds per step, first to last recorded step."""
     if len(baseline.steps) < 2:
         raise ValueError("the baseline recorded fewer than two steps")
     (first, t_first), (last, t_last) = baseline.steps[0], baseline.steps[-1]
     return (t_last - t_first) / (last - first)
+
+
+def interleaved(jobs: Sequence[str], every: int) -> list[str | None]:
+    """``jobs`` with an uninterrupted baseline (``None``) before the first, after every ``every`` of them
+    and after the last, so that each job is measured between two baselines of the same hour of the box.
+
+    Example:
+        >>> interleaved(["a", "b", "c"], 2)
+        [None, 'a', 'b', None, 'c', None]
+    """
+    order: list[str | None] = [None]
+    for index, job in enumerate(jobs, 1):
+        order.append(job)
+        if index % max(1, every) == 0 or index == len(jobs):
+            order.append(None)
+    return order
+
+
+def around(baselines: Sequence[Attempt]) -> tuple[float, float]:
+    """The mean spawn-to-exit and seconds per step of the baselines run before and after a job."""
+    if not baselines:
+        raise ValueError("no baseline around the job")
+    return (
+        sum(b.billed_s for b in baselines) / len(baselines),
+        sum(per_step_s(b) for b in baselines) / len(baselines),
+    )
 
 
 def lost_steps(attempts: Sequence[Attempt]) -> list[int]:
@@ -123,6 +169,25 @@ class Outcome:
         return self.total_steps * self.step_s / self.billed_s if self.finished and self.billed_s > 0 else 0.0
 
     @property
+    def kept_training_s(self) -> float:
+        """Seconds each attempt spent on the steps no later attempt trained again, each timed at its own
+        attempt's speed (first to last kept step, plus one step)."""
+        total = 0.0
+        for index, attempt in enumerate(self.attempts):
+            later = [a.first_step for a in self.attempts[index + 1 :] if a.first_step is not None]
+            kept = [(step, t) for step, t in attempt.steps if not later or step < later[0]]
+            if len(kept) >= 2:
+                span = kept[-1][1] - kept[0][1]
+                total += span + span / (len(kept) - 1)
+        return total
+
+    @property
+    def kept_share(self) -> float:
+        """:attr:`kept_training_s` / billed: the share of billed time that trained what was kept. Unlike
+        goodput, it needs no baseline, so a box whose speed changes under other work moves it less."""
+        return self.kept_training_s / self.billed_s if self.billed_s > 0 else 0.0
+
+    @property
     def steps_trained(self) -> int:
         return sum(len(attempt.steps) for attempt in self.attempts)
 
@@ -138,3 +203,8 @@ class Outcome:
     def restart_downtimes_s(self) -> list[float]:
         """Spawn to first step of every attempt after the first that trained at all."""
         return [a.startup_s for a in self.attempts[1:] if a.startup_s is not None]
+
+    @property
+    def restart_in_fit_s(self) -> list[float]:
+        """Of each restart's downtime, the part inside fit/train (see :attr:`Attempt.in_fit_s`)."""
+        return [a.in_fit_s for a in self.attempts[1:] if a.startup_s is not None and a.in_fit_s is not None]

@@ -43,7 +43,7 @@ from _common import (
     section_head,
     versions_line,
 )
-from _replay_outcome import Attempt, Outcome, parse_markers, per_step_s
+from _replay_outcome import Attempt, Outcome, around, interleaved, parse_markers, per_step_s, ready_at
 from _replay_schedule import (
     BAND_LABELS,
     BANDS,
@@ -70,8 +70,8 @@ LABELS = {
     "hf-none": "no checkpoint (restart from scratch)",
 }
 QUICK = {"steps": 1500, "width": 256, "layers": 3, "variants": "spot,mc,none", "time_scale": 0.4}
-HEADERS = ["variant", "schedule", "attempts", "interruptions", "billed s", "goodput", "useful share",
-           "lost steps per restart", "lost s (sum)", "downtime per restart s", "weights equal",
+HEADERS = ["variant", "schedule", "attempts", "interruptions", "billed s", "goodput", "useful share", "kept share",
+           "lost steps per restart", "lost s (sum)", "downtime per restart s", "of which in fit s", "weights equal",
            "report goodput", "report billed s", "report lost s", "plan goodput"]  # fmt: skip
 
 
@@ -97,6 +97,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--grace-s", type=float, default=5.0, help="SIGTERM to SIGKILL; SPOT_SIGNAL_GRACE_S")
     parser.add_argument("--restart-gap-s", type=float, default=3.0)
     parser.add_argument("--max-attempts", type=int, default=12)
+    parser.add_argument(
+        "--baseline-every", type=int, default=2, help="an uninterrupted baseline after every N variant runs"
+    )
     parser.add_argument("--attempt-timeout-s", type=float, default=900.0)
     parser.add_argument("--keep", action="store_true", help="keep the work folder (logs) and print its path")
     add_common_args(parser)
@@ -171,10 +174,11 @@ class Replay:
                     proc.kill()
                     proc.wait()
             exited = time.time()
-        steps, done = parse_markers(log_path.read_text(errors="replace").splitlines())
+        lines = log_path.read_text(errors="replace").splitlines()
+        steps, done = parse_markers(lines)
         shutil.rmtree(machine)  # the machine is gone; what it left is in the store or the persistent folder
         described = interruption.describe() if sent and interruption else "-"
-        return Attempt(spawned, exited, proc.returncode, described, steps, done)
+        return Attempt(spawned, exited, proc.returncode, described, steps, done, ready_at(lines))
 
     def run_variant(self, variant: str, key: str, schedule: Schedule) -> list[Attempt]:
         out = self.workdir / "out" / f"{key}.pt"
@@ -277,75 +281,78 @@ def schedules(args: argparse.Namespace) -> dict[str, Schedule]:
 
 
 def replay(args: argparse.Namespace, workdir: Path) -> list[Outcome]:
-    """Every variant over every schedule; the uninterrupted baseline of each framework first.
+    """Every variant over every schedule, an uninterrupted baseline of its framework before the first,
+    after every ``--baseline-every`` of them and after the last (:func:`interleaved`).
 
-    When the list has the framework's no-checkpoint variant, it runs first and its final attempt
-    (a fresh machine from scratch, with no interruption left) is the uninterrupted run; else that
-    run is made on its own.
+    Each variant's goodput is against the mean of the two baselines around it: the box's speed drifts
+    with other work on it, and a baseline run once, at the start, was slower than the interrupted
+    attempts that followed it. Every baseline must end with the same weights (the check of the check).
     """
     (workdir / "logs").mkdir(parents=True)
     (workdir / "out").mkdir()
     plans = schedules(args)
-    first_label = next(iter(plans))
-    order = sorted(args.variants, key=lambda v: v not in BASELINE.values())  # baselines first
-    runs: list[tuple[str, str, str, list[Attempt]]] = []
     outcomes: list[Outcome] = []
+    args.baselines = {}
     with moto_server(workdir) as endpoint:
         make_bucket(s3_options(endpoint), "replay")
         run = Replay(args, workdir, endpoint)
-        baselines: dict[str, tuple[Attempt, Path]] = {}
         for framework in sorted({framework_of(v) for v in args.variants}):
-            variant = BASELINE[framework]
-            if variant in args.variants:
-                continue
-            print(f"baseline {variant}: uninterrupted", flush=True)
-            (attempt,) = run.run_variant(variant, f"baseline-{framework}", [None])
-            if not attempt.done:
-                raise SystemExit(f"the uninterrupted {framework} run failed: see {workdir}/logs")
-            baselines[framework] = (attempt, workdir / "out" / f"baseline-{framework}.pt")
-        for label, schedule in plans.items():
-            for variant in order:
-                framework = framework_of(variant)
+            jobs = [f"{variant}\t{label}" for label in plans for variant in args.variants
+                    if framework_of(variant) == framework]  # fmt: skip
+            baselines: list[Attempt] = []
+            runs: list[tuple[str, str, str, list[Attempt], int]] = []  # ..., index of the baseline before
+            for job in interleaved(jobs, args.baseline_every):
+                if job is None:
+                    key = f"baseline-{framework}-{len(baselines)}"
+                    print(f"baseline {framework} #{len(baselines)}: uninterrupted", flush=True)
+                    (attempt,) = run.run_variant(BASELINE[framework], key, [None])
+                    if not attempt.done:
+                        raise SystemExit(f"the uninterrupted {framework} run failed: see {workdir}/logs")
+                    baselines.append(attempt)
+                    continue
+                variant, label = job.split("\t")
                 if variant == "hf-steps":
-                    run.save_steps = max(1, round(args.interval_s / per_step_s(baselines["hf"][0])))
+                    run.save_steps = max(1, round(args.interval_s / per_step_s(baselines[-1])))
                 key = f"{variant}-{label.replace(' ', '-').replace('%', '').replace('<', 'lt').replace('>', 'gt')}"
+                schedule = plans[label]
                 print(f"{variant} on {label}: {', '.join(i.describe() if i else '-' for i in schedule[:6])}",
                       flush=True)  # fmt: skip
-                attempts = run.run_variant(variant, key, schedule)
-                if variant == BASELINE[framework] and label == first_label:
-                    final = attempts[-1]
-                    if not final.done or final.interruption != "-":
-                        raise SystemExit(f"{variant} did not finish uninterrupted: see {workdir}/logs")
-                    baselines[framework] = (final, workdir / "out" / f"{key}.pt")
-                runs.append((variant, label, key, attempts))
-        for variant, label, key, attempts in runs:
-            base, base_out = baselines[framework_of(variant)]
-            out = workdir / "out" / f"{key}.pt"
-            equal = None if out == base_out else weights_equal(out, base_out)
-            outcome = Outcome(variant, label, attempts, base.billed_s, per_step_s(base), args.steps, equal)
-            if variant in LIBRARY:
-                outcome.report = run.library_figures(key, base.billed_s)
-            outcomes.append(outcome)
-        for framework, (base, _) in baselines.items():
-            print(f"baseline {framework}: {base.billed_s:.1f}s spawn to exit, start-up {base.startup_s:.1f}s, "
-                  f"{per_step_s(base) * 1000:.1f} ms/step", flush=True)  # fmt: skip
-        args.baselines = {f: (b.billed_s, b.startup_s, per_step_s(b)) for f, (b, _) in baselines.items()}
+                runs.append(
+                    (variant, label, key, run.run_variant(variant, key, schedule), len(baselines) - 1)
+                )
+            first_out = workdir / "out" / f"baseline-{framework}-0.pt"
+            same = [weights_equal(workdir / "out" / f"baseline-{framework}-{i}.pt", first_out)
+                    for i in range(1, len(baselines))]  # fmt: skip
+            if not all(same):
+                print(
+                    f"WARNING: the uninterrupted {framework} runs ended with different weights: {same}",
+                    flush=True,
+                )
+            for variant, label, key, attempts, before in runs:
+                baseline_s, step_s = around(baselines[before : before + 2])
+                equal = weights_equal(workdir / "out" / f"{key}.pt", first_out)
+                outcome = Outcome(variant, label, attempts, baseline_s, step_s, args.steps, equal)
+                if variant in LIBRARY:
+                    outcome.report = run.library_figures(key, baseline_s)
+                outcomes.append(outcome)
+            for index, base in enumerate(baselines):
+                print(f"baseline {framework} #{index}: {base.billed_s:.1f}s spawn to exit, start-up "
+                      f"{base.startup_s:.1f}s, {per_step_s(base) * 1000:.1f} ms/step", flush=True)  # fmt: skip
+            args.baselines[framework] = [(b.billed_s, b.startup_s, per_step_s(b)) for b in baselines]
     return outcomes
 
 
 def row(outcome: Outcome) -> list[str]:
     lost = outcome.lost_steps
     downtimes = outcome.restart_downtimes_s
-    if outcome.variant in BASELINE.values() and outcome.weights_equal is None and outcome.finished:
-        equal = "(the baseline)"
-    else:
-        equal = {None: "no final weights", True: "yes", False: "no"}[outcome.weights_equal]
+    equal = {None: "no final weights", True: "yes", False: "no"}[outcome.weights_equal]
     report = outcome.report
     return [
         outcome.variant, outcome.schedule, str(len(outcome.attempts)), str(outcome.interruptions),
         f"{outcome.billed_s:.1f}", f"{outcome.goodput:.3f}" if outcome.finished else "unfinished",
-        fmt(outcome.useful_share if outcome.finished else None), " / ".join(str(n) for n in lost) or "-",
-        f"{sum(outcome.lost_s):.1f}", " / ".join(f"{d:.1f}" for d in downtimes) or "-", equal,
+        fmt(outcome.useful_share if outcome.finished else None), f"{outcome.kept_share:.3f}", " / ".join(str(n) for n in lost) or "-",
+        f"{sum(outcome.lost_s):.1f}", " / ".join(f"{d:.1f}" for d in downtimes) or "-",
+        " / ".join(f"{d:.1f}" for d in outcome.restart_in_fit_s) or "-", equal,
         report.get("report goodput", "-"), report.get("report billed s", "-"), report.get("report lost s", "-"),
         report.get("plan goodput", "-"),
     ]  # fmt: skip
@@ -367,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the child, moto and the folder go
     workdir = Path(tempfile.mkdtemp(prefix="spot-replay-"))
+    load_before = os.getloadavg()
     started = time.monotonic()
     try:
         outcomes = replay(args, workdir)
@@ -380,10 +388,12 @@ def main(argv: list[str] | None = None) -> int:
     print_rich_table(HEADERS, rows, "goodput replay", left=["variant", "schedule"], width=220)
     uname = subprocess.run(["uname", "-a"], capture_output=True, text=True).stdout.strip()
     baseline_lines = [
-        f"- Uninterrupted ({framework}, no checkpoint; the final attempt of `{BASELINE[framework]}` when listed): "
-        f"{wall:.1f} s spawn to exit, start-up {startup:.1f} s, {step * 1000:.1f} ms/step"
-        for framework, (wall, startup, step) in args.baselines.items()
-    ]
+        f"- Uninterrupted ({framework}, no checkpoint), interleaved: one before the first variant, after every "
+        f"{args.baseline_every} and after the last; each variant against the mean of the two around it: "
+        + "; ".join(f"#{i} {wall:.1f} s spawn to exit, start-up {startup:.1f} s, {step * 1000:.1f} ms/step"
+                    for i, (wall, startup, step) in enumerate(runs))
+        for framework, runs in args.baselines.items()
+    ]  # fmt: skip
     if args.schedule == "fixed":
         times = ", ".join(i.describe() if i else "-" for i in fixed_schedule(args.time_scale, args.grace_s))
         schedule_line = f"- Schedule (per attempt, from its spawn): {times}; later attempts run to the end."
@@ -407,10 +417,16 @@ def main(argv: list[str] | None = None) -> int:
         "ended, each a new machine (empty cwd, HOME, TMPDIR, SPOT_SCRATCH; own host name); one moto S3 store.",
         *baseline_lines,
         schedule_line,
+        "- Load average (1, 5, 15 min; other work shares the box, so compare variants within one run): before "
+        + ", ".join(f"{v:.2f}" for v in load_before)
+        + "; after "
+        + ", ".join(f"{v:.2f}" for v in os.getloadavg()),
         "- goodput = uninterrupted spawn-to-exit / billed (sum of spawn-to-exit); useful share = steps × the "
-        "uninterrupted s/step / billed; lost steps = steps trained before a restart and trained again after it; "
-        "downtime = spawn to the first step done; weights equal: every tensor `torch.equal` to the uninterrupted "
-        "run's. report/plan: `spot-callbacks report --json --all` (goodput, billed_s, lost_work_s from the processes' records, else the sum of the ledger's) and "
+        "uninterrupted s/step / billed; kept share = the time each attempt spent on steps no later attempt redid, "
+        "at its own speed, / billed (no baseline in it: the steadiest figure on a box under changing load); lost steps = steps trained before a restart and trained again after it; "
+        "downtime = spawn to the first step done (in fit: from the script's call of fit/train, after the interpreter "
+        "and the imports); weights equal: every tensor `torch.equal` to the uninterrupted "
+        "run's; load: `uptime` before and after. report/plan: `spot-callbacks report --json --all` (goodput, billed_s, lost_work_s from the processes' records, else the sum of the ledger's) and "
         "`plan --from` (work = 1000 × the uninterrupted run; goodput = work / expected hours) on the store.",
         "",
         *markdown_table(HEADERS, rows),

@@ -148,8 +148,9 @@ class SpotEngine:
         self.accounts.start_clock()
         try:
             with exit_on_notice(self.watcher.sources, "waiting for the store and the run lock"):
-                # Once the preflight proved the store (its probe and listing see no other writes of ours).
-                self.lease.acquire(on_store_ready=self._begin_attempt)
+                # The record's first write once the preflight's probe is in (a process killed from then on
+                # is billed); its thread once the preflight proved the store (nothing of ours races it).
+                self.lease.acquire(on_store_writable=self._first_record, on_store_ready=self._begin_attempt)
         except (RunLockedError, StoreUnavailableError):
             self.attempt.discard()  # not a process of the run in this dirpath (or none could be kept)
             drop_unused_scratch_root(self.scratch_root)  # a start that never ran leaves no folder
@@ -202,6 +203,11 @@ class SpotEngine:
     def _note_checkpoint(self, step: int) -> None:
         if self.is_writer:
             self.attempt.checkpoint_taken(step)
+
+    def _first_record(self) -> None:
+        """Write this process's attempt record once, now (the writer's), in the caller's thread."""
+        if self.is_writer:
+            self.attempt.write_now()
 
     def _begin_attempt(self) -> None:
         """Keep this process's attempt record from now (the writer's; idempotent)."""

@@ -48,16 +48,21 @@ class RunLease:
         self.lock: RunLock | None = None
         self.lock_wait_s: float | None = None  # how long taking the lock took (the writer's)
 
-    def acquire(self, on_store_ready: Callable[[], None] | None = None) -> None:
+    def acquire(
+        self,
+        on_store_ready: Callable[[], None] | None = None,
+        on_store_writable: Callable[[], None] | None = None,
+    ) -> None:
         """Prove the store usable and take the lock on the writer (collective), before anything is
         written; every rank raises :class:`StoreUnavailableError` or :class:`RunLockedError` alike.
-        ``on_store_ready`` runs on the writer once the store is proven, before the lock is taken."""
+        On the writer, ``on_store_writable`` runs inside the preflight once its probe is written (see
+        :func:`preflight`), ``on_store_ready`` once the store is proven, before the lock is taken."""
         refusal: CheckpointError | None = None
         if is_writer() and self.lock is None:
             lock = RunLock(self.store)
             try:
                 self.store.warm_data_plane()  # meanwhile: the resume's pull finds its clients built
-                preflight(self.store)
+                preflight(self.store, on_writable=on_store_writable)
                 if on_store_ready is not None:
                     on_store_ready()
                 waiting_since = time.monotonic()

@@ -104,3 +104,44 @@ def test_markers_are_parsed_and_a_line_cut_by_a_kill_is_ignored() -> None:
     assert outcome.parse_markers(lines) == ([(1, 2.0), (2, 2.5), (3, 2.0)], False)
     assert outcome.parse_markers([*lines, "REPLAY DONE 4 3.0"])[1] is True
     assert outcome.parse_markers(["REPLAY STEP x 1.0"]) == ([], False)
+
+
+def test_every_variant_run_lies_between_two_baselines_and_is_measured_against_their_mean() -> None:
+    order = outcome.interleaved(["spot", "mc", "none", "spot-auto", "hf"], 2)
+    assert order == [None, "spot", "mc", None, "none", "spot-auto", None, "hf", None]
+    assert outcome.interleaved(["spot"], 5) == [None, "spot", None]
+    assert outcome.interleaved(["a", "b"], 0) == [None, "a", None, "b", None]  # 0 means after each
+    fast = attempt(0.0, 12.0, range(1, 101), done=True)  # 0.1 s per step
+    slow = attempt(
+        0.0, 22.0, range(1, 51), done=True
+    )  # 22 s spawn to exit; renumbered below: 0.05 s per step
+    slow.steps[:] = [(step * 2, t) for step, t in slow.steps]
+    assert outcome.around([slow, fast]) == pytest.approx((17.0, 0.075))
+    with pytest.raises(ValueError, match="no baseline"):
+        outcome.around([])
+
+
+def test_the_start_up_inside_fit_is_split_from_the_imports_by_the_ready_marker() -> None:
+    lines = ["REPLAY SPAWNED 100.0", "REPLAY READY 109.5", "REPLAY STEP 1 110.25", "REPLAY READY x"]
+    assert outcome.ready_at(lines) == 109.5 and outcome.ready_at(["REPLAY READY"]) is None
+    first = attempt(90.0, 99.0, range(1, 11))
+    resumed = outcome.Attempt(
+        100.0, 120.0, 0, "-", outcome.parse_markers(lines)[0], True, outcome.ready_at(lines)
+    )
+    never_ready = outcome.Attempt(130.0, 131.0, -9, "SIGKILL@1s", [], False, None)
+    assert resumed.startup_s == pytest.approx(10.25) and resumed.in_fit_s == pytest.approx(0.75)
+    result = outcome.Outcome("spot", "fixed", [first, never_ready, resumed], 20.0, 0.1, 10)
+    assert result.restart_downtimes_s == pytest.approx([10.25]) and result.restart_in_fit_s == pytest.approx(
+        [0.75]
+    )
+
+
+def test_the_kept_share_times_only_the_steps_no_later_attempt_redid_at_their_own_speed() -> None:
+    attempts = [
+        attempt(0.0, 10.0, range(1, 31)),  # 1..30 at 0.1 s; the next resumes at 21: 1..20 kept, 2.0 s
+        attempt(12.0, 14.0, range(0)),  # killed during start-up
+        attempt(16.0, 26.0, range(21, 61), done=True),  # 21..60 kept, 4.0 s
+    ]
+    result = outcome.Outcome("spot", "fixed", attempts, 10.0, 0.1, 60)
+    assert result.kept_training_s == pytest.approx(2.0 + 4.0)
+    assert result.kept_share == pytest.approx(6.0 / (10 + 2 + 10))

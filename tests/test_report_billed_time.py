@@ -13,14 +13,20 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from spot_callbacks.accounting.attempts import AttemptRecord, attempt_outcomes, read_attempts
+from spot_callbacks.accounting.attempts import PROCESS_STARTED, AttemptRecord, attempt_outcomes, read_attempts
 from spot_callbacks.cli import main
+from spot_callbacks.config import SpotConfig
+from spot_callbacks.engine import SpotEngine
 from spot_callbacks.store import CheckpointStore
+from spot_callbacks.store.preflight import PROBE_PREFIX
+from tests.helpers.faultfs import FaultyFileSystem
 
 SCRIPT = Path(__file__).parent / "scripts" / "paced_run.py"
 STEPS, STEP_S, EVERY, KILL_AT = 45, 0.1, 20, 36
@@ -149,3 +155,47 @@ def test_records_on_s3_are_written_and_read_back_from_one_listing(s3_server, tmp
     [read] = read_attempts(CheckpointStore(store.url, storage_options=dict(s3_server.storage_options)))
     assert (read.run_id, read.first_step, read.last_step, read.end) == (record.run_id, 1, 2, "finished")
     assert [step for step, _ in read.checkpoints] == [1]
+
+
+class _ReadBackHeld(FaultyFileSystem):
+    """Holds the preflight's read-back of its probe until ``go`` is set (a process stopped mid-preflight)."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.reading, self.go = threading.Event(), threading.Event()
+
+    def cat_file(self, path: str, *args: Any, **kwargs: Any) -> Any:
+        if PROBE_PREFIX in path:
+            self.reading.set()
+            self.go.wait(60)
+        return self.inner.cat_file(path, *args, **kwargs)
+
+
+def _engine(tmp_path: Path, name: str) -> SpotEngine:
+    config = SpotConfig(dirpath=str(tmp_path / "run"), interval=None, preemption=[],
+                        scratch_dir=str(tmp_path / f"scratch-{name}"))  # fmt: skip
+    return SpotEngine(config, "test")
+
+
+def test_a_process_stopped_inside_its_preflight_is_billed_from_its_start(tmp_path) -> None:
+    engine = _engine(tmp_path, "a")
+    engine.store.fs = held = _ReadBackHeld(engine.store.fs)
+    starting = threading.Thread(target=engine.start, daemon=True)
+    starting.start()
+    try:
+        assert held.reading.wait(60), "the preflight never read its probe back"
+        # What a SIGKILL here leaves: the record is in the store already, from the process's own start.
+        [record] = read_attempts(CheckpointStore(str(tmp_path / "run")))
+        assert record.started == pytest.approx(PROCESS_STARTED, abs=0.001)
+        assert record.first_step is None and record.end is None and record.alive_at >= record.started
+        summary = attempt_outcomes([record], resume_point=None, period_s=1.0)
+        assert summary.outcomes[0].billed_s >= record.alive_at - record.started > 0
+    finally:
+        held.go.set()
+        starting.join(60)
+    assert engine.lease.lock is not None, "the held preflight went on to take the lock"
+    engine.finish()
+    # One record per process: the thread rewrote the one written inside the preflight.
+    # (A run a live lock refuses leaves none: tests/test_runlock.py, "writes nothing into its dirpath".)
+    [record] = read_attempts(CheckpointStore(str(tmp_path / "run")))
+    assert (record.run_id, record.end) == (engine.attempt.run_id, "finished")

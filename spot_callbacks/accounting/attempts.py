@@ -50,6 +50,7 @@ from spot_callbacks.errors import ManifestError
 from spot_callbacks.store import CheckpointStore
 from spot_callbacks.store.layout import ATTEMPTS_FOLDER, is_local_fs
 from spot_callbacks.store.manifest_limits import load_bounded_json
+from spot_callbacks.store.retry import call_with_timeout
 from spot_callbacks.store.transfer import put_bytes
 
 log = logging.getLogger("spot_callbacks")
@@ -219,6 +220,7 @@ class AttemptLog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._written = False  # once any write of the record was tried: discard() deletes it
         self._ended_at: float | None = None  # monotonic time of close()
         self._warned = False
 
@@ -228,6 +230,13 @@ class AttemptLog:
             return
         self._thread = threading.Thread(target=self._keep, name="spot-attempt-record", daemon=True)
         self._thread.start()
+
+    def write_now(self) -> None:
+        """Write the record once, in this thread, before :meth:`begin` (a process killed before its
+        thread's first write is billed from its start all the same); nothing after close or discard."""
+        if self._closed or self._thread is not None:
+            return
+        self._write()
 
     def note(self, **fields: Any) -> None:
         """Set fields of the record (``lineage``, ``lock_wait_s``, ``lock_cause``, ``resumed_from``)."""
@@ -273,8 +282,11 @@ class AttemptLog:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(CLOSE_TIMEOUT_S)
+        if self._written:
             with contextlib.suppress(Exception):
-                self.store.fs.rm(self.path)
+                call_with_timeout(
+                    lambda: self.store.fs.rm(self.path), CLOSE_TIMEOUT_S, "delete the attempt record"
+                )
 
     def _keep(self) -> None:
         while True:
@@ -291,6 +303,7 @@ class AttemptLog:
 
     def _write(self) -> None:
         with self._writing:
+            self._written = True
             self._write_newest()
 
     def _write_newest(self) -> None:

@@ -54,12 +54,19 @@ class _ProbeNotListed(SpotError, OSError):
     """The probe is not in the listing yet (transient: an eventually consistent listing)."""
 
 
-def preflight(store: CheckpointStore, budget_s: float | None = None, enabled: bool | None = None) -> None:
+def preflight(
+    store: CheckpointStore,
+    budget_s: float | None = None,
+    enabled: bool | None = None,
+    on_writable: Callable[[], None] | None = None,
+) -> None:
     """Prove that ``store`` can hold checkpoints, or raise :class:`StoreUnavailableError` within ``budget_s``.
 
     ``budget_s`` defaults to ``$SPOT_PREFLIGHT_TIMEOUT_S`` (60 s); ``enabled`` to ``$SPOT_PREFLIGHT``
     (``0`` skips the check, with a warning). The error is logged as one line; each failed attempt's
-    traceback only at debug level.
+    traceback only at debug level. ``on_writable`` runs once the probe object is written (the store
+    answers and takes writes), before the rest of the check, in this thread: what must be in the store
+    as early as it can be (the process's attempt record) is written then, one write after the other.
 
     Example:
         >>> from spot_callbacks.store import CheckpointStore
@@ -74,9 +81,11 @@ def preflight(store: CheckpointStore, budget_s: float | None = None, enabled: bo
             "copies kept",
             PREFLIGHT_ENV, store.url,
         )  # fmt: skip
+        if on_writable is not None:
+            on_writable()
         return
     budget_s = preflight_budget_s() if budget_s is None else budget_s
-    probe = _Probe(store, budget_s)
+    probe = _Probe(store, budget_s, on_writable=on_writable)
     try:
         probe.run()
     except StoreUnavailableError as err:
@@ -139,8 +148,15 @@ def _is_connect_timeout(error: BaseException) -> bool:
 class _Probe:
     """One preflight of one store: the probe's path, the deadline, and the steps against it."""
 
-    def __init__(self, store: CheckpointStore, budget_s: float, reading: bool = False) -> None:
+    def __init__(
+        self,
+        store: CheckpointStore,
+        budget_s: float,
+        reading: bool = False,
+        on_writable: Callable[[], None] | None = None,
+    ) -> None:
         self.store = store
+        self.on_writable = on_writable
         self.reading = reading
         self.budget_s = budget_s
         self.started = time.monotonic()
@@ -162,6 +178,8 @@ class _Probe:
         fs = self.store.fs
         self.attempt(lambda: put_bytes(fs, self.path, self.payload), "write a probe object")
         try:
+            if self.on_writable is not None:
+                self.on_writable()
             self.attempt(self.read_back, "read the probe back")
             self.attempt(self.find_in_listing, "list dirpath")
         except BaseException:

@@ -377,9 +377,12 @@ class RunLock:
                     "spot_callbacks: %s:// has no conditional writes here; the run lock is written and read "
                     "back, which catches most (not all) races of two runs starting at the same moment", protocol,
                 )  # fmt: skip
-        doc = self.holder()
-        if doc is not None and doc.get("run_id") != self.run_id:
-            raise self._locked_error(doc)
+        # A conditional create or take-over that succeeded is the proof: no other write came between
+        # (reading it back costs a resume two more requests, and proves nothing more).
+        if not self._conditional:
+            doc = self.holder()
+            if doc is not None and doc.get("run_id") != self.run_id:
+                raise self._locked_error(doc)
         self._held = True
         self._stop.clear()
         self._thread = threading.Thread(target=self._beat, name="spot-lock-heartbeat", daemon=True)
