@@ -8,7 +8,9 @@ import io
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_bar_lines import REPO, on_a_terminal
@@ -43,10 +45,30 @@ def _no_escapes(text: str) -> None:
     assert "\x1b]8" not in text, "a hyperlink reached the terminal"
 
 
+def a_slow_link(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """Each file a local store pulls or reads stays in flight ``seconds`` (the bars, redrawn every 0.2 s,
+    draw a bar named after it), as on a far-away bucket."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    real_get_file, real_open = LocalFileSystem.get_file, LocalFileSystem._open
+
+    def get_file(self: LocalFileSystem, *args: Any, **kwargs: Any) -> Any:
+        real_get_file(self, *args, **kwargs)
+        time.sleep(seconds)  # the link's pace, not a synchronisation
+
+    def open_file(self: LocalFileSystem, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(seconds)  # the link's pace, not a synchronisation
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(LocalFileSystem, "get_file", get_file)
+    monkeypatch.setattr(LocalFileSystem, "_open", open_file)
+
+
 @pytest.mark.parametrize("command", ["verify", "pull", "ls"])
 def test_store_names_never_act_as_markup_or_escapes_on_a_terminal(
     command: str, hostile_run: CheckpointStore, tmp_path: Path, monkeypatch, capsys
 ) -> None:
+    a_slow_link(monkeypatch, 0.5)
     terminal = Terminal()
     monkeypatch.setattr(sys, "stderr", terminal)
     monkeypatch.setattr(sys, "stdout", terminal)
@@ -56,6 +78,8 @@ def test_store_names_never_act_as_markup_or_escapes_on_a_terminal(
     shown = terminal.getvalue()
     assert "MarkupError" not in shown and "Traceback" not in shown
     _no_escapes(shown)
+    if command != "ls":
+        assert "[bold red]x[/bold red].bin" in shown  # a file in flight, its bar named literally
     if command == "pull":
         for name in NAMES:
             assert (tmp_path / "dest" / name).is_file()  # the bytes arrive under their real names
