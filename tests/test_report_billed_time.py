@@ -153,12 +153,15 @@ def test_the_report_counts_billed_time_from_process_start_and_lost_work_from_the
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", ["local", "s3"])
 def test_a_process_killed_before_its_first_commit_is_billed_to_the_run_that_started_over(
-    tmp_path, capsys
+    tmp_path, capsys, request, backend
 ) -> None:
     # Killed before its first checkpoint committed: it wrote records under a lineage no manifest
     # names, and the next process, with nothing to resume, starts fresh under another lineage.
     url = str(tmp_path / "run")
+    if backend == "s3":  # the children and the report find moto through the environment
+        url = f"s3://{request.getfixturevalue('s3_env').bucket}/billed-{tmp_path.name}"
     measured = _kill_then_finish(tmp_path, url, EVERY - 4)
     assert min(measured.second_steps) == 1  # it started over
     # All the first process trained is lost: from the start of its first step to its kill.
