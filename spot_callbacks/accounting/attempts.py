@@ -499,7 +499,11 @@ def attempts_of_lineage(
     """
     wanted, committed = set(lineage_ids), set(committed) | set(lineage_ids)
     records = sorted(records, key=lambda record: (record.started, record.run_id))
-    own = [record for record in records if record.lineage is not None and record.lineage in wanted]
+
+    def is_own(record: AttemptRecord | None) -> bool:
+        return record is not None and record.lineage is not None and record.lineage in wanted
+
+    own = [record for record in records if is_own(record)]
     if not own:
         return []
     since = min(record.started for record in own)
@@ -518,10 +522,10 @@ def attempts_of_lineage(
             for other in records[index + 1 :]
             if other.lineage is not None and other.lineage in committed
         )
-        return next(after, None) in own
+        return is_own(next(after, None))
 
     return [
         record
         for index, record in enumerate(records)
-        if record in own or (record.lineage is None and record.started >= since) or led_to_own(index)
+        if is_own(record) or (record.lineage is None and record.started >= since) or led_to_own(index)
     ]
