@@ -15,12 +15,19 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from spot_callbacks.accounting.attempts import PROCESS_STARTED, AttemptRecord, attempt_outcomes, read_attempts
+from spot_callbacks.accounting.attempts import (
+    PROCESS_STARTED,
+    AttemptRecord,
+    attempt_outcomes,
+    attempts_of_lineage,
+    read_attempts,
+)
 from spot_callbacks.cli import main
 from spot_callbacks.config import SpotConfig
 from spot_callbacks.engine import SpotEngine
@@ -54,55 +61,128 @@ def _steps(lines: list[str]) -> dict[int, float]:
     }
 
 
+def _kill_at(child: subprocess.Popen[str], step: int) -> tuple[list[str], float]:
+    """SIGKILL ``child`` at its step boundary ``step``: its output lines so far, and when it was killed."""
+    assert child.stdout is not None
+    lines = []
+    for line in child.stdout:
+        lines.append(line)
+        if line.startswith(f"step {step} "):
+            child.send_signal(signal.SIGKILL)  # a hard loss: no handler runs, nothing more is written
+            killed_at = time.time()
+            break
+    child.wait(timeout=60)
+    return lines, killed_at
+
+
+@dataclass(frozen=True)
+class _Measured:
+    """What a cloud bills, measured from outside: a process killed at a step boundary, then one to the end."""
+
+    first_spawned: float
+    killed_at: float
+    first_steps: dict[int, float]  # step -> when its boundary was printed
+    second_spawned: float
+    second_exited: float
+    second_steps: dict[int, float]
+
+    @property
+    def billed_s(self) -> float:
+        return self.killed_at - self.first_spawned + self.second_exited - self.second_spawned
+
+    @property
+    def once_s(self) -> float:
+        """What an uninterrupted run spends too: one start-up (spawn to its first step) and one end (its last step to exit)."""
+        first, second = self.first_steps, self.second_steps
+        return first[min(first)] - self.first_spawned + self.second_exited - second[max(second)]
+
+
+def _kill_then_finish(tmp_path: Path, url: str, kill_at: int) -> _Measured:
+    first, first_spawned = _spawn(tmp_path, url, "a")
+    first_lines, killed_at = _kill_at(first, kill_at)
+    second, second_spawned = _spawn(tmp_path, url, "b")
+    out, _ = second.communicate(timeout=240)
+    second_exited = time.time()
+    assert second.returncode == 0 and "done" in out, out[-2000:]
+    second_steps = _steps(out.splitlines())
+    assert max(second_steps) == STEPS
+    return _Measured(
+        first_spawned, killed_at, _steps(first_lines), second_spawned, second_exited, second_steps
+    )
+
+
+def _report(
+    url: str, capsys: pytest.CaptureFixture[str], measured: _Measured, lost_s: float
+) -> dict[str, Any]:
+    """``report --json``, checked against what was measured: billed time, lost work, goodput."""
+    assert main(["report", "--json", url]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["goodput_basis"] == "attempts"
+    assert len(report["attempts"]) == 2, f"not every process is billed: {report['attempts']}"
+    # Not seen by any record: the interpreter's own exit after its last write (1-2 s with torch loaded).
+    billed_s = measured.billed_s
+    assert abs(report["billed_s"] - billed_s) <= 0.1 * billed_s + 2 * EXIT_S, (
+        report["billed_s"], billed_s, [a["billed_s"] for a in report["attempts"]],
+    )  # fmt: skip
+    assert abs(report["lost_work_s"] - lost_s) <= 0.2 * lost_s + RECORD_S, (
+        report["lost_work_s"], lost_s, json.dumps(report["attempts"][0]), max(measured.first_steps),
+    )  # fmt: skip
+    first, second = measured.first_steps, measured.second_steps
+    trained = (max(first) - min(first) + 1 + max(second) - min(second) + 1) * STEP_S
+    goodput = (trained - lost_s + measured.once_s) / billed_s
+    assert abs(report["goodput"] - goodput) <= 0.10, (report["goodput"], goodput)
+    return report
+
+
 @pytest.mark.slow
 def test_the_report_counts_billed_time_from_process_start_and_lost_work_from_the_step_records(
     tmp_path, capsys
 ) -> None:
     url = str(tmp_path / "run")
-    first, first_spawned = _spawn(tmp_path, url, "a")
-    assert first.stdout is not None
-    first_lines = []
-    for line in first.stdout:
-        first_lines.append(line)
-        if line.startswith(f"step {KILL_AT} "):
-            first.send_signal(signal.SIGKILL)  # a hard loss: no handler runs, nothing more is written
-            killed_at = time.time()
-            break
-    first.wait(timeout=60)
-    first_billed = killed_at - first_spawned
-
-    second, second_spawned = _spawn(tmp_path, url, "b")
-    out, _ = second.communicate(timeout=240)
-    second_exited = time.time()
-    second_billed = second_exited - second_spawned
-    assert second.returncode == 0 and "done" in out, out[-2000:]
-    first_steps, second_steps = _steps(first_lines), _steps(out.splitlines())
-    resumed_from = min(second_steps) - 1
-    assert resumed_from < KILL_AT and max(second_steps) == STEPS
+    measured = _kill_then_finish(tmp_path, url, KILL_AT)
+    resumed_from = min(measured.second_steps) - 1
+    assert resumed_from < KILL_AT
     # Measured from outside: the work redone is the first process's steps past the resume point, up to its kill.
-    lost_measured = killed_at - first_steps[resumed_from]
-    billed_measured = first_billed + second_billed
-    trained = (max(first_steps) - min(first_steps) + 1 + max(second_steps) - min(second_steps) + 1) * STEP_S
-    # What an uninterrupted run spends too: one start-up (spawn to its first step) and one end (its last step to exit).
-    once = first_steps[min(first_steps)] - first_spawned + second_exited - second_steps[max(second_steps)]
-    goodput_measured = (trained - lost_measured + once) / billed_measured
-
-    assert main(["report", "--json", url]) == 0
-    report = json.loads(capsys.readouterr().out)
-    assert report["goodput_basis"] == "attempts"
+    report = _report(url, capsys, measured, lost_s=measured.killed_at - measured.first_steps[resumed_from])
     [killed, finished] = report["attempts"]
     assert killed["hard_loss"] and not finished["hard_loss"] and finished["resumed_from"] == resumed_from
-    # Not seen by any record: the interpreter's own exit after its last write (1-2 s with torch loaded).
-    assert abs(report["billed_s"] - billed_measured) <= 0.1 * billed_measured + 2 * EXIT_S, (
-        report["billed_s"], billed_measured, first_billed, [a["billed_s"] for a in report["attempts"]],
-    )  # fmt: skip
-    assert abs(report["lost_work_s"] - lost_measured) <= 0.2 * lost_measured + RECORD_S, (
-        report["lost_work_s"], lost_measured, json.dumps(report["attempts"][0]), max(first_steps),
-    )  # fmt: skip
-    assert abs(report["goodput"] - goodput_measured) <= 0.10, (report["goodput"], goodput_measured)
     # The imports and start-up before the first step are billed: the process start is the kernel's, not ours.
-    assert finished["to_first_step_s"] >= second_steps[min(second_steps)] - second_spawned - 1.0
+    second_steps = measured.second_steps
+    assert finished["to_first_step_s"] >= second_steps[min(second_steps)] - measured.second_spawned - 1.0
     assert "billed time" in report["summary"] and "2 processes" in report["summary"]["billed time"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_a_process_killed_before_its_first_commit_is_billed_to_the_run_that_started_over(
+    tmp_path, capsys, request, backend
+) -> None:
+    # Killed before its first checkpoint committed: it wrote records under a lineage no manifest
+    # names, and the next process, with nothing to resume, starts fresh under another lineage.
+    url = str(tmp_path / "run")
+    if backend == "s3":  # the children and the report find moto through the environment
+        url = f"s3://{request.getfixturevalue('s3_env').bucket}/billed-{tmp_path.name}"
+    measured = _kill_then_finish(tmp_path, url, EVERY - 4)
+    assert min(measured.second_steps) == 1  # it started over
+    # All the first process trained is lost: from the start of its first step to its kill.
+    first_step_began = measured.first_steps[min(measured.first_steps)] - STEP_S
+    report = _report(url, capsys, measured, lost_s=measured.killed_at - first_step_began)
+    [killed, finished] = report["attempts"]
+    assert killed["hard_loss"] and killed["resumed_from"] is None and finished["resumed_from"] is None
+    killed_billed = measured.killed_at - measured.first_spawned
+    assert abs(killed["billed_s"] - killed_billed) <= 0.1 * measured.billed_s + RECORD_S
+    # Every step it recorded is lost (its record lags its kill by up to a period: the lost time says the rest).
+    assert killed["lost_steps"] == killed["last_step"] - killed["first_step"] + 1 > 0
+
+
+def test_another_jobs_records_stay_out_and_one_killed_before_its_first_commit_is_billed() -> None:
+    other = AttemptRecord("o", "h", 0.0, 50.0, lineage="J1", end="finished", ended_at=50.0)  # committed
+    during = AttemptRecord("d", "h", 40.0, 45.0, lineage="X")  # started while J1 ran: not J2's
+    killed = AttemptRecord("k", "h", 60.0, 70.0, lineage="K")  # no manifest of K: killed before its commit
+    fresh = AttemptRecord("f", "h", 72.0, 90.0, lineage="J2", end="finished", ended_at=90.0)
+    records = [other, during, killed, fresh]
+    assert [r.run_id for r in attempts_of_lineage(records, {"J2"}, {"J1", "J2"})] == ["k", "f"]
+    assert [r.run_id for r in attempts_of_lineage(records, {"J1"}, {"J1", "J2"})] == ["o"]
 
 
 def test_a_record_no_run_writes_is_left_out_and_the_rest_are_counted(tmp_path, caplog) -> None:

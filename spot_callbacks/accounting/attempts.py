@@ -480,24 +480,52 @@ def _next_resume_point(later: Iterable[AttemptRecord], resume_point: int | None)
 
 
 def attempts_of_lineage(
-    records: Sequence[AttemptRecord], lineage_ids: Iterable[str | None]
+    records: Sequence[AttemptRecord], lineage_ids: Iterable[str | None], committed: Iterable[str | None]
 ) -> list[AttemptRecord]:
-    """The records of the processes of one lineage: those that said so, and those that died before
-    they knew (no lineage) once the lineage's first process had started.
+    """The records of the processes of one lineage: those that said so; those that died before they
+    knew (no lineage) once the lineage's first process had started; and those that led to it: a
+    process whose lineage never committed a checkpoint here (``committed``: every lineage with a
+    manifest in the dirpath), killed before its first commit, so the next process started fresh
+    too. It belongs to the lineage whose process came next, unless another job's (a committed
+    lineage not in ``lineage_ids``) was still alive when it started.
 
     Example:
-        >>> old = AttemptRecord("o", "h", 0.0, 1.0, lineage="L0")
-        >>> unsure = AttemptRecord("u", "h", 2.0, 3.0)  # before L1's first process: not L1's
+        >>> old = AttemptRecord("o", "h", 0.0, 1.0, lineage="L0")  # another job, committed
+        >>> killed = AttemptRecord("k", "h", 2.0, 3.0, lineage="K")  # killed before its first commit
         >>> a = AttemptRecord("a", "h", 5.0, 6.0, lineage="L1")
         >>> b = AttemptRecord("b", "h", 7.0, 8.0)  # died before it knew its lineage
-        >>> [r.run_id for r in attempts_of_lineage([old, unsure, a, b], {"L1"})]
-        ['a', 'b']
+        >>> [r.run_id for r in attempts_of_lineage([old, killed, a, b], {"L1"}, {"L0", "L1"})]
+        ['k', 'a', 'b']
     """
-    wanted = set(lineage_ids)
-    own = [record for record in records if record.lineage is not None and record.lineage in wanted]
+    wanted, committed = set(lineage_ids), set(committed) | set(lineage_ids)
+    records = sorted(records, key=lambda record: (record.started, record.run_id))
+
+    def is_own(record: AttemptRecord | None) -> bool:
+        return record is not None and record.lineage is not None and record.lineage in wanted
+
+    own = [record for record in records if is_own(record)]
     if not own:
         return []
     since = min(record.started for record in own)
+
+    def led_to_own(index: int) -> bool:
+        record = records[index]
+        if record.lineage is not None and record.lineage in committed:
+            return False  # its own lineage, or another job's
+        if any(  # another job was still running when it started: one of that job's
+            other.lineage in committed - wanted and other.started <= record.started <= other.alive_at
+            for other in records[:index]
+        ):
+            return False
+        after = (
+            other
+            for other in records[index + 1 :]
+            if other.lineage is not None and other.lineage in committed
+        )
+        return is_own(next(after, None))
+
     return [
-        record for record in records if record in own or (record.lineage is None and record.started >= since)
+        record
+        for index, record in enumerate(records)
+        if is_own(record) or (record.lineage is None and record.started >= since) or led_to_own(index)
     ]

@@ -648,7 +648,9 @@ def _cmd_report(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
     lineage, notes = newest_valid_lineage(store, committed_checkpoints)
     history = RunHistory.from_checkpoints(store.url, lineage)
     newest = history.newest
-    records = attempts_of_lineage(read_attempts(store), {lineage_of(info) for info in lineage})
+    # A process killed before its lineage's first commit is billed to the lineage that came next.
+    committed = {lineage_of(info) for info in committed_checkpoints}
+    records = attempts_of_lineage(read_attempts(store), {lineage_of(info) for info in lineage}, committed)
     # None without records (runs written before them): the ledger's figures. One outcome per record.
     attempts = attempt_outcomes(records, resume_point=newest.step) if records else None
     rows = history_rows(history, args.spot_price, args.on_demand_price, attempts=attempts)
