@@ -24,7 +24,7 @@ from typing import IO, Any, cast
 import numpy as np
 import torch
 
-from spot_callbacks.errors import CorruptCheckpointError, UnsafeCheckpointError
+from spot_callbacks.errors import CorruptCheckpointError, SpotError, UnsafeCheckpointError
 from spot_callbacks.log import checkpoint_line
 from spot_callbacks.store.checksums import ChecksumWriter, FileDigest
 from spot_callbacks.store.manifest_limits import ManifestLimits
@@ -188,7 +188,7 @@ def _fits(planned: _TensorKey, key: _TensorKey) -> bool:
     return planned == key or (planned[1] == key[1] and planned[3] == key[3] and planned[4] == key[4])
 
 
-class _PlanChanged(Exception):
+class _PlanChanged(SpotError):
     """A tensor did not match the plan: the stage restarts and builds a new one."""
 
 

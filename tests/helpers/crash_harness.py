@@ -194,6 +194,7 @@ class CrashHarness:
             sys.executable, str(SCRIPT), "--dirpath", self.url, "--every-n-steps", "1",
             "--max-epochs", str(self.max_epochs), "--storage-options", json.dumps(self.storage_options),
             "--out", str(self.workdir / f"{name}.pt"), "--seed", str(self._runs),
+            "--verbose",  # commits_seen counts the "committed" lines
         ]  # fmt: skip
         with open(log_path, "wb") as stderr:
             proc = subprocess.Popen(

@@ -38,6 +38,7 @@ parser.add_argument(
     "--package", default="lightning.pytorch", choices=["lightning.pytorch", "pytorch_lightning"]
 )
 parser.add_argument("--logger-dir")
+parser.add_argument("--verbose", action="store_true", help="log every commit (SpotCheckpoint(verbose=True))")
 args = parser.parse_args()
 
 pl = importlib.import_module(args.package)
@@ -139,7 +140,7 @@ def main() -> int:
         SpotCheckpoint = importlib.import_module(module).SpotCheckpoint  # noqa: N806
         spot = SpotCheckpoint(
             dirpath=args.dirpath, interval=None, every_n_steps=args.every_n_steps, keep_last=2,
-            storage_options=json.loads(args.storage_options),
+            storage_options=json.loads(args.storage_options), verbose=args.verbose,
         )  # fmt: skip
         callbacks.append(spot)
     if os.environ.get("PRINT_BATCHES"):
