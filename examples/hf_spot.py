@@ -36,7 +36,7 @@ import torch
 import transformers
 import yaml
 
-from spot_callbacks import SpotConfig
+from spot_callbacks import SpotConfig, SpotError
 from spot_callbacks.hf import PREEMPTED_EXIT_CODE, SpotCheckpointCallback
 
 
@@ -76,6 +76,9 @@ def parse_args(argv: list[str] | None) -> tuple[transformers.TrainingArguments, 
     parser.add_argument("--output-dir", help="the Trainer's local output_dir")
     parser.add_argument("--max-steps", type=int)
     parser.add_argument("--every-n-steps", type=int, help="also checkpoint every N steps")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="a line per checkpoint, and a traceback with an error"
+    )
     args = parser.parse_args(argv)
     # Without a GPU, a Trainer in several processes needs use_cpu=True to train them as one run
     # (gloo); otherwise each process trains its own copy of the model. It must be known when
@@ -100,6 +103,8 @@ def parse_args(argv: list[str] | None) -> tuple[transformers.TrainingArguments, 
         overrides["storage_options"] = json.loads(args.storage_options)
     if args.every_n_steps:
         overrides["every_n_steps"] = args.every_n_steps
+    if args.verbose:
+        overrides["verbose"] = True
     spot_config = dataclasses.replace(spot_config, **overrides)
     if args.output_dir:
         training_args.output_dir = args.output_dir
@@ -138,4 +143,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except SpotError as err:  # its one line says the cause and the fix; -v adds the traceback
+        if {"-v", "--verbose"} & set(sys.argv[1:]):
+            raise
+        if not err.said_in_log:
+            print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)

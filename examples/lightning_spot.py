@@ -38,6 +38,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from spot_callbacks import SpotError
 from spot_callbacks.lightning import SpotCheckpoint
 
 
@@ -92,12 +93,16 @@ def main() -> None:
         "--width", type=int, default=1024, help="hidden units: time per step, checkpoint size"
     )
     parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="a line per checkpoint, and a traceback with an error"
+    )
     args = parser.parse_args()
 
     pl.seed_everything(args.seed)
     spot = SpotCheckpoint(
         dirpath=args.dirpath,
         interval=args.interval,
+        verbose=args.verbose,
         every_n_steps=args.every_n_steps,
         storage_options=json.loads(args.storage_options) if args.storage_options else None,
     )
@@ -130,4 +135,11 @@ def announce_how_to_interrupt() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SpotError as err:  # its one line says the cause and the fix; -v adds the traceback
+        if {"-v", "--verbose"} & set(sys.argv[1:]):
+            raise
+        if not err.said_in_log:
+            print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)

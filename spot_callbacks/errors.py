@@ -38,7 +38,13 @@ from pathlib import Path
 
 
 class SpotError(Exception):
-    """The root of every exception spot_callbacks raises on purpose."""
+    """The root of every exception spot_callbacks raises on purpose.
+
+    ``said_in_log`` is True once the library has logged the error's one line (the preflight does,
+    before the first step), so a launcher that catches it need not print it again.
+    """
+
+    said_in_log: bool = False
 
 
 class ConfigError(SpotError, ValueError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -129,3 +130,38 @@ def test_hf_spot_run_again_after_it_finished_trains_nothing(tmp_path: Path) -> N
     # Resumed at max_steps, Transformers would train one more step: the example does not start it.
     assert "already finished at step 10 (max_steps=10): nothing to train" in runs[1].stdout
     assert [info.step for info in store.committed()] == [5, 10]
+
+
+@pytest.mark.parametrize("example", ["lightning_spot.py", "hf_spot.py"])
+def test_a_failed_start_prints_the_one_line_cause_and_no_traceback_unless_verbose(
+    tmp_path: Path, example: str
+) -> None:
+    import socket
+
+    with socket.socket() as probe:  # a port nothing listens on once this closes
+        probe.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    options = json.dumps({"endpoint_url": endpoint, "key": "k", "secret": "s"})
+    command = [
+        sys.executable,
+        str(EXAMPLES / example),
+        "--dirpath",
+        "s3://bucket/run",
+        "--storage-options",
+        options,
+    ]
+    env = {k: v for k, v in example_env(tmp_path, "a").items() if not k.startswith("SPOT_CONNECT")}
+    quiet = subprocess.run(
+        command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=RUN_TIMEOUT_S
+    )
+    said = quiet.stdout + quiet.stderr
+    assert quiet.returncode == 1, said
+    assert said.count("nothing accepts connections") == 1 and "Traceback" not in said, said
+    verbose = subprocess.run(
+        [*command, "-v"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=RUN_TIMEOUT_S
+    )
+    assert (
+        verbose.returncode == 1
+        and "Traceback" in verbose.stderr
+        and "StoreUnavailableError" in verbose.stderr
+    )

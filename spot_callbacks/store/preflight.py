@@ -90,6 +90,7 @@ def preflight(
         probe.run()
     except StoreUnavailableError as err:
         log.error("spot_callbacks: %s", err)
+        err.said_in_log = True
         raise
 
 
