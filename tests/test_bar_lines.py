@@ -31,6 +31,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 def on_a_terminal(argv: list[str], env: dict[str, str]) -> tuple[int, str]:
     """Run ``argv`` with stdout and stderr on one pseudo-terminal (120x40), as a user's shell shows it."""
+    # The terminal's own size decides the width, as in a user's shell, not a COLUMNS a CI runner exports.
+    env = {key: value for key, value in env.items() if key not in ("COLUMNS", "LINES")}
     master, terminal = pty.openpty()
     fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
     proc = subprocess.Popen(argv, stdin=terminal, stdout=terminal, stderr=terminal, env=env, close_fds=True)
