@@ -158,12 +158,32 @@ class SpotEngine:
         except SystemExit:
             self.attempt.close("preempted")
             raise
-        self.attempt.note(lock_wait_s=self.lease.lock_wait_s, lock_cause=self.lease.lock_cause())
-        self.accounts.dead_run = self.lease.dead_run()  # a run that died uncommitted: an interruption
+        if not self.lease.pending:
+            self._lock_taken()
         self.watcher.clear()  # a notice acted on in an earlier fit() in this process is spent
         self.watcher.start()
         warn_if_grace_too_short(self.watcher.sources)
         self.watch.start(self.is_writer)
+
+    def _lock_taken(self) -> None:
+        """The lock is settled (at start, or later by the watch that went on while training ran)."""
+        if self.lease.refusal is not None:
+            self.attempt.discard()  # not a process of the run in this dirpath
+            return
+        self.attempt.note(lock_wait_s=self.lease.lock_wait_s, lock_cause=self.lease.lock_cause())
+        self.accounts.dead_run = self.lease.dead_run()  # a run that died uncommitted: an interruption
+
+    def hold_for_writing(self) -> None:
+        """Call before anything is written into the store: waits for a run lock still watched (a
+        replacement trains while a dead run's lock goes stale) and raises :class:`RunLockedError` if
+        it is another live run's (see ``run_lease.py``)."""
+        if self.lease.pending:
+            try:
+                self.lease.hold_for_writing()
+            finally:
+                self._lock_taken()
+        elif self.lease.refusal is not None:
+            raise self.lease.refusal
 
     def _claim_scratch(self) -> None:
         if not self.scratch_root.is_dir():  # an earlier start that failed removed it
@@ -260,6 +280,8 @@ class SpotEngine:
         if extra_notice is not None:
             self.watcher.report(extra_notice)
         self.accounts.time_step(persisting=self.saves.persisting)
+        if self.lease.poll():  # the lock watched while training ran is settled: ours, or refused
+            self._lock_taken()
         if self.is_writer:
             if self._first_boundary:
                 self.attempt.note(lineage=self.accounts.lineage["id"])
@@ -319,6 +341,7 @@ class SpotEngine:
         self, step: int, epoch: int | None, state: Any, reason: str, extra: dict[str, Any] | None = None
     ) -> float:
         """Snapshot ``state`` and persist it in the background (see :meth:`CheckpointWriter.save_state`)."""
+        self.hold_for_writing()
         result = self.saves.save_state(step, epoch, state, reason, extra)
         self._note_checkpoint(step)  # the snapshot is taken: training goes on from here
         return result
@@ -333,6 +356,7 @@ class SpotEngine:
         extra: dict[str, Any] | None = None,
     ) -> float:
         """Every rank persists its shards (see :meth:`CheckpointWriter.save_sharded_state`)."""
+        self.hold_for_writing()
         result = self.saves.save_sharded_state(step, epoch, state, reason, meta, extra)
         self._note_checkpoint(step)  # the snapshot is taken: training goes on from here
         return result
@@ -348,6 +372,7 @@ class SpotEngine:
         extra: dict[str, Any] | None = None,
     ) -> bool:
         """Persist a folder the framework wrote (see :meth:`CheckpointWriter.save_folder`)."""
+        self.hold_for_writing()
         result = self.saves.save_folder(step, epoch, folder, reason, stall_s, owns_folder, extra)
         self._note_checkpoint(step)  # the snapshot is taken: training goes on from here
         return result
@@ -390,6 +415,7 @@ class SpotEngine:
         Notices are handled until the last commit settles: one then stops the run as preempted
         (``SystemExit(143)``). Raises when the newest state is not durable (:func:`rules.end_verdict`).
         """
+        self.hold_for_writing()
         failures = self.saves.close(timeout)
         self.running = False
         self.watcher.stop()

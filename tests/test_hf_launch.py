@@ -128,7 +128,9 @@ def test_a_trainer_that_trains_alone_in_a_process_group_of_two_is_refused_before
     printed = proc.stdout + proc.stderr
     assert proc.returncode != 0, printed[-4000:]
     # The example prints the error's one line (no traceback without -v): the cause and the fix.
-    assert "error: the process group has 2 processes but the Trainer trains as one" in printed, printed[-4000:]
+    assert "error: the process group has 2 processes but the Trainer trains as one" in printed, printed[
+        -4000:
+    ]
     assert "pass TrainingArguments(use_cpu=True)" in printed
     assert CheckpointStore(str(tmp_path / "run")).latest() is None
     assert not list((tmp_path / "output").glob("checkpoint-*"))

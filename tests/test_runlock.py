@@ -88,12 +88,57 @@ def test_a_fresh_lock_whose_owner_stopped_beating_is_taken_over_after_the_stale_
     _write_foreign_lock(url, options)  # kill -9'd a moment ago on another machine: fresh, never refreshed
     engine = _engine(url, options)
     with caplog.at_level(logging.WARNING, logger="spot_callbacks"):
-        engine.start()  # waits for the heartbeat to go stale instead of failing the restart
+        engine.start()  # waits until the heartbeats are missed instead of failing the restart
+        engine.save_state(step=1, epoch=0, state={"w": torch.ones(2)}, reason="steps")  # waits for the lock
     assert "waiting up to 2s" in caplog.text and "taking over the run lock" in caplog.text
     assert (
         RunLock(CheckpointStore(url, storage_options=options)).holder()["run_id"] == engine.lease.lock.run_id
     )
     engine.finish()
+    assert CheckpointStore(url, storage_options=options).latest().step == 1
+
+
+def test_a_replacement_trains_while_a_dead_runs_lock_goes_stale_and_writes_only_once_it_holds_it(
+    lock_target, monkeypatch, caplog
+) -> None:
+    url, options = lock_target
+    monkeypatch.delenv("SPOT_FORCE_LOCK", raising=False)
+    monkeypatch.setenv("SPOT_LOCK_STALE_S", "8")  # heartbeats every 2 s: missed after 4 s, stale after 8 s
+    _write_foreign_lock(url, options)  # its owner was killed just now
+    store = CheckpointStore(url, storage_options=options)
+    engine = _engine(url, options)
+    with caplog.at_level(logging.INFO, logger="spot_callbacks"):
+        engine.start()  # returns once the heartbeats are missed, long before the lock is stale
+        assert engine.lease.pending and engine.lease.lock is None
+        assert RunLock(store).holder()["run_id"] == "f" * 32  # still the dead run's: nothing written
+        assert "training starts while the run lock" in caplog.text
+        engine.save_state(step=2, epoch=0, state={"w": torch.ones(2)}, reason="steps")
+        assert not engine.lease.pending and engine.lease.lock is not None
+        assert RunLock(store).holder()["run_id"] == engine.lease.lock.run_id  # taken over, then written
+        engine.finish()
+    assert (
+        "the checkpoint waits for the run lock" in caplog.text and "taking over the run lock" in caplog.text
+    )
+    assert store.latest().step == 2
+
+
+def test_a_lock_presumed_dead_whose_owner_beats_again_stops_the_run_before_it_writes(
+    lock_target, monkeypatch
+) -> None:
+    url, options = lock_target
+    monkeypatch.delenv("SPOT_FORCE_LOCK", raising=False)
+    monkeypatch.setenv("SPOT_LOCK_STALE_S", "8")
+    _write_foreign_lock(url, options)  # an owner whose store stalled its heartbeats...
+    engine = _engine(url, options)
+    engine.start()
+    assert engine.lease.pending
+    _write_foreign_lock(url, options)  # ...beats again before its lock is stale: it is alive
+    with pytest.raises(RunLockedError) as refused:
+        engine.save_state(step=2, epoch=0, state={"w": torch.ones(2)}, reason="steps")
+    assert "other-host" in str(refused.value) and "4242" in str(refused.value)
+    engine.stop()
+    store = CheckpointStore(url, storage_options=options)
+    assert store.committed() == [] and RunLock(store).holder()["run_id"] == "f" * 32  # nothing of ours
 
 
 def test_the_lock_is_held_while_training_and_released_at_finish(lock_target) -> None:

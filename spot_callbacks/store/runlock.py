@@ -4,7 +4,7 @@ Two runs pointed at the same ``dirpath`` by mistake would interleave their check
 each other's. The first run writes ``<dirpath>/.spot-lock.json`` (host, pid, run id, started,
 heartbeat) and refreshes its heartbeat from a background thread; a second run that finds a lock
 with a fresh heartbeat refuses to start (:class:`RunLockedError`). A lock whose heartbeat is older
-than ``SPOT_LOCK_STALE_S`` (default 120 s), or whose owner is a dead process on this host, is
+than ``SPOT_LOCK_STALE_S`` (default 10 s), or whose owner is a dead process on this host, is
 taken over with a warning: a run killed without notice (kill -9, a vanished machine) leaves its
 lock behind, and the run that resumes it must not be blocked for long. ``SPOT_FORCE_LOCK=1``
 takes over any lock.
@@ -30,6 +30,14 @@ or old enough. Where the backend records no modification time, the heartbeat val
 stale-looking lock is taken over only once it has not changed for :data:`CONFIRM_HEARTBEATS`
 heartbeat periods of this host's own monotonic clock. A lock whose heartbeat lies in the future
 never holds the next run longer than ``SPOT_LOCK_STALE_S`` of this host's clock.
+
+A replacement need not wait for a dead run's lock to go stale before it trains. A lock that has
+missed its owner's heartbeats (unchanged for :data:`CONFIRM_HEARTBEATS` periods by the store's clock)
+is *presumed dead*: :meth:`RunLock.acquire` tells its caller (``on_presumed_dead``), which may start
+training while the watch goes on in the background, and write nothing until the lock is taken.
+A live owner rewrites its lock every period, so a run started by mistake beside a live one is still
+refused before its first step; one whose store stalled its heartbeats is refused later, with nothing
+written.
 
 The trade-off of a short stale time: a live run whose store stops answering its heartbeats for
 longer than ``SPOT_LOCK_STALE_S`` may be taken over by a run started meanwhile; it then learns at
@@ -176,6 +184,7 @@ class RunLock:
         self._read_etag: str | None = None  # of the lock as last read by holder(), taken before its content
         self._store_offset_s: float | None = None  # store clock minus this host's clock
         self._store_clock_probed = False
+        self._cancel = threading.Event()  # ends a watch whose caller no longer wants the lock
 
     @property
     def lost(self) -> bool:
@@ -288,7 +297,18 @@ class RunLock:
             return self._stale_reason(age_s, basis)
         return None
 
-    def _watch_heartbeat(self, doc: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    @property
+    def presumed_dead_s(self) -> float:
+        """A lock unchanged this long by the store's clock has missed its owner's heartbeats."""
+        return CONFIRM_HEARTBEATS * self.heartbeat_s + STORE_STAMP_RESOLUTION_S
+
+    def cancel_wait(self) -> None:
+        """End a watch in another thread's :meth:`acquire` at its next look (it raises RunLockedError)."""
+        self._cancel.set()
+
+    def _watch_heartbeat(
+        self, doc: dict[str, Any], on_presumed_dead: Callable[[str], None] | None = None
+    ) -> tuple[dict[str, Any], str | None]:
         """A fresh lock may belong to a run that was just killed (a replacement machine often starts
         within the stale time), and a stale-looking one to a live run on a host whose clock is off:
         watch it rather than fail or evict. A live owner rewrites it within one heartbeat period
@@ -302,9 +322,17 @@ class RunLock:
         first = (doc.get("heartbeat"), doc.get("run_id"), self._written_at())
         confirm_s = CONFIRM_HEARTBEATS * self.heartbeat_s
         watched_from = time.monotonic()
-        waiter = threading.Event()
+        current: dict[str, Any] | None = doc
         while True:
-            waiter.wait(min(self.heartbeat_s / 4, 1.0))
+            if on_presumed_dead is not None and current is not None:
+                age_s, basis = self._age(current)
+                if basis == "store" and age_s > self.presumed_dead_s:
+                    on_presumed_dead(
+                        f"it has missed its owner's heartbeats ({age_s:.0f}s old by the store's clock)"
+                    )
+                    on_presumed_dead = None
+            if self._cancel.wait(min(self.heartbeat_s / 4, 1.0)):
+                return doc, None
             current = self.holder()
             if current is None:
                 if self.store.retry.call(lambda: self.store.fs.exists(self.path), f"check {self.url}"):
@@ -340,8 +368,14 @@ class RunLock:
         return (started_at, float(beat)) if started_at <= beat < float("inf") else None
 
     # ----------------------------------------------------------------- writing
-    def acquire(self) -> None:
-        """Take the lock, or raise :class:`RunLockedError` naming the owner and the override."""
+    def acquire(self, on_presumed_dead: Callable[[str], None] | None = None) -> None:
+        """Take the lock, or raise :class:`RunLockedError` naming the owner and the override.
+
+        While it watches another run's lock, ``on_presumed_dead(why)`` is called once (from this
+        thread) when that lock has missed its owner's heartbeats: the caller, running this in another
+        thread, may start training meanwhile, writing nothing into the store until this returns.
+        """
+        self._cancel.clear()
         for _ in range(CLAIM_ATTEMPTS):
             doc = self.holder()
             if doc is None:
@@ -352,7 +386,7 @@ class RunLock:
                 continue
             why = self._why_free(doc)
             if why is None:
-                doc, why = self._watch_heartbeat(doc)
+                doc, why = self._watch_heartbeat(doc, on_presumed_dead)
             if why is None:
                 raise self._locked_error(doc)
             if doc.get("run_id") != self.run_id:
