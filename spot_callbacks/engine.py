@@ -49,6 +49,7 @@ from spot_callbacks.run_lease import RunLease
 from spot_callbacks.saving import CheckpointWriter
 from spot_callbacks.staging import StagingArea
 from spot_callbacks.store import CheckpointStore, step_dirname
+from spot_callbacks.store.checksums import FileDigest
 from spot_callbacks.store.layout import STATE_FILE
 from spot_callbacks.store.preflight import preflight_enabled, probe_readable
 from spot_callbacks.store.runlock import RELEASE_TIMEOUT_S
@@ -370,10 +371,37 @@ class SpotEngine:
         stall_s: float = 0.0,
         owns_folder: bool = False,
         extra: dict[str, Any] | None = None,
+        write: Callable[[Path], dict[str, FileDigest]] | None = None,
+        on_written: Callable[[], None] | None = None,
     ) -> bool:
-        """Persist a folder the framework wrote (see :meth:`CheckpointWriter.save_folder`)."""
+        """Persist a folder the framework wrote, or one ``write`` writes in the background (see
+        :meth:`CheckpointWriter.save_folder`)."""
         self.hold_for_writing()
-        result = self.saves.save_folder(step, epoch, folder, reason, stall_s, owns_folder, extra)
+        result = self.saves.save_folder(
+            step, epoch, folder, reason, stall_s, owns_folder, extra, write, on_written
+        )
+        self._note_checkpoint(step)  # the snapshot is taken: training goes on from here
+        return result
+
+    def save_rank_files(
+        self,
+        step: int,
+        epoch: int | None,
+        folder: Path,
+        reason: str,
+        write: Callable[[Path, Any], list[str]],
+        *,
+        stall_s: float = 0.0,
+        owns_folder: bool = False,
+        extra: dict[str, Any] | None = None,
+        on_written: Callable[[], None] | None = None,
+    ) -> bool:
+        """Every rank writes its own files of one folder (see :meth:`CheckpointWriter.save_rank_files`)."""
+        self.hold_for_writing()
+        result = self.saves.save_rank_files(
+            step, epoch, folder, reason, write, stall_s=stall_s, owns_folder=owns_folder, extra=extra,
+            on_written=on_written,
+        )  # fmt: skip
         self._note_checkpoint(step)  # the snapshot is taken: training goes on from here
         return result
 

@@ -228,8 +228,7 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
     def _submit_staged(self, control: Any) -> None:
         if self._staged.pending is not None:
             self._save_started_at = None
-            self.engine.hold_for_writing()
-            self._after_checkpoint(control, *self._staged.submit(self.engine.saves, self._extra(STAGED)))
+            self._after_checkpoint(control, *self._staged.submit(self.engine, self._extra(STAGED)))
 
     def _extra(self, save_path: str) -> dict[str, Any]:
         state = self.engine.state_dict(at_checkpoint=True)

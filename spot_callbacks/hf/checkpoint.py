@@ -34,7 +34,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import transformers
@@ -44,9 +44,11 @@ import spot_callbacks.hf.adapters as adapters
 import spot_callbacks.hf.fsdp as fsdp
 import spot_callbacks.settings as settings
 from spot_callbacks._dist import is_writer
-from spot_callbacks.saving import CheckpointWriter
 from spot_callbacks.staging import StagedState, StagingArea
 from spot_callbacks.store.checksums import FileDigest
+
+if TYPE_CHECKING:
+    from spot_callbacks.engine import SpotEngine
 
 log = logging.getLogger("spot_callbacks")
 
@@ -202,7 +204,7 @@ class StagedSaves:
         self._say(f"spot_callbacks: {TRAINER_SAVES_AT_A_STAGED_STEP}")
         return pending
 
-    def submit(self, writer: CheckpointWriter, extra: dict[str, Any]) -> tuple[Any, float | None]:
+    def submit(self, writer: SpotEngine, extra: dict[str, Any]) -> tuple[Any, float | None]:
         """Once the step's logs are in ``TrainerState``: copy it, hand the folder to the writer (every rank).
 
         Returns the pending save's request and the seconds the loop was blocked for it (``None``:
