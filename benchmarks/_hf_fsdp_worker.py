@@ -202,10 +202,13 @@ class TrainOn(transformers.TrainerCallback):
         if self.floor is None:  # after the first step: the optimizer state exists
             self.floor = _train_on.Floor(tensors)
             self.rss.cut()
-        elif step % args.every == 0 and step < state.max_steps:
+            return
+        _train_on.line_up()
+        if step % args.every == 0 and step < state.max_steps:
             if not self.floor.seconds:
                 self.baseline = self.rss.cut()
             self.floor.time(step, tensors)
+            _train_on.line_up()
 
 
 class StageWait(transformers.TrainerCallback):
@@ -222,7 +225,7 @@ class StageWait(transformers.TrainerCallback):
 def main_train_on() -> None:
     enable_fsdp_on_cpu()
     torch.manual_seed(0)
-    rss, clock = _train_on.RssWindow(), _train_on.HookClock()
+    rss, clock = _train_on.RssWindow(), _train_on.HookClock(profile_every=args.every)
     spot = SpotCheckpointCallback(
         dirpath=args.dirpath, interval=None, every_n_steps=args.every, keep_last=1,
         storage_options=json.loads(args.storage_options), preemption=[],
@@ -241,6 +244,7 @@ def main_train_on() -> None:
     )  # fmt: skip
     trainer.train()  # on_train_end waits for the last commit: inside the RSS window
     extra = rss.cut() - train_on.baseline
+    clock.dump_profile(training_args.process_index)
     assert train_on.floor is not None
     plain_s, rows = _train_on.checkpoint_rows(clock, train_on.floor, args.every, args.steps)
     for row in rows:

@@ -201,10 +201,13 @@ class TrainOn(pl.Callback):
         if self.floor is None:  # after the first step: the optimizer state exists
             self.floor = _train_on.Floor(tensors)
             self.rss.cut()
-        elif step % args.every == 0 and step < args.steps:
+            return
+        _train_on.line_up()
+        if step % args.every == 0 and step < args.steps:
             if not self.floor.seconds:
                 self.baseline = self.rss.cut()
             self.floor.time(step, tensors)
+            _train_on.line_up()
 
 
 class StageWait(pl.callbacks.Checkpoint):  # Lightning moves Checkpoint callbacks last: after SpotCheckpoint
@@ -220,7 +223,7 @@ def main_train_on() -> None:
     from lightning.pytorch.strategies import DDPStrategy
 
     pl.seed_everything(0)
-    rss, clock = _train_on.RssWindow(), _train_on.HookClock()
+    rss, clock = _train_on.RssWindow(), _train_on.HookClock(profile_every=args.every)
     spot = SpotCheckpoint(
         dirpath=args.dirpath, interval=None, every_n_steps=args.every, keep_last=1,
         storage_options=json.loads(args.storage_options), preemption=[],
@@ -240,6 +243,7 @@ def main_train_on() -> None:
     model = Net()
     trainer.fit(model, DataLoader(data, batch_size=4))  # on_train_end waits for the last commit
     extra = rss.cut() - train_on.baseline
+    clock.dump_profile(trainer.global_rank)
     assert train_on.floor is not None
     plain_s, rows = _train_on.checkpoint_rows(clock, train_on.floor, args.every, args.steps)
     for row in rows:

@@ -4,7 +4,8 @@
   step they belong to; a checkpoint's *blocked* time is its step's hook time less the median of
   the steps without a checkpoint.
 - :class:`Floor`: ``copy_`` of the tensors the rank stages into buffers allocated (and touched)
-  once, before the RSS baseline, timed just before each checkpoint's hooks (side by side).
+  once, before the RSS baseline, timed just before each checkpoint's hooks (side by side), between
+  two :func:`line_up` barriers (at every step), so every rank enters the hooks at once.
 - :class:`RssWindow`: RSS sampled every 2 ms over the whole run. The baseline is the *peak* over
   plain training steps before the first checkpoint (a step's own activations and gradients come
   and go: the RSS at a step boundary is not the training's peak); *extra* is the peak from the
@@ -56,9 +57,21 @@ class RssWindow:
 class HookClock:
     """Seconds spent in a callback's hooks, by the step they belong to (set :attr:`step` first)."""
 
-    def __init__(self) -> None:
+    def __init__(self, profile_every: int | None = None) -> None:
         self.step: int | None = None
         self.seconds: dict[int, float] = defaultdict(float)
+        # SPOT_BENCH_PROFILE=path: cProfile the hooks of every ``profile_every``-th step into path.
+        self.profile_path = os.environ.get("SPOT_BENCH_PROFILE")
+        self.profile_every = profile_every
+        self.profiler: Any = None
+        if self.profile_path and profile_every:
+            import cProfile
+
+            self.profiler = cProfile.Profile()
+
+    def dump_profile(self, rank: int) -> None:
+        if self.profiler is not None:
+            self.profiler.dump_stats(f"{self.profile_path}.rank{rank}")
 
     def wrap(self, callback: Any, names: list[str]) -> None:
         for name in names:
@@ -67,7 +80,14 @@ class HookClock:
             @functools.wraps(hook)
             def timed(*args: Any, __hook: Any = hook, **kwargs: Any) -> Any:
                 started = time.perf_counter()
+                profiled = (
+                    self.profiler is not None
+                    and self.step is not None
+                    and self.step % self.profile_every == 0
+                )
                 try:
+                    if profiled:
+                        return self.profiler.runcall(__hook, *args, **kwargs)
                     return __hook(*args, **kwargs)
                 finally:
                     if self.step is not None:
@@ -93,6 +113,16 @@ class Floor:
         self.seconds[step] = time.perf_counter() - started
 
 
+def line_up() -> None:
+    """Every rank here before going on: the hooks timed next start together on every rank, so a
+    collective inside them waits for the other ranks' checkpoint work only, not for the noise of
+    the training step (or of the floor) before it. Called at every step, checkpoint or not."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
 def local_tensors(parameters: Any, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """This rank's local shards (or whole tensors) of every parameter and optimizer tensor."""
     tensors = [p.to_local() if hasattr(p, "to_local") else p for p in parameters]
@@ -108,7 +138,7 @@ def checkpoint_rows(
 ) -> tuple[float, list[dict[str, float]]]:
     """The median hook time of plain steps, and one row per checkpoint (not the last step's, whose
     hooks also wait for the final commit)."""
-    plain = [s for step, s in clock.seconds.items() if step % every and step < last_step]
+    plain = [s for step, s in clock.seconds.items() if step % every and 1 < step < last_step]
     plain_s = statistics.median(plain) if plain else 0.0
     rows = []
     for step, floor_s in sorted(floor.seconds.items()):

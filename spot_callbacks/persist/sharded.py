@@ -1,8 +1,11 @@
 """Sharded checkpoints (FSDP, DTensor state) through ``torch.distributed.checkpoint``, every rank persisting its own.
 
 No rank ever holds the whole state. At a checkpoint every rank copies *its* shards into reused
-host buffers (DCP's :class:`~torch.distributed.checkpoint.staging.DefaultStager`: pinned memory and
-a side stream on CUDA), and training goes on. In the background, on CPU (gloo) process groups of
+host buffers, and training goes on: the engine's saves stage the local shards in the run's
+:class:`~spot_callbacks.staging.StagingArea` (:func:`~spot_callbacks.persist.shards.local_shards`;
+the writer wraps the buffers back into DTensors and ``dcp.save`` writes from them in place);
+:meth:`ShardedPersister.stage` uses DCP's :class:`~torch.distributed.checkpoint.staging.DefaultStager`
+(pinned memory and a side stream on CUDA). In the background, on CPU (gloo) process groups of
 their own so a slow upload never stalls a training collective, the ranks then:
 
 1. write the staged shards with ``dcp.save`` into a rank-private scratch folder (one
