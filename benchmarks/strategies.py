@@ -188,8 +188,12 @@ def main(argv: list[str] | None = None) -> int:
         )
     print("\n".join(verdicts))
     print(f"load average at start {load_start}, at end {load_end}")
+    allocator = " ".join(
+        f"{key}={value}" for key, value in sorted(os.environ.items()) if key.startswith("MALLOC_")
+    )
     command = (
-        f"python benchmarks/strategies.py --strategies {args.strategies} --hidden {args.hidden} --layers {args.layers} "
+        (f"{allocator} " if allocator else "")
+        + f"python benchmarks/strategies.py --strategies {args.strategies} --hidden {args.hidden} --layers {args.layers} "
         f"--every {args.every} --steps {args.steps} --runs {args.runs} --store {args.store}"
     )
     section = [
