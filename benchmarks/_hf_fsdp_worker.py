@@ -38,6 +38,9 @@ from hf_fsdp_run import enable_fsdp_on_cpu  # noqa: E402
 
 from spot_callbacks.hf import SpotCheckpointCallback  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _train_on  # noqa: E402
+
 parser = argparse.ArgumentParser()
 parser.add_argument("--dirpath", required=True)
 parser.add_argument("--storage-options", default="{}")
@@ -46,6 +49,11 @@ parser.add_argument("--layers", type=int, default=6)
 parser.add_argument("--every", type=int, default=3)
 parser.add_argument("--steps", type=int, default=9)
 parser.add_argument("--floor", action="store_true")
+parser.add_argument(
+    "--train-on", action="store_true",
+    help="training runs on while the writer writes and uploads (no wait for each commit): the hooks "
+    "are timed from outside, the floor beside each checkpoint, RSS over the whole run (_train_on.py)",
+)  # fmt: skip
 parser.add_argument("--output-dir", required=True)
 parser.add_argument("--results", required=True, help="folder for one rank-N.json per rank")
 args = parser.parse_args()
@@ -177,7 +185,83 @@ def copy_s(buffers: list[torch.Tensor], tensors: list[torch.Tensor]) -> float:
     return time.perf_counter() - started
 
 
+class TrainOn(transformers.TrainerCallback):
+    """First in the list: the step the hooks' time goes to, the floor beside each checkpoint, the RSS windows."""
+
+    def __init__(
+        self, spot: SpotCheckpointCallback, clock: _train_on.HookClock, rss: _train_on.RssWindow
+    ) -> None:
+        self.spot, self.clock, self.rss = spot, clock, rss
+        self.floor: _train_on.Floor | None = None
+        self.baseline = 0  # peak RSS over plain steps before the first checkpoint
+        self.waits: dict[int, float] = {}
+
+    def on_step_end(self, args_, state, control, **kwargs):
+        step = self.clock.step = state.global_step
+        tensors = _train_on.local_tensors(kwargs["model"].parameters(), kwargs["optimizer"])
+        if self.floor is None:  # after the first step: the optimizer state exists
+            self.floor = _train_on.Floor(tensors)
+            self.rss.cut()
+            return
+        _train_on.line_up()
+        if step % args.every == 0 and step < state.max_steps:
+            if not self.floor.seconds:
+                self.baseline = self.rss.cut()
+            self.floor.time(step, tensors)
+            _train_on.line_up()
+
+
+class StageWait(transformers.TrainerCallback):
+    """After the checkpoint callback: how long its stage waited for the previous write (0: it did not)."""
+
+    def __init__(self, spot: SpotCheckpointCallback, train_on: TrainOn) -> None:
+        self.spot, self.train_on = spot, train_on
+
+    def on_step_end(self, args_, state, control, **kwargs):
+        if state.global_step % args.every == 0:
+            self.train_on.waits[state.global_step] = self.spot.engine.staging.last_wait_s
+
+
+def main_train_on() -> None:
+    enable_fsdp_on_cpu()
+    torch.manual_seed(0)
+    rss, clock = _train_on.RssWindow(), _train_on.HookClock(profile_every=args.every)
+    spot = SpotCheckpointCallback(
+        dirpath=args.dirpath, interval=None, every_n_steps=args.every, keep_last=1,
+        storage_options=json.loads(args.storage_options), preemption=[],
+    )  # fmt: skip
+    clock.wrap(spot, ["on_step_begin", "on_step_end", "on_log", "on_evaluate", "on_save"])
+    train_on = TrainOn(spot, clock, rss)
+    training_args = transformers.TrainingArguments(
+        output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=4, learning_rate=1e-4,
+        save_strategy="no", logging_steps=10**6, report_to=[], use_cpu=True, dataloader_num_workers=0,
+        disable_tqdm=True, fsdp=True,
+        fsdp_config={"version": 2, "state_dict_type": "SHARDED_STATE_DICT", "transformer_layer_cls_to_wrap": ["Linear"]},
+    )  # fmt: skip
+    trainer = transformers.Trainer(
+        model=Mlp(), args=training_args, train_dataset=Inputs(args.steps * 4 * training_args.world_size),
+        callbacks=[train_on, spot, StageWait(spot, train_on)],
+    )  # fmt: skip
+    trainer.train()  # on_train_end waits for the last commit: inside the RSS window
+    extra = rss.cut() - train_on.baseline
+    clock.dump_profile(training_args.process_index)
+    assert train_on.floor is not None
+    plain_s, rows = _train_on.checkpoint_rows(clock, train_on.floor, args.every, args.steps)
+    for row in rows:
+        row["stage_wait_s"] = train_on.waits.get(row["step"], 0.0)
+    rank = training_args.process_index
+    result = {
+        "rank": rank, "mode": "hf-fsdp2", "fsdp": trainer.is_fsdp_enabled, "shard_bytes": train_on.floor.nbytes,
+        "plain_hooks_s": plain_s, "rows": rows, "extra_rss_bytes": extra,
+        "shard_handle_builds": spot._staged.handles.builds,
+    }  # fmt: skip
+    with open(os.path.join(args.results, f"rank-{rank}.json"), "w") as handle:
+        json.dump(result, handle)
+
+
 def main() -> None:
+    if args.train_on:
+        return main_train_on()
     enable_fsdp_on_cpu()
     torch.manual_seed(0)
     sampler = RssSampler()

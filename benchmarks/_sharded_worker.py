@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -24,6 +25,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from spot_callbacks.lightning import SpotCheckpoint
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _train_on  # noqa: E402
+
 parser = argparse.ArgumentParser()
 parser.add_argument("--dirpath", required=True)
 parser.add_argument("--storage-options", default="{}")
@@ -34,6 +38,12 @@ parser.add_argument("--every", type=int, default=3)
 parser.add_argument("--steps", type=int, default=9)
 parser.add_argument("--gathered", action="store_true")
 parser.add_argument("--results", required=True, help="folder for one rank-N.json per rank")
+parser.add_argument("--strategy", choices=["fsdp", "ddp"], default="fsdp", help="ddp: DDPStrategy on gloo")
+parser.add_argument(
+    "--train-on", action="store_true",
+    help="training runs on while the writer writes and uploads (no wait for each commit): the hook is "
+    "timed from outside, the floor beside each checkpoint, RSS over the whole run (_train_on.py)",
+)  # fmt: skip
 args = parser.parse_args()
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -73,6 +83,8 @@ class Net(pl.LightningModule):
         )
 
     def configure_model(self) -> None:
+        if args.strategy == "ddp":
+            return
         mesh = self.device_mesh["data_parallel"]
         for layer in self.layers:
             fully_shard(layer, mesh=mesh)
@@ -174,7 +186,79 @@ def measure_resume(spot: SpotCheckpoint, module: torch.nn.Module, optimizer: tor
     }
 
 
+class TrainOn(pl.Callback):
+    """First in the list: the step the hook's time goes to, the floor beside each checkpoint, the RSS windows."""
+
+    def __init__(self, spot: SpotCheckpoint, clock: _train_on.HookClock, rss: _train_on.RssWindow) -> None:
+        self.spot, self.clock, self.rss = spot, clock, rss
+        self.floor: _train_on.Floor | None = None
+        self.baseline = 0  # peak RSS over plain steps before the first checkpoint
+        self.waits: dict[int, float] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, *rest) -> None:
+        step = self.clock.step = trainer.global_step
+        tensors = _train_on.local_tensors(pl_module.parameters(), trainer.optimizers[0])
+        if self.floor is None:  # after the first step: the optimizer state exists
+            self.floor = _train_on.Floor(tensors)
+            self.rss.cut()
+            return
+        _train_on.line_up()
+        if step % args.every == 0 and step < args.steps:
+            if not self.floor.seconds:
+                self.baseline = self.rss.cut()
+            self.floor.time(step, tensors)
+            _train_on.line_up()
+
+
+class StageWait(pl.callbacks.Checkpoint):  # Lightning moves Checkpoint callbacks last: after SpotCheckpoint
+    def __init__(self, spot: SpotCheckpoint, train_on: TrainOn) -> None:
+        self.spot, self.train_on = spot, train_on
+
+    def on_train_batch_end(self, trainer, *rest) -> None:
+        if trainer.global_step % args.every == 0:
+            self.train_on.waits[trainer.global_step] = self.spot.engine.staging.last_wait_s
+
+
+def main_train_on() -> None:
+    from lightning.pytorch.strategies import DDPStrategy
+
+    pl.seed_everything(0)
+    rss, clock = _train_on.RssWindow(), _train_on.HookClock(profile_every=args.every)
+    spot = SpotCheckpoint(
+        dirpath=args.dirpath, interval=None, every_n_steps=args.every, keep_last=1,
+        storage_options=json.loads(args.storage_options), preemption=[],
+    )  # fmt: skip
+    clock.wrap(spot, ["on_train_batch_end"])
+    train_on = TrainOn(spot, clock, rss)
+    data = TensorDataset(torch.randn(args.steps * 4 * args.devices, args.hidden))
+    strategy = (
+        DDPStrategy(process_group_backend="gloo") if args.strategy == "ddp"
+        else ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
+    )  # fmt: skip
+    trainer = pl.Trainer(
+        max_steps=args.steps, callbacks=[train_on, spot, StageWait(spot, train_on)], logger=False,
+        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=args.devices,
+        strategy=strategy,
+    )  # fmt: skip
+    model = Net()
+    trainer.fit(model, DataLoader(data, batch_size=4))  # on_train_end waits for the last commit
+    extra = rss.cut() - train_on.baseline
+    clock.dump_profile(trainer.global_rank)
+    assert train_on.floor is not None
+    plain_s, rows = _train_on.checkpoint_rows(clock, train_on.floor, args.every, args.steps)
+    for row in rows:
+        row["stage_wait_s"] = train_on.waits.get(row["step"], 0.0)
+    result = {
+        "rank": trainer.global_rank, "mode": f"lightning-{args.strategy}", "shard_bytes": train_on.floor.nbytes,
+        "plain_hooks_s": plain_s, "rows": rows, "extra_rss_bytes": extra,
+    }  # fmt: skip
+    with open(os.path.join(args.results, f"rank-{trainer.global_rank}.json"), "w") as handle:
+        json.dump(result, handle)
+
+
 def main() -> None:
+    if args.train_on:
+        return main_train_on()
     pl.seed_everything(0)
     sampler = RssSampler()
     spot = SpotCheckpoint(

@@ -40,6 +40,7 @@ from spot_callbacks.persist.folders import NodeFolderPersister
 from spot_callbacks.persist.pipeline import SLOW_UPLOAD_FIX_AUTO
 from spot_callbacks.persist.scratch import discard_copies_older_than
 from spot_callbacks.persist.sharded import ShardedPersister
+from spot_callbacks.persist.shards import local_shards
 from spot_callbacks.preemption import Notice
 from spot_callbacks.preemption.emergency import Emergency
 from spot_callbacks.staging import StagedState, StagingArea, write_state
@@ -303,9 +304,20 @@ class CheckpointWriter:
         if self._refused(step):
             return 0.0
         persister = self.persister_for(SHARDED_LAYOUT)
-        staged, nbytes = persister.stage(state)
-        terms = self._job_terms(reason, time.perf_counter() - started, extra, staged_bytes=nbytes)
-        persister.submit(persister.job(step, reason, self.framework, staged, meta=meta, epoch=epoch, **terms))
+        # The local shards go through the run's staging buffers, as a single writer's state does.
+        layouts: dict[tuple[Any, ...], Any] = {}
+        staged = self.staging.stage(local_shards(state, layouts))
+        try:
+            terms = self._job_terms(reason, time.perf_counter() - started, extra, staged_bytes=staged.nbytes)
+            persister.submit(
+                persister.job(
+                    step, reason, self.framework, staged.state, meta=meta, epoch=epoch, layouts=layouts,
+                    before_write=staged.wait_copied, on_written=staged.release, **terms,
+                )
+            )  # fmt: skip
+        except BaseException:
+            staged.release()  # no writer will: the next checkpoint must find the buffers free
+            raise
         return self._after_save(step, time.perf_counter() - started)
 
     def save_folder(

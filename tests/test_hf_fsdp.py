@@ -147,6 +147,15 @@ def test_staged_fsdp_checkpoint_is_the_trainers_folder_commits_on_sigterm_and_re
     for rank in (0, 1):
         assert_same_weights(weights(tmp_path, "machine-b", rank), baseline, f"rank {rank}")
     assert [c.step for c in store.committed()] == [5, STOP_STEP, 10, 15, MAX_STEPS]
+    # Step 15 is machine-b's second checkpoint, staged from the shards kept since step 10 (the state
+    # dicts are not taken again): the same bytes as the Trainer's own save of the uninterrupted run.
+    staged_15, trainer_15 = (
+        store.pull(15, tmp_path / "staged-15"),
+        reference.pull(15, tmp_path / "trainer-15"),
+    )
+    for folder in DCP_FOLDERS:
+        for shard in ("__0_0.distcp", "__1_0.distcp"):
+            assert (staged_15 / folder / shard).read_bytes() == (trainer_15 / folder / shard).read_bytes()
 
     # The emergency checkpoint on 1 and on 4 processes: accelerate reshards it, training ends.
     emergency = store.pull(STOP_STEP, tmp_path / f"checkpoint-{STOP_STEP}")

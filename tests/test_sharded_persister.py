@@ -123,3 +123,32 @@ def test_shard_folders_a_dead_process_left_in_scratch_go_when_the_next_persister
     finally:
         assert persister.close(timeout=60)
     assert sorted(p.name for p in rank_scratch.iterdir()) == ["notes.txt"]
+
+
+def test_local_shards_staged_in_a_staging_area_reuse_its_buffers_and_round_trip(one_rank, tmp_path):
+    from spot_callbacks.persist.shards import local_shards
+    from spot_callbacks.staging import StagingArea
+
+    store = CheckpointStore((tmp_path / "store").as_uri(), retry=FAST_RETRY)
+    persister = ShardedPersister(store, scratch_root=tmp_path / "scratch", keep_last=0)
+    area = StagingArea()
+    buffers = []
+    try:
+        for step in (1, 2):
+            layouts: dict = {}
+            staged = area.stage(local_shards(sharded_state(one_rank, float(step)), layouts), timeout=60)
+            buffers.append(staged.state["model"]["w"])
+            job = persister.job(
+                step, "steps", "test", staged.state, layouts=layouts,
+                before_write=staged.wait_copied, on_written=staged.release,
+            )  # fmt: skip
+            persister.submit(job)
+            assert persister.wait_for_step(step, timeout=60)
+    finally:
+        assert persister.close()
+    assert (
+        buffers[0] is buffers[1] and area.plan_builds == 1
+    )  # the second checkpoint refilled the first's buffer
+    state = {"model": {"w": distribute_tensor(torch.zeros(8, 4), one_rank, [Shard(0)])}, "step": 0.0}
+    load_sharded_state(store.pull(2, tmp_path / "pulled"), state)
+    assert torch.equal(state["model"]["w"].full_tensor(), torch.full((8, 4), 2.0)) and state["step"] == 2.0

@@ -102,6 +102,9 @@ class StagedSaves:
         self.submitted_steps: list[int] = []  # of this train(), in order
         self.adapters: adapters.AdapterSnapshot | None = None  # a PEFT model: its adapters are the model
         self.pending: StagedCheckpoint | None = None
+        self.handles = (
+            fsdp.ShardHandles()
+        )  # sharded: the shards to stage, kept from one checkpoint to the next
         self._said: set[str] = set()
 
     def _live_trainer(self) -> transformers.Trainer:
@@ -114,6 +117,7 @@ class StagedSaves:
         """At ``on_train_begin`` (every rank): choose the path for this run and log it once."""
         self._trainer = weakref.ref(trainer) if trainer is not None else (lambda: None)
         self.pending, self.submitted_steps = None, []
+        self.handles = fsdp.ShardHandles()
         self.owns_folders = compat.save_strategy(args) == "no"  # nothing else rotates checkpoint-N
         if args.save_only_model:
             log.warning(
@@ -174,7 +178,7 @@ class StagedSaves:
         layouts: dict[tuple[Any, ...], Any] | None = None
         if self.every_rank:
             layouts = {}
-            staged = staging.stage(rank_state(trainer, self.sharded, layouts, self.adapters))
+            staged = staging.stage(rank_state(trainer, self.sharded, layouts, self.adapters, self.handles))
         elif is_writer():
             staged = staging.stage(rank_state(trainer, sharded=False, layouts={}, peft=self.adapters))
         elif not trainer.args.save_only_model:
@@ -279,10 +283,12 @@ def rank_state(
     sharded: bool,
     layouts: dict[tuple[Any, ...], Any],
     peft: adapters.AdapterSnapshot | None = None,
+    handles: fsdp.ShardHandles | None = None,
 ) -> dict[str, Any]:
     """What this rank writes of ``checkpoint-N``, to stage: as ``Trainer._save_checkpoint`` chooses it.
 
-    ``sharded``: this rank's DTensor shards of model and optimizer, their layouts into ``layouts``.
+    ``sharded``: this rank's DTensor shards of model and optimizer, their layouts into ``layouts``
+    (``handles``: the run's, which keep them from one checkpoint to the next).
     Otherwise the model and optimizer state where ``args.should_save`` (rank 0, or every node's main
     process with ``save_on_each_node``); of a PEFT model (``peft``) the adapters ``save_pretrained``
     writes. Scheduler and scaler where ``should_save``, the RNG streams
@@ -292,9 +298,10 @@ def rank_state(
     only_model = bool(args.save_only_model)
     state: dict[str, Any] = {}
     if sharded:
-        model, optimizer = fsdp.model_and_optimizer_shards(trainer, peft)
-        state["model"] = fsdp.local_shards(model, layouts, ("model",))
-        state["optimizer"] = fsdp.local_shards(optimizer, layouts, ("optimizer",))
+        state["model"], state["optimizer"], shard_layouts = (handles or fsdp.ShardHandles()).local_state(
+            trainer, peft
+        )
+        layouts.update(shard_layouts)
     elif args.should_save:
         state["model"] = peft.state() if peft is not None else _built(trainer.model, "model").state_dict()
         if not only_model:

@@ -634,9 +634,11 @@ class LoopPosition:
     def state_dict(self, trainer: Any = None) -> dict[str, Any]:
         """Every rank's RNG now and at the epoch's start (collective), the batches done, and (with
         the ``trainer``) the settings they are counted in."""
+        # One gather for both (each all_gather_object is two collectives inside the checkpoint's stall).
+        gathered = gather_from_ranks((capture_rng_state(), self.epoch_start_rng))
         return {
-            "rng": gather_from_ranks(capture_rng_state()),
-            "epoch_start_rng": gather_from_ranks(self.epoch_start_rng),
+            "rng": [now for now, _ in gathered],
+            "epoch_start_rng": [at_start for _, at_start in gathered],
             "batches_done_in_epoch": self.batches_done_in_epoch,
             **({"data_position": data_position(trainer).to_dict()} if trainer is not None else {}),
         }

@@ -1,8 +1,11 @@
 """Sharded checkpoints (FSDP, DTensor state) through ``torch.distributed.checkpoint``, every rank persisting its own.
 
 No rank ever holds the whole state. At a checkpoint every rank copies *its* shards into reused
-host buffers (DCP's :class:`~torch.distributed.checkpoint.staging.DefaultStager`: pinned memory and
-a side stream on CUDA), and training goes on. In the background, on CPU (gloo) process groups of
+host buffers, and training goes on: the engine's saves stage the local shards in the run's
+:class:`~spot_callbacks.staging.StagingArea` (:func:`~spot_callbacks.persist.shards.local_shards`;
+the writer wraps the buffers back into DTensors and ``dcp.save`` writes from them in place);
+:meth:`ShardedPersister.stage` uses DCP's :class:`~torch.distributed.checkpoint.staging.DefaultStager`
+(pinned memory and a side stream on CUDA). In the background, on CPU (gloo) process groups of
 their own so a slow upload never stalls a training collective, the ranks then:
 
 1. write the staged shards with ``dcp.save`` into a rank-private scratch folder (one
@@ -23,6 +26,7 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +37,7 @@ import torch.distributed as dist
 from spot_callbacks.persist.dcp_safety import SafeFileSystemReader, SafeLoadPlanner, check_dcp_folder
 from spot_callbacks.persist.rank_group import RankGroup, RankGroupPersister
 from spot_callbacks.persist.scratch import discard_folder, discard_leftover_step_folders
+from spot_callbacks.persist.shards import as_global
 from spot_callbacks.persist.tracking import CheckpointJob
 from spot_callbacks.store import CheckpointStore, step_dirname
 from spot_callbacks.store.layout import SHARDED_META_FILE
@@ -104,6 +109,12 @@ class ShardedJob(CheckpointJob):
 
     staged: dict[str, Any] = field(default_factory=dict)  # this rank's shards, in the stager's buffers
     meta: bytes | None = None  # rank 0: the serialized non-tensor rest, written as meta.pt
+    # Staged as local shards (the engine's StagingArea): their layouts, to write them as DTensors again.
+    layouts: dict[tuple[Any, ...], Any] | None = None
+    before_write: Callable[[], None] | None = None  # e.g. wait for device-to-host copies
+    on_written: Callable[[], None] | None = (
+        None  # after the write, whether it worked or not: free the buffers
+    )
 
 
 def serialize_meta(meta: dict[str, Any]) -> bytes:
@@ -211,8 +222,16 @@ class ShardedPersister(RankGroupPersister[ShardedJob]):
         metrics: dict[str, Any] | None = None,
         extra: dict[str, Any] | None = None,
         deadline: float | None = None,
+        layouts: dict[tuple[Any, ...], Any] | None = None,
+        before_write: Callable[[], None] | None = None,
+        on_written: Callable[[], None] | None = None,
     ) -> ShardedJob:
-        """The job of one checkpoint on this rank (``meta`` is serialized now, on rank 0 only)."""
+        """The job of one checkpoint on this rank (``meta`` is serialized now, on rank 0 only).
+
+        ``staged`` holds DTensors (:meth:`stage`), or local shards with their ``layouts``
+        (:func:`~spot_callbacks.persist.shards.local_shards`, staged by the caller): the writer
+        calls ``before_write``, writes them as DTensors again, then calls ``on_written``.
+        """
         return ShardedJob(
             step=step,
             reason=reason,
@@ -224,6 +243,9 @@ class ShardedPersister(RankGroupPersister[ShardedJob]):
             deadline=deadline,
             staged=staged,
             meta=serialize_meta(meta) if meta is not None and self.rank == 0 else None,
+            layouts=layouts,
+            before_write=before_write,
+            on_written=on_written,
         )
 
     def wait_written(self, timeout: float | None = None) -> bool:
@@ -264,6 +286,9 @@ class ShardedPersister(RankGroupPersister[ShardedJob]):
             except BaseException as err:  # noqa: BLE001 - reported, never raised in a worker
                 written = False
                 self._fail(job, err)
+            finally:
+                if job.on_written is not None:
+                    job.on_written()
             with self._cond:
                 self._busy_writing = None
                 job.staged = {}
@@ -284,9 +309,13 @@ class ShardedPersister(RankGroupPersister[ShardedJob]):
         self._writes.agree(
             lambda: self._prepare_folder(job), "prepare its scratch folder", job.local_dir, job.step
         )
-        # DCP shares a rank's write error with every rank (CheckpointException on all).
+        if job.before_write is not None:
+            job.before_write()
+        staged = job.staged if job.layouts is None else as_global(job.staged, job.layouts)
+        # DCP shares a rank's write error with every rank (CheckpointException on all). It writes
+        # each tensor from the staged buffer itself (torch.save of a whole storage): no second copy.
         dcp.save(
-            job.staged,
+            staged,
             storage_writer=dcp.FileSystemWriter(job.local_dir, sync_files=True),
             process_group=self._writes.group,
         )

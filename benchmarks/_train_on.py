@@ -1,0 +1,149 @@
+"""Measuring a checkpoint from outside while training runs on (used by the multi-rank workers).
+
+- :class:`HookClock`: wraps the checkpoint callback's hooks and adds the time spent in them to the
+  step they belong to; a checkpoint's *blocked* time is its step's hook time less the median of
+  the steps without a checkpoint.
+- :class:`Floor`: ``copy_`` of the tensors the rank stages into buffers allocated (and touched)
+  once, before the RSS baseline, timed just before each checkpoint's hooks (side by side), between
+  two :func:`line_up` barriers (at every step), so every rank enters the hooks at once.
+- :class:`RssWindow`: RSS sampled every 2 ms over the whole run. The baseline is the *peak* over
+  plain training steps before the first checkpoint (a step's own activations and gradients come
+  and go: the RSS at a step boundary is not the training's peak); *extra* is the peak from the
+  first checkpoint to the end of the run (the writes and uploads included) over that baseline.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import statistics
+import threading
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * PAGE
+
+
+class RssWindow:
+    """The peak RSS since the last :meth:`cut`, sampled by a daemon thread."""
+
+    def __init__(self) -> None:
+        self.peak = rss_bytes()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            value = rss_bytes()
+            with self._lock:
+                self.peak = max(self.peak, value)
+            time.sleep(0.002)  # a sampling period, not synchronisation
+
+    def cut(self) -> int:
+        """The peak of the window that ends now; a new window starts."""
+        with self._lock:
+            peak, self.peak = self.peak, rss_bytes()
+            return peak
+
+
+class HookClock:
+    """Seconds spent in a callback's hooks, by the step they belong to (set :attr:`step` first)."""
+
+    def __init__(self, profile_every: int | None = None) -> None:
+        self.step: int | None = None
+        self.seconds: dict[int, float] = defaultdict(float)
+        # SPOT_BENCH_PROFILE=path: cProfile the hooks of every ``profile_every``-th step into path.
+        self.profile_path = os.environ.get("SPOT_BENCH_PROFILE")
+        self.profile_every = profile_every
+        self.profiler: Any = None
+        if self.profile_path and profile_every:
+            import cProfile
+
+            self.profiler = cProfile.Profile()
+
+    def dump_profile(self, rank: int) -> None:
+        if self.profiler is not None:
+            self.profiler.dump_stats(f"{self.profile_path}.rank{rank}")
+
+    def wrap(self, callback: Any, names: list[str]) -> None:
+        for name in names:
+            hook = getattr(callback, name)
+
+            @functools.wraps(hook)
+            def timed(*args: Any, __hook: Any = hook, **kwargs: Any) -> Any:
+                started = time.perf_counter()
+                profiled = (
+                    self.profiler is not None
+                    and self.step is not None
+                    and self.step % self.profile_every == 0
+                )
+                try:
+                    if profiled:
+                        return self.profiler.runcall(__hook, *args, **kwargs)
+                    return __hook(*args, **kwargs)
+                finally:
+                    if self.step is not None:
+                        self.seconds[self.step] += time.perf_counter() - started
+
+            setattr(callback, name, timed)
+
+
+class Floor:
+    """``copy_`` of this rank's tensors into buffers kept for the run."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        # Touched now, so later copies add no resident memory.
+        self.buffers = [torch.zeros_like(tensor, device="cpu") for tensor in tensors]
+        self.nbytes = sum(buffer.numel() * buffer.element_size() for buffer in self.buffers)
+        self.seconds: dict[int, float] = {}
+
+    def time(self, step: int, tensors: list[torch.Tensor]) -> None:
+        started = time.perf_counter()
+        with torch.no_grad():
+            for buffer, tensor in zip(self.buffers, tensors, strict=True):
+                buffer.copy_(tensor)
+        self.seconds[step] = time.perf_counter() - started
+
+
+def line_up() -> None:
+    """Every rank here before going on: the hooks timed next start together on every rank, so a
+    collective inside them waits for the other ranks' checkpoint work only, not for the noise of
+    the training step (or of the floor) before it. Called at every step, checkpoint or not."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def local_tensors(parameters: Any, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """This rank's local shards (or whole tensors) of every parameter and optimizer tensor."""
+    tensors = [p.to_local() if hasattr(p, "to_local") else p for p in parameters]
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                tensors.append(value.to_local() if hasattr(value, "to_local") else value)
+    return [tensor.detach() for tensor in tensors]
+
+
+def checkpoint_rows(
+    clock: HookClock, floor: Floor, every: int, last_step: int
+) -> tuple[float, list[dict[str, float]]]:
+    """The median hook time of plain steps, and one row per checkpoint (not the last step's, whose
+    hooks also wait for the final commit)."""
+    plain = [s for step, s in clock.seconds.items() if step % every and 1 < step < last_step]
+    plain_s = statistics.median(plain) if plain else 0.0
+    rows = []
+    for step, floor_s in sorted(floor.seconds.items()):
+        if step >= last_step or step not in clock.seconds:
+            continue
+        blocked_s = max(clock.seconds[step] - plain_s, 0.0)
+        rows.append({"step": step, "blocked_s": blocked_s, "floor_s": floor_s, "ratio": blocked_s / floor_s})
+    return plain_s, rows

@@ -1,0 +1,221 @@
+"""Benchmark: blocked time per checkpoint vs the copy floor beside it, and extra RSS vs the shard, 2 ranks, training on.
+
+Each strategy trains the MLP of ``benchmarks/sharded.py`` (``--layers`` Linear layers of
+``--hidden`` squared, AdamW) on 2 CPU processes (gloo) and checkpoints it with spot_callbacks every
+``--every`` steps to a ``file://`` (or moto S3) store; training runs on while the writer writes and
+uploads (nothing waits for a commit until the end of the run). On every rank (``_train_on.py``):
+
+- *blocked*: the time spent in the checkpoint callback's hooks at a checkpoint step (wrapped from
+  outside: HF ``on_step_end``, ``on_log``, the next ``on_step_begin``...; Lightning
+  ``on_train_batch_end``) less the median of the same at steps without a checkpoint;
+- *floor*: ``copy_`` of the rank's local tensors (parameters and optimizer state: what it stages)
+  into buffers allocated once, timed just before each checkpoint's hooks; *ratio*: blocked / floor
+  of each checkpoint, and their median;
+- *extra RSS*: the peak RSS from the first checkpoint to the end of the run (last commit included)
+  over the peak of the plain training steps before it, in units of the rank's shard.
+
+Strategies: ``hf-fsdp2`` (HF Trainer, accelerate FSDP2 ``SHARDED_STATE_DICT``: every rank stages
+its shards), ``lightning-ddp`` (DDPStrategy: rank 0 stages the whole state, rank 1 nothing),
+``lightning-fsdp`` (ModelParallelStrategy: every rank its shards, through DCP's stager).
+
+    python benchmarks/strategies.py                                   # ~500 MB of state, 2 runs each
+    python benchmarks/strategies.py --strategies hf-fsdp2 --runs 1
+    python benchmarks/strategies.py --quick --results-file /tmp/bench.md   # a check that it runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import (
+    add_common_args,
+    apply_quick,
+    markdown_table,
+    print_rich_table,
+    record,
+    section_head,
+    versions_line,
+)
+from _servers import open_store
+
+HERE = Path(__file__).resolve().parent
+STRATEGIES = ("hf-fsdp2", "lightning-ddp", "lightning-fsdp")
+QUICK = {"hidden": 256, "layers": 2, "every": 3, "steps": 10, "runs": 1}
+HEADERS = [
+    "strategy", "run", "rank", "stages", "blocked / floor per checkpoint", "median", "blocked (median)",
+    "floor (median)", "extra RSS", "extra / stages",
+]  # fmt: skip
+
+
+def command_of(
+    strategy: str, args: argparse.Namespace, workdir: Path, url: str, options: dict, results: Path
+) -> list[str]:
+    common = [
+        "--dirpath", f"{url}/{results.name}", "--storage-options", json.dumps(options), "--hidden", str(args.hidden),
+        "--layers", str(args.layers), "--every", str(args.every), "--steps", str(args.steps),
+        "--results", str(results), "--train-on",
+    ]  # fmt: skip
+    if strategy == "hf-fsdp2":
+        return [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+            str(HERE / "_hf_fsdp_worker.py"), *common, "--output-dir", str(workdir / f"out-{results.name}"),
+        ]  # fmt: skip
+    kind = strategy.removeprefix("lightning-")
+    return [sys.executable, str(HERE / "_sharded_worker.py"), *common, "--devices", "2", "--strategy", kind]
+
+
+def run_one(
+    strategy: str, run: int, args: argparse.Namespace, workdir: Path, url: str, options: dict
+) -> list[dict]:
+    results = workdir / f"{strategy}-{run}"
+    results.mkdir()
+    env = {**os.environ, "SPOT_SCRATCH": str(workdir / f"scratch-{strategy}-{run}"), "PYTHONUNBUFFERED": "1"}
+    env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "1")
+    command = command_of(strategy, args, workdir, url, options, results)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise SystemExit(f"{strategy} run failed (code {done.returncode}):\n{done.stderr[-4000:]}")
+    ranks = [json.loads(path.read_text()) for path in sorted(results.glob("rank-*.json"))]
+    for result in ranks:
+        result["run"] = run
+        if strategy == "hf-fsdp2" and not result["fsdp"]:
+            raise SystemExit("hf-fsdp2: the Trainer did not take accelerate's FSDP path")
+    return sorted(ranks, key=lambda result: result["rank"])
+
+
+def stages_bytes(strategy: str, result: dict) -> int:
+    """What this rank stages: DDP's rank 0 the whole state, its other ranks nothing."""
+    if strategy == "lightning-ddp" and result["rank"] != 0:
+        return 0
+    return result["shard_bytes"]
+
+
+def row_of(strategy: str, result: dict) -> tuple[list[str], float | None, float | None]:
+    rows = result["rows"]
+    stages = stages_bytes(strategy, result)
+    extra = result["extra_rss_bytes"]
+    blocked = statistics.median(row["blocked_s"] for row in rows)
+    floor = statistics.median(row["floor_s"] for row in rows)
+    if stages:
+        ratios = [row["ratio"] for row in rows]
+        median: float | None = statistics.median(ratios)
+        per_checkpoint = ", ".join(f"{ratio:.2f}" for ratio in ratios)
+        extra_ratio: float | None = extra / stages
+    else:
+        median, per_checkpoint, extra_ratio = None, "(stages nothing)", None
+    waits = [row.get("stage_wait_s", 0.0) for row in rows]
+    if max(waits, default=0.0) > 0.05:
+        per_checkpoint += f" (waited for the previous write: {max(waits):.2f} s)"
+    cells = [
+        strategy, str(result["run"]), str(result["rank"]), f"{stages / 1e6:.0f} MB", per_checkpoint,
+        "-" if median is None else f"{median:.2f}x", f"{blocked * 1e3:.1f} ms", f"{floor * 1e3:.1f} ms",
+        f"{extra / 1e6:.0f} MB", "-" if extra_ratio is None else f"{extra_ratio:.2f}x",
+    ]  # fmt: skip
+    return cells, median, extra_ratio
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--strategies", default=",".join(STRATEGIES), help=f"comma-separated, of {STRATEGIES}"
+    )
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=10)
+    parser.add_argument("--every", type=int, default=5, help="checkpoint every N steps (the writer's time)")
+    parser.add_argument("--steps", type=int, default=21, help="one past the last measured checkpoint")
+    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--store", choices=["s3", "file"], default="file")
+    add_common_args(parser)
+    args = parser.parse_args(argv)
+    apply_quick(parser, args, QUICK)
+    unknown = set(args.strategies.split(",")) - set(STRATEGIES)
+    if unknown:
+        parser.error(f"unknown strategies: {sorted(unknown)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    strategies = args.strategies.split(",")
+    params = args.layers * (args.hidden * args.hidden + args.hidden)
+    state_mb = params * 4 * 3 / 1e6  # fp32 weights + AdamW's two moments
+    workdir = Path(tempfile.mkdtemp(prefix="spot-strategies-"))
+    load_start = " ".join(f"{value:.2f}" for value in os.getloadavg())
+    started = time.monotonic()
+    table: list[list[str]] = []
+    summary: dict[str, tuple[list[float], list[float]]] = {}
+    try:
+        with open_store(args.store, workdir, "strategies") as (url, options):
+            for run in range(1, args.runs + 1):
+                for strategy in strategies if run % 2 else reversed(strategies):
+                    for result in run_one(strategy, run, args, workdir, url, options):
+                        cells, median, extra_ratio = row_of(strategy, result)
+                        table.append(cells)
+                        if median is not None and extra_ratio is not None:
+                            ratios, extras = summary.setdefault(strategy, ([], []))
+                            ratios.append(median)
+                            extras.append(extra_ratio)
+                        print(" | ".join(cells), flush=True)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    total_s = time.monotonic() - started
+    load_end = " ".join(f"{value:.2f}" for value in os.getloadavg())
+    table.sort(key=lambda cells: (strategies.index(cells[0]), cells[1], cells[2]))
+    title = (
+        f"{params / 1e6:.0f}M parameters, {state_mb:.0f} MB of state, 2 processes (gloo, CPU), {args.store} store, "
+        f"checkpoint every {args.every} steps, {args.steps} steps, training on during writes and uploads"
+    )
+    print_rich_table(HEADERS, table, title, left=["strategy", "blocked / floor per checkpoint"])
+    verdicts = []
+    for strategy in strategies:
+        ratios, extras = summary.get(strategy, ([], []))
+        if not ratios:
+            continue
+        ratio, extra = statistics.median(ratios), max(extras)
+        verdicts.append(
+            f"{strategy}: blocked / floor {ratio:.2f}x (median over ranks and runs of each one's median; target "
+            f"≤ 1.1x: {'met' if ratio <= 1.1 else 'not met'}), extra RSS up to {extra:.2f}x what a rank stages "
+            f"(target ≤ 1.1x: {'met' if extra <= 1.1 else 'not met'})"
+        )
+    print("\n".join(verdicts))
+    print(f"load average at start {load_start}, at end {load_end}")
+    allocator = " ".join(
+        f"{key}={value}" for key, value in sorted(os.environ.items()) if key.startswith("MALLOC_")
+    )
+    command = (
+        (f"{allocator} " if allocator else "")
+        + f"python benchmarks/strategies.py --strategies {args.strategies} --hidden {args.hidden} --layers {args.layers} "
+        f"--every {args.every} --steps {args.steps} --runs {args.runs} --store {args.store}"
+    )
+    section = [
+        *section_head(
+            "strategies: blocked / copy floor and extra RSS per strategy, 2 ranks, training on",
+            command,
+            versions_line(("torch", "transformers", "accelerate", "lightning")),
+            f" ({total_s:.0f} s)",
+        ),
+        f"- Load average (1/5/15 min) at start: {load_start}; at end: {load_end}.",
+        f"- {title}. *blocked*: the time in the checkpoint callback's hooks at a checkpoint step (wrapped from "
+        "outside) less the median at steps without one; *floor*: `copy_` of the rank's local tensors into buffers "
+        "allocated once, timed just before each checkpoint's hooks; *extra RSS*: the peak RSS from the first "
+        "checkpoint to the end of the run (the last commit included) over the peak of the plain steps before it.",
+        *(f"- {line}" for line in verdicts),
+        "",
+        *markdown_table(HEADERS, table),
+        "",
+    ]
+    record(args, section)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
