@@ -24,12 +24,11 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # before gc
 
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from _servers import gcs_options
-from _transfer_clients import PeakRss, cpu_s, obstore_transfer, rss_bytes
+from _transfer_clients import measure, obstore_transfer
 
 MiB = 2**20
 
@@ -105,19 +104,15 @@ CLIENTS = {
 def main() -> None:
     spec = json.loads(sys.argv[1])
     run = CLIENTS[spec["backend"], spec["client"]](spec)
-    rss_before = rss_bytes()
-    sampler = PeakRss()
-    cpu_before, started = cpu_s(), time.perf_counter()
     if os.environ.get("SPOT_BENCH_PROFILE"):  # a cProfile of the timed part only, to this path
         import cProfile
 
-        cProfile.runctx("run()", globals(), {"run": run}, os.environ["SPOT_BENCH_PROFILE"])
-    else:
-        run()
-    wall_s, cpu = time.perf_counter() - started, cpu_s() - cpu_before
-    peak = sampler.stop()
-    print(json.dumps({"wall_s": wall_s, "cpu_s": cpu, "rss_before": rss_before, "peak_rss": peak,
-                      "prefix": spec.get("prefix")}))  # fmt: skip
+        timed = run
+
+        def run() -> None:
+            cProfile.runctx("timed()", globals(), {"timed": timed}, os.environ["SPOT_BENCH_PROFILE"])
+
+    print(json.dumps({**measure(run), "prefix": spec.get("prefix")}))
 
 
 if __name__ == "__main__":

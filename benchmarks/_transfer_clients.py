@@ -5,6 +5,11 @@ seconds (every thread of the process), the RSS before the transfer and the peak 
 client is built and warmed (its first connection made) before the clock starts, so only moving
 the bytes is timed, for the project as for the raw clients.
 
+Nothing runs in the measured process but the client: no sampler thread. CPU is the kernel's count
+for the process (``getrusage`` before and after); the peak RSS is the kernel's high-water mark
+(``VmHWM``), reset to the current RSS just before the clock (``/proc/self/clear_refs``) and read
+once the transfer is done, so set-up does not count and no sample can miss a peak.
+
 Clients (``--clients`` of ``transfer.py``):
 
 * ``project``: ``CommitWriter.write_checkpoint`` (digests computed while uploading, as when the
@@ -13,8 +18,9 @@ Clients (``--clients`` of ``transfer.py``):
 * ``s3fs``: ``fs.put`` / ``fs.get`` of all files (s3fs' own concurrency), default options;
 * ``boto3``: s3transfer's TransferManager, 16 threads, 32 MiB parts, no payload signing and no CRC
   on the http endpoint, all files submitted at once;
-* ``obstore``: ``obstore.put`` (16 MiB parts, 8 in flight) and one streamed GET per file, 8 files
-  at once, written to disk as chunks arrive.
+* ``obstore``: ``obstore.put`` (16 MiB parts, 8 in flight) and, as its users pull, one plain
+  ``obstore.get(store, path).stream()`` per file written to disk as chunks arrive (its default
+  chunks); one file in the calling thread, 8 files at once in 8 threads.
 """
 
 from __future__ import annotations
@@ -23,7 +29,6 @@ import json
 import os
 import resource
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -36,6 +41,28 @@ KEY, SECRET = "bench", "bench-secret-key"
 def rss_bytes() -> int:
     with open("/proc/self/statm") as handle:
         return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def reset_peak_rss() -> bool:
+    """Set the kernel's peak RSS of this process (VmHWM) to its RSS now; False where Linux does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int:
+    """The kernel's high-water mark of this process' RSS (``VmHWM``; ``ru_maxrss`` where /proc lacks it)."""
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def cpu_s() -> float:
@@ -129,7 +156,7 @@ def raw_obstore(spec: dict[str, Any]) -> Any:
 
 def obstore_transfer(store: Any, spec: dict[str, Any]) -> Any:
     """The timed transfer of raw obstore on ``store`` (any obstore store): one ``obstore.put`` per file
-    (16 MiB parts, 8 in flight), or one streamed GET per file; 8 files at once."""
+    (16 MiB parts, 8 in flight), or one plain streamed GET per file; 8 files at once (in a pool of 8)."""
     import obstore
 
     obstore.list(store, prefix="nothing").collect()
@@ -146,11 +173,13 @@ def obstore_transfer(store: Any, spec: dict[str, Any]) -> Any:
 
     def get(pair: tuple[str, str]) -> None:
         with open(pair[1], "wb") as handle:
-            for chunk in obstore.get(store, pair[0]).stream(min_chunk_size=16 * MiB):
+            for chunk in obstore.get(store, pair[0]).stream():
                 handle.write(chunk)
 
-    dests = [os.path.join(spec["dest"], name) for name in spec["names"]]
-    return lambda: list(pool.map(get, zip(keys, dests, strict=True)))
+    pairs = list(zip(keys, [os.path.join(spec["dest"], name) for name in spec["names"]], strict=True))
+    if len(pairs) == 1:
+        return lambda: get(pairs[0])
+    return lambda: list(pool.map(get, pairs))
 
 
 CLIENTS = {"project": project, "s3fs": raw_s3fs, "boto3": boto3_tuned, "obstore": raw_obstore}
@@ -190,36 +219,21 @@ def resume(spec: dict[str, Any]) -> Any:
     return run_raw
 
 
-class PeakRss:
-    """The highest RSS seen while the transfer runs (sampled every 10 ms: ru_maxrss also counts set-up)."""
-
-    def __init__(self) -> None:
-        self.peak = rss_bytes()
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-
-    def _sample(self) -> None:
-        while not self._done.wait(0.01):
-            self.peak = max(self.peak, rss_bytes())
-
-    def stop(self) -> int:
-        self._done.set()
-        self._thread.join()
-        return max(self.peak, rss_bytes())
+def measure(run: Any) -> dict[str, Any]:
+    """Run the transfer ``run`` once: wall and CPU seconds, the RSS before it and the peak during it."""
+    rss_before = rss_bytes()
+    peak_reset = reset_peak_rss()
+    cpu_before, started = cpu_s(), time.perf_counter()
+    run()
+    wall_s, cpu = time.perf_counter() - started, cpu_s() - cpu_before
+    return {"wall_s": wall_s, "cpu_s": cpu, "rss_before": rss_before, "peak_rss": peak_rss_bytes(),
+            "peak_reset": peak_reset}  # fmt: skip
 
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
     run = resume(spec) if spec.get("resume") else CLIENTS[spec["client"]](spec)
-    rss_before = rss_bytes()
-    sampler = PeakRss()
-    cpu_before, started = cpu_s(), time.perf_counter()
-    run()
-    wall_s, cpu = time.perf_counter() - started, cpu_s() - cpu_before
-    peak = sampler.stop()
-    print(json.dumps({"wall_s": wall_s, "cpu_s": cpu, "rss_before": rss_before, "peak_rss": peak,
-                      "prefix": spec.get("prefix")}))  # fmt: skip
+    print(json.dumps({**measure(run), "prefix": spec.get("prefix")}))
 
 
 if __name__ == "__main__":

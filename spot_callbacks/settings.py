@@ -266,7 +266,7 @@ TRANSFER_BUFFER_MB = Knob(
 )  # fmt: skip
 PULL_SEGMENT_MB = Knob(
     "SPOT_PULL_SEGMENT_MB", 128, positive_int,
-    "the smallest segment (MiB) of a pulled file: a file of two or more is fetched as up to 4 parallel streamed GETs while streams are free",
+    "the smallest segment (MiB) of a pulled file: a file of two or more is fetched as up to 8 parallel streamed GETs while streams are free",
 )  # fmt: skip
 
 PROGRESS_EVERY_S = Knob(
