@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             if seconds
             else f"{strategy}: no malloc_trim calls (SPOT_TRIM_HEAP=0, or not glibc)"
         )
-        if strategy in builds:
+        if any(builds.get(strategy, ())):
             heap_line += (
                 f"; shard state dicts taken {'/'.join(map(str, sorted(builds[strategy])))} time(s) per run"
             )
