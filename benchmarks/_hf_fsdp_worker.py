@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "scrip
 from hf_fsdp_run import enable_fsdp_on_cpu  # noqa: E402
 
 from spot_callbacks.hf import SpotCheckpointCallback  # noqa: E402
+from spot_callbacks.persist import heap  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _train_on  # noqa: E402
@@ -253,7 +254,7 @@ def main_train_on() -> None:
     result = {
         "rank": rank, "mode": "hf-fsdp2", "fsdp": trainer.is_fsdp_enabled, "shard_bytes": train_on.floor.nbytes,
         "plain_hooks_s": plain_s, "rows": rows, "extra_rss_bytes": extra,
-        "shard_handle_builds": spot._staged.handles.builds,
+        "shard_handle_builds": spot._staged.handles.builds, "trims_s": list(heap.RECENT_TRIMS_S),
     }  # fmt: skip
     with open(os.path.join(args.results, f"rank-{rank}.json"), "w") as handle:
         json.dump(result, handle)

@@ -24,6 +24,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
 from spot_callbacks.lightning import SpotCheckpoint
+from spot_callbacks.persist import heap
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _train_on  # noqa: E402
@@ -251,6 +252,7 @@ def main_train_on() -> None:
     result = {
         "rank": trainer.global_rank, "mode": f"lightning-{args.strategy}", "shard_bytes": train_on.floor.nbytes,
         "plain_hooks_s": plain_s, "rows": rows, "extra_rss_bytes": extra,
+        "shard_handle_builds": spot._shard_handles.builds, "trims_s": list(heap.RECENT_TRIMS_S),
     }  # fmt: skip
     with open(os.path.join(args.results, f"rank-{trainer.global_rank}.json"), "w") as handle:
         json.dump(result, handle)

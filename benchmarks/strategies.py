@@ -153,11 +153,16 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     table: list[list[str]] = []
     summary: dict[str, tuple[list[float], list[float]]] = {}
+    trims: dict[str, list[float]] = {}
+    builds: dict[str, set[int]] = {}
     try:
         with open_store(args.store, workdir, "strategies") as (url, options):
             for run in range(1, args.runs + 1):
                 for strategy in strategies if run % 2 else reversed(strategies):
                     for result in run_one(strategy, run, args, workdir, url, options):
+                        trims.setdefault(strategy, []).extend(result.get("trims_s", []))
+                        if "shard_handle_builds" in result:
+                            builds.setdefault(strategy, set()).add(result["shard_handle_builds"])
                         cells, median, extra_ratio = row_of(strategy, result)
                         table.append(cells)
                         if median is not None and extra_ratio is not None:
@@ -186,10 +191,25 @@ def main(argv: list[str] | None = None) -> int:
             f"≤ 1.1x: {'met' if ratio <= 1.1 else 'not met'}), extra RSS up to {extra:.2f}x what a rank stages "
             f"(target ≤ 1.1x: {'met' if extra <= 1.1 else 'not met'})"
         )
+    for strategy in strategies:
+        seconds = trims.get(strategy, [])
+        heap_line = (
+            f"{strategy}: malloc_trim after each upload (SPOT_TRIM_HEAP): {len(seconds)} calls, median "
+            f"{statistics.median(seconds) * 1e3:.1f} ms, max {max(seconds) * 1e3:.1f} ms (an upload thread's time)"
+            if seconds
+            else f"{strategy}: no malloc_trim calls (SPOT_TRIM_HEAP=0, or not glibc)"
+        )
+        if any(builds.get(strategy, ())):
+            heap_line += (
+                f"; shard state dicts taken {'/'.join(map(str, sorted(builds[strategy])))} time(s) per run"
+            )
+        verdicts.append(heap_line)
     print("\n".join(verdicts))
     print(f"load average at start {load_start}, at end {load_end}")
     allocator = " ".join(
-        f"{key}={value}" for key, value in sorted(os.environ.items()) if key.startswith("MALLOC_")
+        f"{key}={value}"
+        for key, value in sorted(os.environ.items())
+        if key.startswith(("MALLOC_", "SPOT_TRIM_HEAP"))
     )
     command = (
         (f"{allocator} " if allocator else "")

@@ -355,10 +355,11 @@ class SpotEngine:
         reason: str,
         meta: dict[str, Any] | None = None,
         extra: dict[str, Any] | None = None,
+        layouts: dict[tuple[Any, ...], Any] | None = None,
     ) -> float:
         """Every rank persists its shards (see :meth:`CheckpointWriter.save_sharded_state`)."""
         self.hold_for_writing()
-        result = self.saves.save_sharded_state(step, epoch, state, reason, meta, extra)
+        result = self.saves.save_sharded_state(step, epoch, state, reason, meta, extra, layouts)
         self._note_checkpoint(step)  # the snapshot is taken: training goes on from here
         return result
 

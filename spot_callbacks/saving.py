@@ -292,21 +292,27 @@ class CheckpointWriter:
         reason: str,
         meta: dict[str, Any] | None = None,
         extra: dict[str, Any] | None = None,
+        layouts: dict[tuple[Any, ...], Any] | None = None,
     ) -> float:
         """Snapshot this rank's shards of ``state`` and persist them in the background, every rank in parallel.
 
         For state no rank holds whole (FSDP, DTensor): call it on every rank with the rank's
         sharded state dicts (``{"model": get_model_state_dict(model), "optim": ...}``); ``meta`` is
         the small non-tensor rest, written by rank 0 as ``meta.pt``. The checkpoint commits once
-        every rank's files are durable (see sharded.py). Returns the seconds this rank was blocked.
+        every rank's files are durable (see sharded.py). ``layouts``: ``state`` holds local shards
+        already (:func:`~spot_callbacks.persist.shards.local_shards`, as
+        :class:`~spot_callbacks.persist.handles.ShardHandles` keeps them), of these layouts.
+        Returns the seconds this rank was blocked.
         """
         started = time.perf_counter()
         if self._refused(step):
             return 0.0
         persister = self.persister_for(SHARDED_LAYOUT)
         # The local shards go through the run's staging buffers, as a single writer's state does.
-        layouts: dict[tuple[Any, ...], Any] = {}
-        staged = self.staging.stage(local_shards(state, layouts))
+        if layouts is None:
+            layouts = {}
+            state = local_shards(state, layouts)
+        staged = self.staging.stage(state)
         try:
             terms = self._job_terms(reason, time.perf_counter() - started, extra, staged_bytes=staged.nbytes)
             persister.submit(

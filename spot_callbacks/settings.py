@@ -268,6 +268,11 @@ PULL_SEGMENT_MB = Knob(
     "SPOT_PULL_SEGMENT_MB", 128, positive_int,
     "the smallest segment (MiB) of a pulled file: a file of two or more is fetched as up to 8 parallel streamed GETs while streams are free",
 )  # fmt: skip
+TRIM_HEAP = Knob(
+    "SPOT_TRIM_HEAP", True, switch,
+    "after each checkpoint's upload, hand the C heap's free pages back to the OS (glibc `malloc_trim`; "
+    "elsewhere nothing): the writer's and FSDP's freed blocks otherwise stay resident",
+)  # fmt: skip
 
 PROGRESS_EVERY_S = Knob(
     "SPOT_PROGRESS_EVERY_S", 10.0, seconds,

@@ -76,11 +76,11 @@ def assert_same(actual: Any, expected: Any) -> None:
 
 def test_later_checkpoints_reuse_the_shards_and_stage_what_the_savers_would(sharded: Any) -> None:
     handles = fsdp.ShardHandles()
-    handles.local_state(sharded)
+    handles.shards_of(sharded)
     for lr in (0.05, 0.01):  # training moves the weights, the moments, the step and the learning rate
         train_step(sharded)
         sharded.optimizer.param_groups[0]["lr"] = lr
-        model, optimizer, layouts = handles.local_state(sharded)
+        model, optimizer, layouts = handles.shards_of(sharded)
         expected_model, expected_optimizer, expected_layouts = as_savers_take_it(sharded)
         assert_same(model, expected_model)
         assert_same(optimizer, expected_optimizer)
@@ -91,12 +91,12 @@ def test_later_checkpoints_reuse_the_shards_and_stage_what_the_savers_would(shar
 
 def test_a_replaced_tensor_takes_the_state_dicts_again(sharded: Any) -> None:
     handles = fsdp.ShardHandles()
-    handles.local_state(sharded)
+    handles.shards_of(sharded)
     # A reload that brings new tensors (a resume from a copy): the kept views would be stale.
     sharded.optimizer.load_state_dict(copy.deepcopy(sharded.optimizer.state_dict()))
     train_step(sharded)
-    _, optimizer, _ = handles.local_state(sharded)
+    _, optimizer, _ = handles.shards_of(sharded)
     assert handles.builds == 2
     assert_same(optimizer, as_savers_take_it(sharded)[1])
-    handles.local_state(sharded)
+    handles.shards_of(sharded)
     assert handles.builds == 2  # and keeps the new ones

@@ -298,7 +298,7 @@ def rank_state(
     only_model = bool(args.save_only_model)
     state: dict[str, Any] = {}
     if sharded:
-        state["model"], state["optimizer"], shard_layouts = (handles or fsdp.ShardHandles()).local_state(
+        state["model"], state["optimizer"], shard_layouts = (handles or fsdp.ShardHandles()).shards_of(
             trainer, peft
         )
         layouts.update(shard_layouts)

@@ -33,8 +33,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from spot_callbacks.persist import handles
 from spot_callbacks.persist.shards import (  # the shard helpers, here where the HF path names them
     ShardedTensorLayout,
     ShardLayout,
@@ -119,164 +118,33 @@ def _fsdp1_shards(model: Any, optimizer: Any, plugin: Any) -> tuple[dict[str, An
         return model.state_dict(), FSDP.optim_state_dict(model, optimizer)
 
 
-class ShardHandles:
+class ShardHandles(handles.ShardHandles):
     """This rank's FSDP2 shards as they are staged, found once per run and reused by every checkpoint.
 
     The first checkpoint takes the state dicts as accelerate's savers do
-    (:func:`model_and_optimizer_shards`) and keeps what :func:`local_shards` made of them: views of
-    the live local shards, which the optimizer updates in place, and their layouts. A later
-    checkpoint reuses them after checking, by identity, that the model's parameters and buffers,
-    the optimizer's parameters and state tensors and their local shards (storage, shape) are those
-    it found; only ``param_groups`` (the learning rate moves) is read again, as
-    ``Optimizer.state_dict`` packs it. Anything else (another tensor, a resharded or reloaded
-    parameter, FSDP1, PEFT adapters, a state that is not tensors only) takes the state dicts again.
+    (:func:`model_and_optimizer_shards`); later ones reuse their local shards while they are live
+    (:class:`spot_callbacks.persist.handles.ShardHandles`). FSDP1 and PEFT adapters take the state
+    dicts at every checkpoint.
 
     Example:
         >>> ShardHandles().builds
         0
     """
 
-    def __init__(self) -> None:
-        self._kept: _Kept | None = None
-        self.builds = 0  # checkpoints that took the state dicts (the first, then one per change)
-
-    def local_state(
+    def shards_of(
         self, trainer: Any, adapters: Any = None
     ) -> tuple[Any, Any, dict[tuple[Any, ...], ShardLayout | ShardedTensorLayout]]:
         """This rank's model and optimizer state dicts with local shards for DTensors, and their layouts."""
-        model, optimizer = trainer.model, trainer.optimizer
-        kept = self._kept
-        if (
-            kept is not None
-            and kept.model is model
-            and kept.optimizer is optimizer
-            and kept.live(model, optimizer)
-        ):
-            return kept.model_state, kept.optimizer_state(optimizer), kept.layouts
-        self._kept = None
-        self.builds += 1
-        model_state, optimizer_state = model_and_optimizer_shards(trainer, adapters)
-        layouts: dict[tuple[Any, ...], Any] = {}
-        model_local = local_shards(model_state, layouts, ("model",))
-        optimizer_local = local_shards(optimizer_state, layouts, ("optimizer",))
+
+        def take() -> dict[str, Any]:
+            model, optimizer = model_and_optimizer_shards(trainer, adapters)
+            return {"model": model, "optimizer": optimizer}
+
         fsdp2 = getattr(trainer.accelerator.state.fsdp_plugin, "fsdp_version", 1) == 2
-        if fsdp2 and adapters is None:
-            self._kept = _Kept.of(model, optimizer, model_local, optimizer_local, layouts)
-        return model_local, optimizer_local, layouts
-
-
-class _Kept:
-    """What :class:`ShardHandles` keeps: the local state dicts, and the live tensors they were taken from."""
-
-    def __init__(
-        self,
-        model: Any,
-        optimizer: Any,
-        model_state: Any,
-        optimizer_state: dict[str, Any],
-        group_params: list[list[Any]],
-        layouts: dict[tuple[Any, ...], Any],
-    ) -> None:
-        self.model, self.optimizer, self.layouts = model, optimizer, layouts
-        self.model_state, self.state = model_state, optimizer_state["state"]
-        self.group_params = group_params  # each param group's "params" as the state dict names them
-        self.sources, self.locals = _live_sources(model, optimizer)
-
-    @classmethod
-    def of(
-        cls,
-        model: Any,
-        optimizer: Any,
-        model_state: Any,
-        optimizer_state: Any,
-        layouts: dict[tuple[Any, ...], Any],
-    ) -> _Kept | None:
-        """The handles, or ``None`` where reusing them could stage something else than the state dicts."""
-        if type(optimizer_state) is not dict or set(optimizer_state) != {"state", "param_groups"}:
-            return None
-        if not (_tensors_only(model_state) and _tensors_only(optimizer_state["state"])):
-            return None  # a number (a step count) would be stale at the next checkpoint
-        groups = optimizer_state["param_groups"]
-        if type(groups) is not list or len(groups) != len(optimizer.param_groups):
-            return None
-        group_params = [list(group.get("params", ())) for group in groups]
-        if not _plain_equal(_param_groups(optimizer, group_params), groups):
-            return None  # the optimizer's state_dict packs its groups otherwise: take it every time
-        kept = cls(model, optimizer, model_state, optimizer_state, group_params, layouts)
-        live = {ptr for ptr, _ in kept.locals}
-        if not all(leaf.data_ptr() in live for leaf in _leaves([model_state, optimizer_state["state"]])):
-            return None  # a tensor made for the state dict, not a view of a live one: it would go stale
-        return kept
-
-    def live(self, model: Any, optimizer: Any) -> bool:
-        """Whether the live tensors are the ones the kept views were taken from (same objects and shards)."""
-        sources, locals_ = _live_sources(model, optimizer)
-        return (
-            len(sources) == len(self.sources)
-            and all(now is then for now, then in zip(sources, self.sources, strict=True))
-            and locals_ == self.locals
+        state, layouts = self.local_state(
+            trainer.model, {"optimizer": trainer.optimizer}, take, keep=fsdp2 and adapters is None
         )
-
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        return {"state": self.state, "param_groups": _param_groups(optimizer, self.group_params)}
-
-
-def _live_sources(model: Any, optimizer: Any) -> tuple[list[Any], list[tuple[int, torch.Size]]]:
-    """The tensors a sharded state dict is taken from, and where each one's local shard lives."""
-    sources: list[Any] = [*model.parameters(), *model.buffers()]
-    for group in optimizer.param_groups:
-        sources.extend(group["params"])
-    for param, state in optimizer.state.items():
-        sources.append(param)
-        sources.extend(value for value in state.values() if isinstance(value, torch.Tensor))
-    with torch.no_grad():  # DTensor.to_local() is then the local tensor itself, no autograd node
-        locals_ = [_local_key(source) for source in sources]
-    return sources, locals_
-
-
-def _local_key(tensor: Any) -> tuple[int, torch.Size]:
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    return local.data_ptr(), local.shape
-
-
-def _param_groups(optimizer: Any, group_params: list[list[Any]]) -> list[dict[str, Any]]:
-    """``param_groups`` as ``Optimizer.state_dict`` packs them, with the kept names of their parameters."""
-    return [
-        {**{key: value for key, value in group.items() if key != "params"}, "params": list(params)}
-        for group, params in zip(optimizer.param_groups, group_params, strict=True)
-    ]
-
-
-def _leaves(state: Any) -> list[torch.Tensor]:
-    if isinstance(state, dict):
-        return [leaf for value in state.values() for leaf in _leaves(value)]
-    if type(state) is list:
-        return [leaf for value in state for leaf in _leaves(value)]
-    return [state] if isinstance(state, torch.Tensor) else []
-
-
-def _tensors_only(state: Any) -> bool:
-    if isinstance(state, dict):
-        return all(_tensors_only(value) for value in state.values())
-    if type(state) is list:
-        return all(_tensors_only(value) for value in state)
-    return isinstance(state, torch.Tensor)
-
-
-def _plain_equal(a: Any, b: Any) -> bool:
-    """Equal plain data (a tensor anywhere: not equal, as this is used to decide a reuse is safe)."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, dict):
-        return list(a) == list(b) and all(_plain_equal(a[key], b[key]) for key in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_plain_equal(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, torch.Tensor):
-        return False
-    try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001 - a value whose equality is not a bool
-        return False
+        return state["model"], state["optimizer"], layouts
 
 
 def write_dcp_folder(

@@ -46,6 +46,7 @@ import spot_callbacks.settings as settings
 from spot_callbacks._dist import gather_from_ranks, rank, world_size
 from spot_callbacks.data_position import DataPosition, warn_if_changed
 from spot_callbacks.errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
+from spot_callbacks.persist.handles import ShardHandles
 from spot_callbacks.persist.tracking import PersistRecord
 from spot_callbacks.preemption import TERMINATION, Notice, signal_grace_s
 from spot_callbacks.resume import ResumeInfo
@@ -341,26 +342,36 @@ def saves_sharded(trainer: Any) -> bool:
     )
 
 
-def dump_for_save(trainer: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """The checkpoint to persist and, for a sharded strategy, its ``meta.pt`` part (else None)."""
+def dump_for_save(trainer: Any, handles: ShardHandles | None = None) -> DumpedCheckpoint:
+    """The checkpoint to persist and, for a sharded strategy, its ``meta.pt`` part (``handles``: the run's)."""
     if saves_sharded(trainer):
-        return dump_sharded_checkpoint(trainer)
-    return dump_checkpoint(trainer), None
+        return dump_sharded_checkpoint(trainer, handles or ShardHandles())
+    return DumpedCheckpoint(dump_checkpoint(trainer))
 
 
-def dump_sharded_checkpoint(trainer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+@dataclass
+class DumpedCheckpoint:
+    """A checkpoint as the strategy would save it: whole, or sharded with the small rest apart."""
+
+    state: dict[str, Any]
+    meta: dict[str, Any] | None = None  # sharded: what rank 0 writes as meta.pt
+    layouts: dict[tuple[Any, ...], Any] | None = None  # sharded, as local shards: the DTensors' layouts
+
+
+def dump_sharded_checkpoint(trainer: Any, handles: ShardHandles) -> DumpedCheckpoint:
     """The checkpoint split as the strategy's own ``save_checkpoint`` splits it: the DCP part and ``meta.pt``.
 
     ModelParallelStrategy's state-dict methods offload every shard to the CPU (a copy on GPU); the
     engine stages the shards into reused pinned buffers itself, so they are taken here without the
-    offload, as views, under the keys ``ModelParallelStrategy.load_checkpoint`` reads.
+    offload, as local shards (views), under the keys ``ModelParallelStrategy.load_checkpoint`` reads,
+    through ``handles``, which keep them from one checkpoint to the next while they are live.
     """
     strategy = trainer.strategy
     if type(strategy).__name__ != "ModelParallelStrategy":  # FSDPStrategy: its own sharded state dicts
         checkpoint = dump_checkpoint(trainer)
         state = {"model": checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": o for i, o in enumerate(checkpoint.pop("optimizer_states", []))})
-        return state, checkpoint
+        return DumpedCheckpoint(state, checkpoint)
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     strategy.lightning_module_state_dict = dict  # instance attributes shadow the methods for this dump
@@ -371,10 +382,16 @@ def dump_sharded_checkpoint(trainer: Any) -> tuple[dict[str, Any], dict[str, Any
         del strategy.lightning_module_state_dict, strategy.optimizer_state
     checkpoint.pop("state_dict", None)
     checkpoint.pop("optimizer_states", None)
-    state = {"state_dict": get_model_state_dict(strategy.model)}
-    for index, optimizer in enumerate(trainer.optimizers):
-        state[f"optimizer_{index}"] = get_optimizer_state_dict(strategy.model, optimizer)
-    return state, checkpoint
+    model = strategy.model
+    optimizers = {f"optimizer_{index}": optimizer for index, optimizer in enumerate(trainer.optimizers)}
+
+    def take() -> dict[str, Any]:
+        state: dict[str, Any] = {"state_dict": get_model_state_dict(model)}
+        state.update({name: get_optimizer_state_dict(model, o) for name, o in optimizers.items()})
+        return state
+
+    state, layouts = handles.local_state(model, optimizers, take)
+    return DumpedCheckpoint(state, checkpoint, layouts)
 
 
 def restore_epoch_position(trainer: Any, batches_done: int) -> bool:

@@ -14,6 +14,7 @@ from typing import Any, Literal, Union, cast
 import spot_callbacks.lightning._compat as compat
 from spot_callbacks.config import SpotConfig, checked_arguments
 from spot_callbacks.engine import STATE_FILE, SpotEngine
+from spot_callbacks.persist.handles import ShardHandles
 from spot_callbacks.preemption import PREEMPTED_EXIT_CODE
 from spot_callbacks.store import CheckpointStore
 from spot_callbacks.training_horizon import (
@@ -86,6 +87,7 @@ class _SpotCheckpointHooks:
         self._position = compat.LoopPosition()
         self._resume_state: dict[str, Any] | None = None
         self._saving = False
+        self._shard_handles = ShardHandles()
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> _SpotCheckpointHooks:
@@ -108,6 +110,7 @@ class _SpotCheckpointHooks:
         if stage != "fit":
             return
         self._trainer = trainer
+        self._shard_handles = ShardHandles()  # this fit's sharded state dicts, kept across its checkpoints
         compat.install_latest_resolution(trainer, self._resolve_latest)
         compat.install_horizon_check(trainer, self._horizon_restored)
         self.engine.start()
@@ -177,15 +180,19 @@ class _SpotCheckpointHooks:
         step, epoch = trainer.global_step, trainer.current_epoch
         self._saving = True  # the dump calls state_dict(): see there
         try:
-            state, sharded_meta = compat.dump_for_save(trainer)
+            dumped = compat.dump_for_save(trainer, self._shard_handles)
         finally:
             self._saving = False
         if fit_ended:  # a larger max_steps / max_epochs trains on from here
-            epoch = compat.loops_as_fit_left_them(trainer, state if sharded_meta is None else sharded_meta)
-        if sharded_meta is not None:  # FSDP: every rank persists its own shards
-            self.engine.save_sharded_state(step, epoch, state, reason, meta=sharded_meta)
+            epoch = compat.loops_as_fit_left_them(
+                trainer, dumped.state if dumped.meta is None else dumped.meta
+            )
+        if dumped.meta is not None:  # FSDP: every rank persists its own shards
+            self.engine.save_sharded_state(
+                step, epoch, dumped.state, reason, meta=dumped.meta, layouts=dumped.layouts
+            )
         else:
-            self.engine.save_state(step, epoch, state, reason)
+            self.engine.save_state(step, epoch, dumped.state, reason)
         lag_s = self.engine.persist_lag_s()
         compat.log_metrics(trainer, {"spot/stall_s": self.engine.last_stall_s, "spot/persist_lag_s": lag_s})
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from spot_callbacks._format import human_rate, human_size
 from spot_callbacks.log import checkpoint_line
 from spot_callbacks.persist.emergency import measured_bytes_per_s, plan_emergency
+from spot_callbacks.persist.heap import trim_heap
 from spot_callbacks.persist.scratch import NewestCommittedFolder, discard_folder, folder_bytes, prune_scratch
 from spot_callbacks.persist.tracking import CheckpointJob, Outcome, PersistRecord, StepTracker
 from spot_callbacks.store import MANIFEST_NAME, CheckpointStore, CommitWriter
@@ -276,6 +277,7 @@ class Persister(StepTracker):
                 self._busy_since = time.monotonic()
                 self._busy_bytes = folder_bytes(job.local_dir)
             self._upload_then(job, self._uploaded)
+            trim_heap()  # what the write and upload freed goes back to the OS (heap.py)
 
     def _uploaded(self) -> None:
         self._busy_uploading = None

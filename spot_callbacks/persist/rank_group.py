@@ -37,6 +37,7 @@ import spot_callbacks.settings as settings
 from spot_callbacks._dist import broadcast_object
 from spot_callbacks.errors import CheckpointError, PersistError
 from spot_callbacks.log import checkpoint_line
+from spot_callbacks.persist.heap import trim_heap
 from spot_callbacks.persist.scratch import discard_folder
 from spot_callbacks.persist.tracking import CheckpointJob, PersistRecord, StepTracker
 from spot_callbacks.store import CheckpointStore, CommitWriter, local_payload_names
@@ -215,6 +216,7 @@ class RankGroupPersister(StepTracker, ABC, Generic[JobT]):
             except Exception as err:  # noqa: BLE001 - a collective failed: a peer died or timed out
                 self._abandon(err)
                 return
+            trim_heap()  # what the write and upload freed goes back to the OS (heap.py)
 
     def _upload_round(self) -> None:
         step, stale_error = self._uploads.broadcast(self._choose() if self.rank == 0 else None)
