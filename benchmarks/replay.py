@@ -19,6 +19,7 @@ library, what ``spot-callbacks report --json`` and ``plan --from`` say.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,6 +98,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--interval-s", type=float, default=15.0)
     parser.add_argument("--grace-s", type=float, default=5.0, help="SIGTERM to SIGKILL; SPOT_SIGNAL_GRACE_S")
     parser.add_argument("--restart-gap-s", type=float, default=3.0)
+    parser.add_argument(
+        "--store", choices=("moto", "nanio"), default="moto",
+        help="the S3 server on this box: moto (the tests' server; receiving an upload costs it several "
+        "times a real client's CPU, taken from the training's cores) or nanio (a fast one)",
+    )  # fmt: skip
     parser.add_argument("--max-attempts", type=int, default=12)
     parser.add_argument(
         "--baseline-every", type=int, default=2, help="an uninterrupted baseline after every N variant runs"
@@ -108,6 +115,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.variants = choice_list(parser, args.variants, LIGHTNING + HF, "--variants")
     args.bands = choice_list(parser, args.bands, tuple(BANDS), "--bands")
     return args
+
+
+@contextlib.contextmanager
+def s3_server(kind: str, workdir: Path) -> Iterator[str]:
+    """The endpoint of a fresh S3 server on loopback: moto, or nanio (``transfer.py``'s)."""
+    if kind == "moto":
+        with moto_server(workdir) as endpoint:
+            yield endpoint
+        return
+    from transfer import ensure_nanio, nanio_server
+
+    ensure_nanio()
+    (workdir / "objects").mkdir()
+    with nanio_server(workdir / "objects", workers=1, key=S3_KEY, secret=S3_SECRET) as endpoint:
+        yield endpoint
 
 
 @dataclass
@@ -293,7 +315,7 @@ def replay(args: argparse.Namespace, workdir: Path) -> list[Outcome]:
     plans = schedules(args)
     outcomes: list[Outcome] = []
     args.baselines = {}
-    with moto_server(workdir) as endpoint:
+    with s3_server(args.store, workdir) as endpoint:
         make_bucket(s3_options(endpoint), "replay")
         run = Replay(args, workdir, endpoint)
         for framework in sorted({framework_of(v) for v in args.variants}):
@@ -414,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         f"- `uname -a`: `{uname}`; nproc {os.cpu_count()}",
         f"- Job: MLP {args.layers}×{args.width} on CPU (1 thread), {args.steps} steps; interval {args.interval_s:g} s, "
         f"SPOT_SIGNAL_GRACE_S={args.grace_s:g}; restart {args.restart_gap_s:g} s after the previous machine "
-        "ended, each a new machine (empty cwd, HOME, TMPDIR, SPOT_SCRATCH; own host name); one moto S3 store.",
+        f"ended, each a new machine (empty cwd, HOME, TMPDIR, SPOT_SCRATCH; own host name); one {args.store} S3 store.",
         *baseline_lines,
         schedule_line,
         "- Load average (1, 5, 15 min; other work shares the box, so compare variants within one run): before "

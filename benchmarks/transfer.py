@@ -90,10 +90,10 @@ def ensure_nanio() -> None:
 
 
 @contextlib.contextmanager
-def nanio_server(data_dir: Path, workers: int) -> Iterator[str]:
+def nanio_server(data_dir: Path, workers: int, key: str = KEY, secret: str = SECRET) -> Iterator[str]:
     """nanio on a free loopback port, its objects under ``data_dir``; stopped by the PID started."""
     port = free_port()
-    env = {**os.environ, "NANIO_ACCESS_KEY": KEY, "NANIO_SECRET_KEY": SECRET}
+    env = {**os.environ, "NANIO_ACCESS_KEY": key, "NANIO_SECRET_KEY": secret}
     log = open(data_dir.parent / "nanio.log", "wb")  # noqa: SIM115 - closed below
     argv = [sys.executable, "-m", "nanio", "serve", "--data-dir", str(data_dir), "--host", "127.0.0.1",
             "--port", str(port), "--workers", str(workers), "--no-access-log", "--log-level", "warning"]  # fmt: skip
