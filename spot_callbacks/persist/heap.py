@@ -21,7 +21,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from spot_callbacks import settings
+import spot_callbacks.settings as settings
 
 log = logging.getLogger("spot_callbacks")
 
