@@ -26,7 +26,6 @@ import json
 import os
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -59,34 +58,6 @@ parser.add_argument("--output-dir", required=True)
 parser.add_argument("--results", required=True, help="folder for one rank-N.json per rank")
 args = parser.parse_args()
 
-PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as handle:
-        return int(handle.read().split()[1]) * PAGE
-
-
-class RssSampler:
-    """The highest RSS seen since the last reset, sampled by a daemon thread."""
-
-    def __init__(self) -> None:
-        self.peak = rss_bytes()
-        self._lock = threading.Lock()
-        threading.Thread(target=self._run, daemon=True).start()
-
-    def _run(self) -> None:
-        while True:
-            value = rss_bytes()
-            with self._lock:
-                self.peak = max(self.peak, value)
-            time.sleep(0.002)  # a sampling period, not synchronisation
-
-    def reset(self) -> int:
-        with self._lock:
-            self.peak = rss_bytes()
-            return self.peak
-
 
 class Mlp(torch.nn.Module):
     def __init__(self) -> None:
@@ -113,7 +84,7 @@ class Inputs(torch.utils.data.Dataset):
 class Measure:
     """The spans of every step (first ``on_step_end`` -> last ``on_step_begin`` of the next), and the checkpoints'."""
 
-    def __init__(self, spot: SpotCheckpointCallback, sampler: RssSampler) -> None:
+    def __init__(self, spot: SpotCheckpointCallback, sampler: _train_on.RssWindow) -> None:
         self.spot, self.sampler = spot, sampler
         self.rows: list[dict] = []
         self.plain_spans: list[float] = []
@@ -265,7 +236,7 @@ def main() -> None:
         return main_train_on()
     enable_fsdp_on_cpu()
     torch.manual_seed(0)
-    sampler = RssSampler()
+    sampler = _train_on.RssWindow()
     spot = SpotCheckpointCallback(
         dirpath=args.dirpath, interval=None, every_n_steps=args.every, keep_last=1,
         storage_options=json.loads(args.storage_options), preemption=[],

@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -47,34 +46,6 @@ parser.add_argument(
 )  # fmt: skip
 args = parser.parse_args()
 
-PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as handle:
-        return int(handle.read().split()[1]) * PAGE
-
-
-class RssSampler:
-    """The highest RSS seen since the last reset, sampled by a daemon thread."""
-
-    def __init__(self) -> None:
-        self.peak = rss_bytes()
-        self._lock = threading.Lock()
-        threading.Thread(target=self._run, daemon=True).start()
-
-    def _run(self) -> None:
-        while True:
-            value = rss_bytes()
-            with self._lock:
-                self.peak = max(self.peak, value)
-            time.sleep(0.002)  # a sampling period, not synchronisation
-
-    def reset(self) -> int:
-        with self._lock:
-            self.peak = rss_bytes()
-            return self.peak
-
 
 class Net(pl.LightningModule):
     def __init__(self) -> None:
@@ -102,7 +73,7 @@ class Net(pl.LightningModule):
 class Measure(pl.Callback):
     """Placed around SpotCheckpoint: `before` first in the callback list, `after` last."""
 
-    def __init__(self, spot: SpotCheckpoint, sampler: RssSampler) -> None:
+    def __init__(self, spot: SpotCheckpoint, sampler: _train_on.RssWindow) -> None:
         self.spot, self.sampler = spot, sampler
         self.rows: list[dict] = []
         self._started = 0.0
@@ -262,7 +233,7 @@ def main() -> None:
     if args.train_on:
         return main_train_on()
     pl.seed_everything(0)
-    sampler = RssSampler()
+    sampler = _train_on.RssWindow()
     spot = SpotCheckpoint(
         dirpath=args.dirpath, interval=None, every_n_steps=args.every, keep_last=1,
         storage_options=json.loads(args.storage_options), preemption=[],

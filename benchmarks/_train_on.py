@@ -47,6 +47,12 @@ class RssWindow:
                 self.peak = max(self.peak, value)
             time.sleep(0.002)  # a sampling period, not synchronisation
 
+    def reset(self) -> int:
+        """Start a new window now; the RSS it starts from."""
+        with self._lock:
+            self.peak = rss_bytes()
+            return self.peak
+
     def cut(self) -> int:
         """The peak of the window that ends now; a new window starts."""
         with self._lock:
