@@ -1,0 +1,94 @@
+"""One run of ``step_cost.py``: the replay's child job (``_replay_child.py``), with CPU time per thread.
+
+Every Python thread's CPU time (``time.thread_time`` at its end; ``/proc/self/task`` for those alive
+at exit) is written as JSON to ``$STEP_COST_THREADS`` at exit, keyed by the thread's name with its
+digits dropped (``spot-transfer-3`` → ``spot-transfer-``); threads no Python code started (the C
+libraries' own: OpenMP, tokio, ...) as ``native:<comm>``. ``STEP_COST_NO_UPLOAD=1`` makes the
+persister discard each written checkpoint instead of uploading it (the snapshot and the write stay).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import re
+import sys
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import _replay_child  # prints REPLAY SPAWNED, patches the host name, imports torch
+
+_CPU: dict[str, float] = defaultdict(float)
+_NAMES: dict[int, str] = {}  # native thread id -> name, of every Python thread started
+_GUARD = threading.Lock()
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _family(name: str) -> str:
+    return re.sub(r"[\d_]+", "", name.split(" (")[0]) or name
+
+
+def _patch_threads() -> None:
+    original = threading.Thread._bootstrap_inner  # type: ignore[attr-defined]
+
+    def bootstrap_inner(self: threading.Thread) -> None:
+        with _GUARD:
+            _NAMES[threading.get_native_id()] = self.name
+        try:
+            original(self)
+        finally:
+            with _GUARD:
+                _CPU[_family(self.name)] += time.thread_time()
+                _NAMES.pop(threading.get_native_id(), None)
+
+    threading.Thread._bootstrap_inner = bootstrap_inner  # type: ignore[attr-defined]
+
+
+def _task_cpu_s(stat: str) -> float:
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # utime, stime
+
+
+def _write_threads(path: str) -> None:
+    main_id = threading.main_thread().native_id
+    totals = dict(_CPU)
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue
+        tid = int(task.name)
+        if tid == main_id:
+            name = "main (training)"
+        elif tid in _NAMES:
+            name = _family(_NAMES[tid])
+        else:
+            name = "native:" + stat[stat.index("(") + 1 : stat.rindex(")")]
+        totals[name] = totals.get(name, 0.0) + _task_cpu_s(stat)
+    Path(path).write_text(json.dumps(totals))
+
+
+def _no_upload() -> None:
+    from spot_callbacks.persist.pipeline import Persister
+    from spot_callbacks.persist.scratch import discard_folder
+
+    def upload(self: Persister, job: object) -> None:
+        discard_folder(job.local_dir, job.owns_local_dir)  # type: ignore[attr-defined]
+
+    Persister._upload = upload  # type: ignore[method-assign]
+
+
+def main() -> int:
+    _patch_threads()
+    if os.environ.get("STEP_COST_NO_UPLOAD") == "1":
+        _no_upload()
+    if os.environ.get("STEP_COST_THREADS"):
+        atexit.register(_write_threads, os.environ["STEP_COST_THREADS"])
+    return _replay_child.main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,242 @@
+"""Step cost: how much slower a training step is while checkpoints are taken in the background.
+
+The goodput replay's child job (``_replay_child.py``: an MLP on CPU, one torch thread) trains
+uninterrupted for ``--steps`` steps once per variant per round, the variants interleaved
+(A B C ... A B C ...) so that the box's drifting speed falls on all of them alike. Per variant:
+the median and mean ms/step over the steady part (the first ``--skip`` steps and the last 2 % left
+out), both as a ratio to the no-checkpoint runs of the same rounds, and the CPU seconds of every
+thread of the process (``_step_cost_child.py``), per minute of training.
+
+Variants: ``none`` (no checkpoint), ``mc`` (ModelCheckpoint every 15 s + save_last +
+OnExceptionCheckpoint to a local folder), ``spot-file`` (SpotCheckpoint, interval 15 s, a ``file://``
+store), ``spot`` (the same to a nanio S3 server on this box), and ``spot`` with one background part
+turned off: ``spot-no-record`` (the attempt record written once an hour), ``spot-no-beat`` (the run
+lock's heartbeat once an hour), ``spot-no-trim`` (no ``malloc_trim``), ``spot-no-upload`` (snapshot
+and write only; nothing uploaded), ``spot-quiet`` (record, heartbeat and trim all off).
+
+    python benchmarks/step_cost.py --quick
+    python benchmarks/step_cost.py --variants none,mc,spot,spot-file --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from _common import (
+    REPO_ROOT,
+    add_common_args,
+    apply_quick,
+    choice_list,
+    markdown_table,
+    print_rich_table,
+    record,
+    section_head,
+    versions_line,
+)
+from _replay_outcome import parse_markers
+from _servers import S3_KEY, S3_SECRET, make_bucket, s3_options
+
+CHILD = Path(__file__).resolve().parent / "_step_cost_child.py"
+HOUR = "3600"
+VARIANTS: dict[str, tuple[str, str, dict[str, str]]] = {  # name -> (child variant, store, environment)
+    "none": ("none", "-", {}),
+    "mc": ("mc", "folder", {}),
+    "spot-file": ("spot", "file", {}),
+    "spot": ("spot", "s3", {}),
+    "spot-no-record": ("spot", "s3", {"SPOT_ATTEMPT_RECORD_S": HOUR}),
+    "spot-no-beat": ("spot", "s3", {"SPOT_LOCK_STALE_S": "4h"}),
+    "spot-no-trim": ("spot", "s3", {"SPOT_TRIM_HEAP": "0"}),
+    "spot-no-upload": ("spot", "s3", {"STEP_COST_NO_UPLOAD": "1"}),
+    "spot-quiet": (
+        "spot",
+        "s3",
+        {"SPOT_ATTEMPT_RECORD_S": HOUR, "SPOT_LOCK_STALE_S": "4h", "SPOT_TRIM_HEAP": "0"},
+    ),
+}
+QUICK = {"steps": 400, "width": 256, "layers": 3, "rounds": 1, "skip": 50, "variants": "none,spot,mc"}
+HEADERS = ["variant", "runs", "median ms/step", "mean ms/step", "median / none", "mean / none",
+           "checkpoints", "CPU s per training minute, by thread"]  # fmt: skip
+
+
+@dataclass
+class Run:
+    """One uninterrupted run of one variant: its per-step times and its threads' CPU seconds."""
+
+    variant: str
+    step_s: list[float]
+    train_s: float
+    threads: dict[str, float] = field(default_factory=dict)
+    checkpoints: int = 0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", default="none,mc,spot-file,spot", help=f"of {','.join(VARIANTS)}")
+    parser.add_argument("--rounds", type=int, default=2, help="each variant this many times, interleaved")
+    parser.add_argument("--steps", type=int, default=3000, help="steps per run (~20 ms each at the defaults)")
+    parser.add_argument("--skip", type=int, default=200, help="steps left out at the start (warm-up)")
+    parser.add_argument("--width", type=int, default=768)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--interval-s", type=float, default=15.0)
+    add_common_args(parser)
+    args = parser.parse_args(argv)
+    apply_quick(parser, args, QUICK)
+    args.variants = choice_list(parser, args.variants, tuple(VARIANTS), "--variants")
+    return args
+
+
+def steady_step_s(steps: list[tuple[int, float]], skip: int) -> list[float]:
+    """Seconds per step between consecutive step markers, the first ``skip`` and the last 2 % left out.
+
+    Example:
+        >>> steady_step_s([(i, i * 0.02) for i in range(1, 201)], skip=10)
+        ... # doctest: +ELLIPSIS
+        [0.02..., ...]
+    """
+    times = [t for _, t in steps]
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    return gaps[skip : len(gaps) - len(gaps) // 50]
+
+
+def run_once(args: argparse.Namespace, variant: str, index: int, workdir: Path, endpoint: str | None) -> Run:
+    child_variant, store, extra_env = VARIANTS[variant]
+    machine = workdir / "machines" / f"{variant}-{index}"
+    for name in ("home", "tmp", "scratch", "work", "persistent"):
+        (machine / name).mkdir(parents=True)
+    threads_json = machine / "threads.json"
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("SPOT_", "AWS_"))}
+    env.update({
+        "HOME": str(machine / "home"), "TMPDIR": str(machine / "tmp"), "SPOT_SCRATCH": str(machine / "scratch"),
+        "HF_HOME": str(machine / "home" / "hf"), "HF_HUB_OFFLINE": "1", "STEP_COST_THREADS": str(threads_json),
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(CHILD.parent), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        **extra_env,
+    })  # fmt: skip
+    options: dict[str, Any] = {}
+    dirpath = (machine / "store").as_uri()
+    if store == "s3":
+        assert endpoint is not None
+        options = s3_options(endpoint)
+        dirpath = f"s3://steps/{variant}-{index}"
+        env.update({"AWS_ACCESS_KEY_ID": S3_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET, "AWS_ENDPOINT_URL": endpoint,
+                    "AWS_DEFAULT_REGION": "us-east-1"})  # fmt: skip
+    argv = [sys.executable, str(CHILD), "--variant", child_variant, "--steps", str(args.steps),
+            "--width", str(args.width), "--layers", str(args.layers), "--interval-s", str(args.interval_s),
+            "--out", str(machine / "final.pt"), "--dirpath", dirpath, "--storage-options", json.dumps(options),
+            "--persist-dir", str(machine / "persistent")]  # fmt: skip
+    log_path = workdir / "logs" / f"{variant}-{index}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.run(argv, cwd=machine / "work", env=env, stdin=subprocess.DEVNULL, stdout=log,
+                              stderr=subprocess.STDOUT, check=False)  # fmt: skip
+    lines = log_path.read_text(errors="replace").splitlines()
+    steps, done = parse_markers(lines)
+    if proc.returncode != 0 or not done:
+        raise SystemExit(f"{variant} run {index} failed (exit {proc.returncode}): see {log_path}")
+    threads = json.loads(threads_json.read_text()) if threads_json.exists() else {}
+    checkpoints = sum("committed" in line for line in lines) if child_variant == "spot" else 0
+    shutil.rmtree(machine)
+    return Run(variant, steady_step_s(steps, args.skip), steps[-1][1] - steps[0][1], threads, checkpoints)
+
+
+def cpu_cell(runs: list[Run]) -> str:
+    """The threads' CPU seconds per minute of training (the mean over ``runs``), largest first."""
+    names = sorted({name for run in runs for name in run.threads})
+    per_minute = {
+        name: statistics.mean(run.threads.get(name, 0.0) * 60 / run.train_s for run in runs) for name in names
+    }
+    shown = sorted(((s, n) for n, s in per_minute.items() if s >= 0.05), reverse=True)
+    return ", ".join(f"{name} {seconds:.2f}" for seconds, name in shown)
+
+
+def summary_rows(runs: list[Run], variants: list[str]) -> list[list[str]]:
+    base = [run for run in runs if run.variant == "none"]
+    base_median = statistics.median([statistics.median(r.step_s) for r in base]) if base else None
+    base_mean = statistics.mean([statistics.mean(r.step_s) for r in base]) if base else None
+    rows = []
+    for variant in variants:
+        mine = [run for run in runs if run.variant == variant]
+        medians = [statistics.median(run.step_s) * 1e3 for run in mine]
+        means = [statistics.mean(run.step_s) * 1e3 for run in mine]
+        median, mean = statistics.median(medians), statistics.mean(means)
+        rows.append([
+            variant, str(len(mine)), f"{median:.2f} ({', '.join(f'{m:.2f}' for m in medians)})",
+            f"{mean:.2f} ({', '.join(f'{m:.2f}' for m in means)})",
+            f"{median / (base_median * 1e3):.3f}" if base_median else "-",
+            f"{mean / (base_mean * 1e3):.3f}" if base_mean else "-",
+            " / ".join(str(run.checkpoints) for run in mine) if VARIANTS[variant][0] == "spot" else "-",
+            cpu_cell(mine),
+        ])  # fmt: skip
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    workdir = Path(tempfile.mkdtemp(prefix="spot-step-cost-"))
+    (workdir / "logs").mkdir()
+    load_before = os.getloadavg()
+    started = time.monotonic()
+    runs: list[Run] = []
+    try:
+        endpoint = None
+        server = None
+        if any(VARIANTS[v][1] == "s3" for v in args.variants):
+            from transfer import ensure_nanio, nanio_server
+
+            ensure_nanio()
+            (workdir / "objects").mkdir()
+            server = nanio_server(workdir / "objects", workers=1, key=S3_KEY, secret=S3_SECRET)
+            endpoint = server.__enter__()
+            make_bucket(s3_options(endpoint), "steps")
+        try:
+            for index in range(args.rounds):
+                for variant in args.variants:
+                    run = run_once(args, variant, index, workdir, endpoint)
+                    runs.append(run)
+                    print(f"  round {index} {variant}: median {statistics.median(run.step_s) * 1e3:.2f} ms/step, "
+                          f"mean {statistics.mean(run.step_s) * 1e3:.2f}; {cpu_cell([run])}", flush=True)  # fmt: skip
+        finally:
+            if server is not None:
+                server.__exit__(None, None, None)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    total_s = time.monotonic() - started
+    rows = summary_rows(runs, args.variants)
+    print_rich_table(HEADERS, rows, "step cost", left=["variant", HEADERS[-1]], width=220)
+    command = (f"python benchmarks/step_cost.py --variants {','.join(args.variants)} --rounds {args.rounds} "
+               f"--steps {args.steps} --skip {args.skip} --width {args.width} --layers {args.layers} "
+               f"--interval-s {args.interval_s:g}")  # fmt: skip
+    section = [
+        "",
+        *section_head("Step cost: ms per training step with background checkpoints, interleaved", command,
+                      versions_line(("torch", "lightning", "boto3", "s3fs", "nanio")), f" ({total_s:.0f}s)"),  # fmt: skip
+        f"- Job: the replay's child (MLP {args.layers}×{args.width} on CPU, 1 torch thread), {args.steps} steps "
+        f"uninterrupted per run; SpotCheckpoint interval {args.interval_s:g} s; S3 = nanio on this box (1 worker); "
+        f"{args.rounds} round(s), variants interleaved in the order listed.",
+        "- ms/step: the gaps between consecutive steps' end times, the first "
+        f"{args.skip} steps and the last 2 % left out; median and mean per run, then the median of the medians "
+        "and the mean of the means (per run in brackets); / none: against the no-checkpoint runs. CPU: each "
+        "thread's CPU seconds (`time.thread_time` at its end, `/proc/self/task` at exit; the main thread's "
+        "include start-up) per minute of training, threads of one name summed; `native:` a thread no Python "
+        "code started.",
+        "- Load average (1, 5, 15 min) before: " + ", ".join(f"{v:.2f}" for v in load_before)
+        + "; after: " + ", ".join(f"{v:.2f}" for v in os.getloadavg()),
+        "",
+        *markdown_table(HEADERS, rows),
+        "",
+    ]  # fmt: skip
+    record(args, section)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
