@@ -3,7 +3,9 @@
 Every Python thread's CPU time (``time.thread_time`` at its end; ``/proc/self/task`` for those alive
 at exit) is written as JSON to ``$STEP_COST_THREADS`` at exit, keyed by the thread's name with its
 digits dropped (``spot-transfer-3`` → ``spot-transfer-``); threads no Python code started (the C
-libraries' own: OpenMP, tokio, ...) as ``native:<comm>``. ``STEP_COST_NO_UPLOAD=1`` makes the
+libraries' own: OpenMP, tokio, ...) as ``native:<comm>``. With ``STEP_COST_WINDOW=FROM,TO`` (step
+numbers) it also holds, at those two step markers, the wall time, the main thread's CPU time, the
+process's CPU time and its involuntary context switches (``window``). ``STEP_COST_NO_UPLOAD=1`` makes the
 persister discard each written checkpoint instead of uploading it (the snapshot and the write stay).
 """
 
@@ -13,6 +15,7 @@ import atexit
 import json
 import os
 import re
+import resource
 import sys
 import threading
 import time
@@ -25,6 +28,9 @@ _CPU: dict[str, float] = defaultdict(float)
 _NAMES: dict[int, str] = {}  # native thread id -> name, of every Python thread started
 _GUARD = threading.Lock()
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+_WINDOW: dict[
+    str, list[float]
+] = {}  # "from"/"to": [step, wall, main thread CPU, process CPU, involuntary switches]
 
 
 def _family(name: str) -> str:
@@ -68,7 +74,23 @@ def _write_threads(path: str) -> None:
         else:
             name = "native:" + stat[stat.index("(") + 1 : stat.rindex(")")]
         totals[name] = totals.get(name, 0.0) + _task_cpu_s(stat)
-    Path(path).write_text(json.dumps(totals))
+    Path(path).write_text(json.dumps({"threads": totals, "window": _WINDOW}))
+
+
+def _patch_marks(skip: int, last: int) -> None:
+    """Note the main thread's and the process's CPU at the ``skip``-th and the ``last``-th step marker."""
+    original = _replay_child.mark
+
+    def mark(kind: str, *values: object) -> None:
+        original(kind, *values)
+        if kind == "STEP" and int(str(values[0])) in (skip, last):
+            usage = resource.getrusage(resource.RUSAGE_SELF)
+            _WINDOW["from" if int(str(values[0])) == skip else "to"] = [
+                float(str(values[0])), time.time(), time.thread_time(), usage.ru_utime + usage.ru_stime,
+                float(usage.ru_nivcsw),
+            ]  # fmt: skip
+
+    _replay_child.mark = mark
 
 
 def _no_upload() -> None:
@@ -85,6 +107,8 @@ def main() -> int:
     _patch_threads()
     if os.environ.get("STEP_COST_NO_UPLOAD") == "1":
         _no_upload()
+    if os.environ.get("STEP_COST_WINDOW"):
+        _patch_marks(*(int(n) for n in os.environ["STEP_COST_WINDOW"].split(",")))
     if os.environ.get("STEP_COST_THREADS"):
         atexit.register(_write_threads, os.environ["STEP_COST_THREADS"])
     return _replay_child.main()

@@ -12,7 +12,8 @@ OnExceptionCheckpoint to a local folder), ``spot-file`` (SpotCheckpoint, interva
 store), ``spot`` (the same to a nanio S3 server on this box), and ``spot`` with one background part
 turned off: ``spot-no-record`` (the attempt record written once an hour), ``spot-no-beat`` (the run
 lock's heartbeat once an hour), ``spot-no-trim`` (no ``malloc_trim``), ``spot-no-upload`` (snapshot
-and write only; nothing uploaded), ``spot-quiet`` (record, heartbeat and trim all off).
+and write only; nothing uploaded), ``spot-resumed`` (resumed from the checkpoint another machine
+committed at step 100), ``spot-quiet`` (record, heartbeat and trim all off).
 
     python benchmarks/step_cost.py --quick
     python benchmarks/step_cost.py --variants none,mc,spot,spot-file --rounds 2
@@ -58,6 +59,7 @@ VARIANTS: dict[str, tuple[str, str, dict[str, str]]] = {  # name -> (child varia
     "spot-no-beat": ("spot", "s3", {"SPOT_LOCK_STALE_S": "4h"}),
     "spot-no-trim": ("spot", "s3", {"SPOT_TRIM_HEAP": "0"}),
     "spot-no-upload": ("spot", "s3", {"STEP_COST_NO_UPLOAD": "1"}),
+    "spot-resumed": ("spot", "s3", {}),
     "spot-quiet": (
         "spot",
         "s3",
@@ -66,6 +68,7 @@ VARIANTS: dict[str, tuple[str, str, dict[str, str]]] = {  # name -> (child varia
 }
 QUICK = {"steps": 400, "width": 256, "layers": 3, "rounds": 1, "skip": 50, "variants": "none,spot,mc"}
 HEADERS = ["variant", "runs", "median ms/step", "mean ms/step", "median / none", "mean / none",
+           "main thread CPU ms/step", "process CPU ms/step", "off-CPU ms/step", "involuntary switches/step",
            "checkpoints", "CPU s per training minute, by thread"]  # fmt: skip
 
 
@@ -78,6 +81,22 @@ class Run:
     train_s: float
     threads: dict[str, float] = field(default_factory=dict)
     checkpoints: int = 0
+    window: dict[str, list[float]] = field(default_factory=dict)  # _step_cost_child.py's
+
+    def per_step_ms(self, index: int) -> float | None:
+        """A figure of the steady window per step, in ms (1: wall, 2: main thread CPU, 3: process CPU)."""
+        start, end = self.window.get("from"), self.window.get("to")
+        if start is None or end is None or end[0] <= start[0]:
+            return None
+        return (end[index] - start[index]) / (end[0] - start[0]) * 1e3
+
+    def switches_per_step(self) -> float | None:
+        start, end = self.window.get("from"), self.window.get("to")
+        return (
+            None
+            if start is None or end is None or end[0] <= start[0]
+            else (end[4] - start[4]) / (end[0] - start[0])
+        )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -105,13 +124,30 @@ def steady_step_s(steps: list[tuple[int, float]], skip: int) -> list[float]:
         [0.02..., ...]
     """
     times = [t for _, t in steps]
-    gaps = [b - a for a, b in zip(times, times[1:])]
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
     return gaps[skip : len(gaps) - len(gaps) // 50]
 
 
+RESUMED_FROM = 100  # ``-resumed``: a machine before trains this many steps, its last checkpoint the resume
+
+
 def run_once(args: argparse.Namespace, variant: str, index: int, workdir: Path, endpoint: str | None) -> Run:
+    if variant.endswith("-resumed"):
+        _run_child(args, variant, index, workdir, endpoint, RESUMED_FROM, "before")
+    return _run_child(args, variant, index, workdir, endpoint, args.steps, "")
+
+
+def _run_child(
+    args: argparse.Namespace,
+    variant: str,
+    index: int,
+    workdir: Path,
+    endpoint: str | None,
+    steps: int,
+    tag: str,
+) -> Run:
     child_variant, store, extra_env = VARIANTS[variant]
-    machine = workdir / "machines" / f"{variant}-{index}"
+    machine = workdir / "machines" / f"{variant}-{index}{tag}"
     for name in ("home", "tmp", "scratch", "work", "persistent"):
         (machine / name).mkdir(parents=True)
     threads_json = machine / "threads.json"
@@ -119,22 +155,23 @@ def run_once(args: argparse.Namespace, variant: str, index: int, workdir: Path, 
     env.update({
         "HOME": str(machine / "home"), "TMPDIR": str(machine / "tmp"), "SPOT_SCRATCH": str(machine / "scratch"),
         "HF_HOME": str(machine / "home" / "hf"), "HF_HUB_OFFLINE": "1", "STEP_COST_THREADS": str(threads_json),
+        "STEP_COST_WINDOW": f"{args.skip + 1},{args.steps - args.steps // 50}",
         "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(CHILD.parent), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
         **extra_env,
     })  # fmt: skip
     options: dict[str, Any] = {}
-    dirpath = (machine / "store").as_uri()
+    dirpath = (workdir / "stores" / f"{variant}-{index}").as_uri()
     if store == "s3":
         assert endpoint is not None
         options = s3_options(endpoint)
         dirpath = f"s3://steps/{variant}-{index}"
         env.update({"AWS_ACCESS_KEY_ID": S3_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET, "AWS_ENDPOINT_URL": endpoint,
                     "AWS_DEFAULT_REGION": "us-east-1"})  # fmt: skip
-    argv = [sys.executable, str(CHILD), "--variant", child_variant, "--steps", str(args.steps),
+    argv = [sys.executable, str(CHILD), "--variant", child_variant, "--steps", str(steps),
             "--width", str(args.width), "--layers", str(args.layers), "--interval-s", str(args.interval_s),
             "--out", str(machine / "final.pt"), "--dirpath", dirpath, "--storage-options", json.dumps(options),
             "--persist-dir", str(machine / "persistent")]  # fmt: skip
-    log_path = workdir / "logs" / f"{variant}-{index}.log"
+    log_path = workdir / "logs" / f"{variant}-{index}{tag}.log"
     with open(log_path, "wb") as log:
         proc = subprocess.run(argv, cwd=machine / "work", env=env, stdin=subprocess.DEVNULL, stdout=log,
                               stderr=subprocess.STDOUT, check=False)  # fmt: skip
@@ -142,10 +179,11 @@ def run_once(args: argparse.Namespace, variant: str, index: int, workdir: Path, 
     steps, done = parse_markers(lines)
     if proc.returncode != 0 or not done:
         raise SystemExit(f"{variant} run {index} failed (exit {proc.returncode}): see {log_path}")
-    threads = json.loads(threads_json.read_text()) if threads_json.exists() else {}
+    measured = json.loads(threads_json.read_text()) if threads_json.exists() else {}
     checkpoints = sum("committed" in line for line in lines) if child_variant == "spot" else 0
     shutil.rmtree(machine)
-    return Run(variant, steady_step_s(steps, args.skip), steps[-1][1] - steps[0][1], threads, checkpoints)
+    return Run(variant, steady_step_s(steps, args.skip), steps[-1][1] - steps[0][1], measured.get("threads", {}),
+               checkpoints, measured.get("window", {}))  # fmt: skip
 
 
 def cpu_cell(runs: list[Run]) -> str:
@@ -156,6 +194,16 @@ def cpu_cell(runs: list[Run]) -> str:
     }
     shown = sorted(((s, n) for n, s in per_minute.items() if s >= 0.05), reverse=True)
     return ", ".join(f"{name} {seconds:.2f}" for seconds, name in shown)
+
+
+def _minus(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
+
+
+def mean_of(values: list[float | None]) -> str:
+    """The mean of the known ``values`` with each in brackets; ``-`` when none is known."""
+    known = [v for v in values if v is not None]
+    return f"{statistics.mean(known):.2f} ({', '.join(f'{v:.2f}' for v in known)})" if known else "-"
 
 
 def summary_rows(runs: list[Run], variants: list[str]) -> list[list[str]]:
@@ -173,6 +221,9 @@ def summary_rows(runs: list[Run], variants: list[str]) -> list[list[str]]:
             f"{mean:.2f} ({', '.join(f'{m:.2f}' for m in means)})",
             f"{median / (base_median * 1e3):.3f}" if base_median else "-",
             f"{mean / (base_mean * 1e3):.3f}" if base_mean else "-",
+            mean_of([run.per_step_ms(2) for run in mine]), mean_of([run.per_step_ms(3) for run in mine]),
+            mean_of([_minus(run.per_step_ms(1), run.per_step_ms(2)) for run in mine]),
+            mean_of([run.switches_per_step() for run in mine]),
             " / ".join(str(run.checkpoints) for run in mine) if VARIANTS[variant][0] == "spot" else "-",
             cpu_cell(mine),
         ])  # fmt: skip
@@ -203,7 +254,9 @@ def main(argv: list[str] | None = None) -> int:
                     run = run_once(args, variant, index, workdir, endpoint)
                     runs.append(run)
                     print(f"  round {index} {variant}: median {statistics.median(run.step_s) * 1e3:.2f} ms/step, "
-                          f"mean {statistics.mean(run.step_s) * 1e3:.2f}; {cpu_cell([run])}", flush=True)  # fmt: skip
+                          f"mean {statistics.mean(run.step_s) * 1e3:.2f}, main CPU {mean_of([run.per_step_ms(2)])}, "
+                          f"process CPU {mean_of([run.per_step_ms(3)])}, switches {mean_of([run.switches_per_step()])}; "
+                          f"{cpu_cell([run])}", flush=True)  # fmt: skip
         finally:
             if server is not None:
                 server.__exit__(None, None, None)
@@ -227,7 +280,9 @@ def main(argv: list[str] | None = None) -> int:
         "and the mean of the means (per run in brackets); / none: against the no-checkpoint runs. CPU: each "
         "thread's CPU seconds (`time.thread_time` at its end, `/proc/self/task` at exit; the main thread's "
         "include start-up) per minute of training, threads of one name summed; `native:` a thread no Python "
-        "code started.",
+        "code started. main thread CPU / process CPU / off-CPU (wall less the main thread's CPU: waits for the "
+        "GIL, for a core, for memory) / involuntary context switches: per step over the same steady window, "
+        "measured inside the process at its step markers.",
         "- Load average (1, 5, 15 min) before: " + ", ".join(f"{v:.2f}" for v in load_before)
         + "; after: " + ", ".join(f"{v:.2f}" for v in os.getloadavg()),
         "",
