@@ -5,13 +5,15 @@ at exit) is written as JSON to ``$STEP_COST_THREADS`` at exit, keyed by the thre
 digits dropped (``spot-transfer-3`` → ``spot-transfer-``); threads no Python code started (the C
 libraries' own: OpenMP, tokio, ...) as ``native:<comm>``. With ``STEP_COST_WINDOW=FROM,TO`` (step
 numbers) it also holds, at those two step markers, the wall time, the main thread's CPU time, the
-process's CPU time and its involuntary context switches (``window``). ``STEP_COST_NO_UPLOAD=1`` makes the
+process's CPU time and its involuntary context switches (``window``), and the garbage collector's
+collections and seconds per generation between them (``gc``). ``STEP_COST_NO_UPLOAD=1`` makes the
 persister discard each written checkpoint instead of uploading it (the snapshot and the write stay).
 """
 
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import os
 import re
@@ -28,9 +30,10 @@ _CPU: dict[str, float] = defaultdict(float)
 _NAMES: dict[int, str] = {}  # native thread id -> name, of every Python thread started
 _GUARD = threading.Lock()
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-_WINDOW: dict[
-    str, list[float]
-] = {}  # "from"/"to": [step, wall, main thread CPU, process CPU, involuntary switches]
+# "from"/"to": [step, wall, main thread CPU, process CPU, involuntary switches]
+_WINDOW: dict[str, list[float]] = {}
+_GC: dict[str, float] = defaultdict(float)  # per generation: collections and seconds, in the window
+_GC_STARTED: list[float] = []
 
 
 def _family(name: str) -> str:
@@ -74,7 +77,19 @@ def _write_threads(path: str) -> None:
         else:
             name = "native:" + stat[stat.index("(") + 1 : stat.rindex(")")]
         totals[name] = totals.get(name, 0.0) + _task_cpu_s(stat)
-    Path(path).write_text(json.dumps({"threads": totals, "window": _WINDOW}))
+    gc_figures = {**_GC, "tracked objects at exit": float(len(gc.get_objects()))}
+    Path(path).write_text(json.dumps({"threads": totals, "window": _WINDOW, "gc": gc_figures}))
+
+
+def _time_gc(phase: str, info: dict[str, int]) -> None:
+    if "from" not in _WINDOW or "to" in _WINDOW:
+        return
+    if phase == "start":
+        _GC_STARTED[:] = [time.perf_counter()]
+    elif _GC_STARTED:
+        generation = info["generation"]
+        _GC[f"gen{generation} collections"] += 1
+        _GC[f"gen{generation} s"] += time.perf_counter() - _GC_STARTED[0]
 
 
 def _patch_marks(skip: int, last: int) -> None:
@@ -109,6 +124,7 @@ def main() -> int:
         _no_upload()
     if os.environ.get("STEP_COST_WINDOW"):
         _patch_marks(*(int(n) for n in os.environ["STEP_COST_WINDOW"].split(",")))
+        gc.callbacks.append(_time_gc)
     if os.environ.get("STEP_COST_THREADS"):
         atexit.register(_write_threads, os.environ["STEP_COST_THREADS"])
     return _replay_child.main()

@@ -69,7 +69,7 @@ VARIANTS: dict[str, tuple[str, str, dict[str, str]]] = {  # name -> (child varia
 QUICK = {"steps": 400, "width": 256, "layers": 3, "rounds": 1, "skip": 50, "variants": "none,spot,mc"}
 HEADERS = ["variant", "runs", "median ms/step", "mean ms/step", "median / none", "mean / none",
            "main thread CPU ms/step", "process CPU ms/step", "off-CPU ms/step", "involuntary switches/step",
-           "checkpoints", "CPU s per training minute, by thread"]  # fmt: skip
+           "GC ms/step", "full GCs (tracked objects)", "checkpoints", "CPU s per training minute, by thread"]  # fmt: skip
 
 
 @dataclass
@@ -82,6 +82,14 @@ class Run:
     threads: dict[str, float] = field(default_factory=dict)
     checkpoints: int = 0
     window: dict[str, list[float]] = field(default_factory=dict)  # _step_cost_child.py's
+    gc: dict[str, float] = field(default_factory=dict)  # _step_cost_child.py's
+    server_cpu_s: float = 0.0  # the S3 server's CPU seconds during the run
+
+    def gc_ms_per_step(self) -> float | None:
+        start, end = self.window.get("from"), self.window.get("to")
+        if start is None or end is None or end[0] <= start[0]:
+            return None
+        return sum(self.gc.get(f"gen{g} s", 0.0) for g in range(3)) / (end[0] - start[0]) * 1e3
 
     def per_step_ms(self, index: int) -> float | None:
         """A figure of the steady window per step, in ms (1: wall, 2: main thread CPU, 3: process CPU)."""
@@ -131,10 +139,29 @@ def steady_step_s(steps: list[tuple[int, float]], skip: int) -> list[float]:
 RESUMED_FROM = 100  # ``-resumed``: a machine before trains this many steps, its last checkpoint the resume
 
 
+def server_cpu_s() -> float:
+    """CPU seconds so far of this process's children that are not training runs (the S3 server)."""
+    total = 0.0
+    me = str(os.getpid())
+    for stat_path in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            stat = stat_path.read_text()
+            cmdline = (stat_path.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[1] == me and b"nanio" in cmdline:  # ppid; utime, stime, cutime, cstime (its workers)
+            total += sum(int(v) for v in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 def run_once(args: argparse.Namespace, variant: str, index: int, workdir: Path, endpoint: str | None) -> Run:
     if variant.endswith("-resumed"):
         _run_child(args, variant, index, workdir, endpoint, RESUMED_FROM, "before")
-    return _run_child(args, variant, index, workdir, endpoint, args.steps, "")
+    server_before = server_cpu_s()
+    run = _run_child(args, variant, index, workdir, endpoint, args.steps, "")
+    run.server_cpu_s = server_cpu_s() - server_before
+    return run
 
 
 def _run_child(
@@ -183,7 +210,7 @@ def _run_child(
     checkpoints = sum("committed" in line for line in lines) if child_variant == "spot" else 0
     shutil.rmtree(machine)
     return Run(variant, steady_step_s(steps, args.skip), steps[-1][1] - steps[0][1], measured.get("threads", {}),
-               checkpoints, measured.get("window", {}))  # fmt: skip
+               checkpoints, measured.get("window", {}), measured.get("gc", {}))  # fmt: skip
 
 
 def cpu_cell(runs: list[Run]) -> str:
@@ -193,7 +220,10 @@ def cpu_cell(runs: list[Run]) -> str:
         name: statistics.mean(run.threads.get(name, 0.0) * 60 / run.train_s for run in runs) for name in names
     }
     shown = sorted(((s, n) for n, s in per_minute.items() if s >= 0.05), reverse=True)
-    return ", ".join(f"{name} {seconds:.2f}" for seconds, name in shown)
+    server = statistics.mean(run.server_cpu_s * 60 / run.train_s for run in runs)
+    return ", ".join(f"{name} {seconds:.2f}" for seconds, name in shown) + (
+        f"; S3 server {server:.2f}" if server >= 0.005 else ""
+    )
 
 
 def _minus(a: float | None, b: float | None) -> float | None:
@@ -224,6 +254,9 @@ def summary_rows(runs: list[Run], variants: list[str]) -> list[list[str]]:
             mean_of([run.per_step_ms(2) for run in mine]), mean_of([run.per_step_ms(3) for run in mine]),
             mean_of([_minus(run.per_step_ms(1), run.per_step_ms(2)) for run in mine]),
             mean_of([run.switches_per_step() for run in mine]),
+            mean_of([run.gc_ms_per_step() for run in mine]),
+            ", ".join(f"{run.gc.get('gen2 collections', 0):.0f} ({run.gc.get('tracked objects at exit', 0) / 1e3:.0f}k)"
+                      for run in mine),
             " / ".join(str(run.checkpoints) for run in mine) if VARIANTS[variant][0] == "spot" else "-",
             cpu_cell(mine),
         ])  # fmt: skip
@@ -255,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
                     runs.append(run)
                     print(f"  round {index} {variant}: median {statistics.median(run.step_s) * 1e3:.2f} ms/step, "
                           f"mean {statistics.mean(run.step_s) * 1e3:.2f}, main CPU {mean_of([run.per_step_ms(2)])}, "
-                          f"process CPU {mean_of([run.per_step_ms(3)])}, switches {mean_of([run.switches_per_step()])}; "
+                          f"process CPU {mean_of([run.per_step_ms(3)])}, switches {mean_of([run.switches_per_step()])}, "
+                          f"GC {mean_of([run.gc_ms_per_step()])} ms/step {dict(run.gc)}; "
                           f"{cpu_cell([run])}", flush=True)  # fmt: skip
         finally:
             if server is not None:
@@ -280,9 +314,10 @@ def main(argv: list[str] | None = None) -> int:
         "and the mean of the means (per run in brackets); / none: against the no-checkpoint runs. CPU: each "
         "thread's CPU seconds (`time.thread_time` at its end, `/proc/self/task` at exit; the main thread's "
         "include start-up) per minute of training, threads of one name summed; `native:` a thread no Python "
-        "code started. main thread CPU / process CPU / off-CPU (wall less the main thread's CPU: waits for the "
+        "code started; S3 server: the nanio process's CPU (another process on the same cores). main thread CPU / process CPU / off-CPU (wall less the main thread's CPU: waits for the "
         "GIL, for a core, for memory) / involuntary context switches: per step over the same steady window, "
-        "measured inside the process at its step markers.",
+        "measured inside the process at its step markers. GC: the garbage collector's time per step in that "
+        "window (`gc.callbacks`), its full collections, and the objects it tracks at exit.",
         "- Load average (1, 5, 15 min) before: " + ", ".join(f"{v:.2f}" for v in load_before)
         + "; after: " + ", ".join(f"{v:.2f}" for v in os.getloadavg()),
         "",
