@@ -17,6 +17,7 @@ committed at step 100), ``spot-quiet`` (record, heartbeat and trim all off).
 
     python benchmarks/step_cost.py --quick
     python benchmarks/step_cost.py --variants none,mc,spot,spot-file --rounds 2
+    python benchmarks/step_cost.py --base /path/to/main --variants none,spot@base,spot   # before / after
 """
 
 from __future__ import annotations
@@ -116,10 +117,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--width", type=int, default=768)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--interval-s", type=float, default=15.0)
+    parser.add_argument(
+        "--base", help="another checkout of the library: a variant named NAME@base runs NAME with its code"
+    )
     add_common_args(parser)
     args = parser.parse_args(argv)
     apply_quick(parser, args, QUICK)
-    args.variants = choice_list(parser, args.variants, tuple(VARIANTS), "--variants")
+    allowed = (*VARIANTS, *(f"{name}@base" for name in VARIANTS)) if args.base else tuple(VARIANTS)
+    args.variants = choice_list(parser, args.variants, allowed, "--variants")
     return args
 
 
@@ -173,7 +178,8 @@ def _run_child(
     steps: int,
     tag: str,
 ) -> Run:
-    child_variant, store, extra_env = VARIANTS[variant]
+    child_variant, store, extra_env = VARIANTS[variant.split("@")[0]]
+    code = args.base if variant.endswith("@base") else str(REPO_ROOT)
     machine = workdir / "machines" / f"{variant}-{index}{tag}"
     for name in ("home", "tmp", "scratch", "work", "persistent"):
         (machine / name).mkdir(parents=True)
@@ -183,7 +189,7 @@ def _run_child(
         "HOME": str(machine / "home"), "TMPDIR": str(machine / "tmp"), "SPOT_SCRATCH": str(machine / "scratch"),
         "HF_HOME": str(machine / "home" / "hf"), "HF_HUB_OFFLINE": "1", "STEP_COST_THREADS": str(threads_json),
         "STEP_COST_WINDOW": f"{args.skip + 1},{args.steps - args.steps // 50}",
-        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(CHILD.parent), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        "PYTHONPATH": os.pathsep.join([code, str(CHILD.parent), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
         **extra_env,
     })  # fmt: skip
     options: dict[str, Any] = {}
@@ -257,7 +263,7 @@ def summary_rows(runs: list[Run], variants: list[str]) -> list[list[str]]:
             mean_of([run.gc_ms_per_step() for run in mine]),
             ", ".join(f"{run.gc.get('gen2 collections', 0):.0f} ({run.gc.get('tracked objects at exit', 0) / 1e3:.0f}k)"
                       for run in mine),
-            " / ".join(str(run.checkpoints) for run in mine) if VARIANTS[variant][0] == "spot" else "-",
+            " / ".join(str(run.checkpoints) for run in mine) if VARIANTS[variant.split("@")[0]][0] == "spot" else "-",
             cpu_cell(mine),
         ])  # fmt: skip
     return rows
@@ -273,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         endpoint = None
         server = None
-        if any(VARIANTS[v][1] == "s3" for v in args.variants):
+        if any(VARIANTS[v.split("@")[0]][1] == "s3" for v in args.variants):
             from transfer import ensure_nanio, nanio_server
 
             ensure_nanio()
@@ -301,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     print_rich_table(HEADERS, rows, "step cost", left=["variant", HEADERS[-1]], width=220)
     command = (f"python benchmarks/step_cost.py --variants {','.join(args.variants)} --rounds {args.rounds} "
                f"--steps {args.steps} --skip {args.skip} --width {args.width} --layers {args.layers} "
-               f"--interval-s {args.interval_s:g}")  # fmt: skip
+               f"--interval-s {args.interval_s:g}" + (f" --base {args.base}" if args.base else ""))  # fmt: skip
     section = [
         "",
         *section_head("Step cost: ms per training step with background checkpoints, interleaved", command,
