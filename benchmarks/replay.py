@@ -380,6 +380,21 @@ def row(outcome: Outcome) -> list[str]:
     ]  # fmt: skip
 
 
+def breakdown(outcome: Outcome) -> str:
+    """Each machine's billed seconds split: spawn to first step, training (steps, ms/step), last step to exit."""
+    parts = []
+    for attempt in outcome.attempts:
+        if len(attempt.steps) < 2 or attempt.startup_s is None:
+            parts.append(f"{attempt.billed_s:.1f} s, no steps")
+            continue
+        (first, t_first), (last, t_last) = attempt.steps[0], attempt.steps[-1]
+        parts.append(
+            f"{attempt.startup_s:.1f} + {last - first + 1} steps in {t_last - t_first:.1f} s "
+            f"({(t_last - t_first) / (last - first) * 1e3:.1f} ms/step) + {attempt.exited - t_last:.1f} s"
+        )
+    return f"{outcome.variant} ({outcome.schedule}): " + "; ".join(parts)
+
+
 def command_line(args: argparse.Namespace) -> str:
     parts = ["python benchmarks/replay.py", f"--variants {','.join(args.variants)}", f"--schedule {args.schedule}",
              f"--steps {args.steps} --width {args.width} --layers {args.layers}",
@@ -408,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     total_s = time.monotonic() - started
     rows = [row(outcome) for outcome in outcomes]
     print_rich_table(HEADERS, rows, "goodput replay", left=["variant", "schedule"], width=220)
+    machines = [breakdown(outcome) for outcome in outcomes]
+    print("\n".join(machines))
     uname = subprocess.run(["uname", "-a"], capture_output=True, text=True).stdout.strip()
     baseline_lines = [
         f"- Uninterrupted ({framework}, no checkpoint), interleaved: one before the first variant, after every "
@@ -452,6 +469,11 @@ def main(argv: list[str] | None = None) -> int:
         "`plan --from` (work = 1000 × the uninterrupted run; goodput = work / expected hours) on the store.",
         "",
         *markdown_table(HEADERS, rows),
+        "",
+        "Billed seconds per machine: spawn to the first step + the steps trained (first to last, and ms/step) + the "
+        "last step to exit (an emergency checkpoint, the final upload, the interpreter's exit):",
+        "",
+        *(f"- {line}" for line in machines),
         "",
     ]
     record(args, section)
