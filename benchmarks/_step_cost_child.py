@@ -5,7 +5,7 @@ at exit) is written as JSON to ``$STEP_COST_THREADS`` at exit, keyed by the thre
 digits dropped (``spot-transfer-3`` → ``spot-transfer-``); threads no Python code started (the C
 libraries' own: OpenMP, tokio, ...) as ``native:<comm>``. With ``STEP_COST_WINDOW=FROM,TO`` (step
 numbers) it also holds, at those two step markers, the wall time, the main thread's CPU time, the
-process's CPU time and its involuntary context switches (``window``), and the garbage collector's
+process's CPU time, its involuntary context switches and minor page faults (``window``), and the garbage collector's
 collections and seconds per generation between them (``gc``). ``STEP_COST_NO_UPLOAD=1`` makes the
 persister discard each written checkpoint instead of uploading it (the snapshot and the write stay).
 """
@@ -30,7 +30,7 @@ _CPU: dict[str, float] = defaultdict(float)
 _NAMES: dict[int, str] = {}  # native thread id -> name, of every Python thread started
 _GUARD = threading.Lock()
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-# "from"/"to": [step, wall, main thread CPU, process CPU, involuntary switches]
+# "from"/"to": [step, wall, main thread CPU, process CPU, involuntary switches, minor page faults]
 _WINDOW: dict[str, list[float]] = {}
 _GC: dict[str, float] = defaultdict(float)  # per generation: collections and seconds, in the window
 _GC_STARTED: list[float] = []
@@ -102,7 +102,7 @@ def _patch_marks(skip: int, last: int) -> None:
             usage = resource.getrusage(resource.RUSAGE_SELF)
             _WINDOW["from" if int(str(values[0])) == skip else "to"] = [
                 float(str(values[0])), time.time(), time.thread_time(), usage.ru_utime + usage.ru_stime,
-                float(usage.ru_nivcsw),
+                float(usage.ru_nivcsw), float(usage.ru_minflt),
             ]  # fmt: skip
 
     _replay_child.mark = mark

@@ -13,7 +13,8 @@ store), ``spot`` (the same to a nanio S3 server on this box), and ``spot`` with 
 turned off: ``spot-no-record`` (the attempt record written once an hour), ``spot-no-beat`` (the run
 lock's heartbeat once an hour), ``spot-no-trim`` (no ``malloc_trim``), ``spot-no-upload`` (snapshot
 and write only; nothing uploaded), ``spot-resumed`` (resumed from the checkpoint another machine
-committed at step 100), ``spot-quiet`` (record, heartbeat and trim all off).
+committed at step 100), ``none-keep-heap``, ``mc-keep-heap``, ``spot-keep-heap`` (glibc told to keep
+its heap: ``MALLOC_TRIM_THRESHOLD_=1 GiB``, ``MALLOC_MMAP_THRESHOLD_=32 MiB``), ``spot-quiet`` (record, heartbeat and trim all off).
 
     python benchmarks/step_cost.py --quick
     python benchmarks/step_cost.py --variants none,mc,spot,spot-file --rounds 2
@@ -51,6 +52,8 @@ from _servers import S3_KEY, S3_SECRET, make_bucket, s3_options
 
 CHILD = Path(__file__).resolve().parent / "_step_cost_child.py"
 HOUR = "3600"
+# glibc told to keep its heap: no trim of the heap's top at every free, no mmap/munmap of blocks under 32 MiB
+KEEP_HEAP = {"MALLOC_TRIM_THRESHOLD_": str(2**30), "MALLOC_MMAP_THRESHOLD_": str(32 * 2**20)}
 VARIANTS: dict[str, tuple[str, str, dict[str, str]]] = {  # name -> (child variant, store, environment)
     "none": ("none", "-", {}),
     "mc": ("mc", "folder", {}),
@@ -61,6 +64,11 @@ VARIANTS: dict[str, tuple[str, str, dict[str, str]]] = {  # name -> (child varia
     "spot-no-trim": ("spot", "s3", {"SPOT_TRIM_HEAP": "0"}),
     "spot-no-upload": ("spot", "s3", {"STEP_COST_NO_UPLOAD": "1"}),
     "spot-resumed": ("spot", "s3", {}),
+    "none-keep-heap": (
+        "none",
+        "-",
+        {"MALLOC_TRIM_THRESHOLD_": "1073741824", "MALLOC_MMAP_THRESHOLD_": "33554432"},
+    ),
     "spot-quiet": (
         "spot",
         "s3",
@@ -70,7 +78,7 @@ VARIANTS: dict[str, tuple[str, str, dict[str, str]]] = {  # name -> (child varia
 QUICK = {"steps": 400, "width": 256, "layers": 3, "rounds": 1, "skip": 50, "variants": "none,spot,mc"}
 HEADERS = ["variant", "runs", "median ms/step", "mean ms/step", "median / none", "mean / none",
            "main thread CPU ms/step", "process CPU ms/step", "off-CPU ms/step", "involuntary switches/step",
-           "GC ms/step", "full GCs (tracked objects)", "checkpoints", "CPU s per training minute, by thread"]  # fmt: skip
+           "minor faults/step", "GC ms/step", "full GCs (tracked objects)", "checkpoints", "CPU s per training minute, by thread"]  # fmt: skip
 
 
 @dataclass
@@ -100,12 +108,14 @@ class Run:
         return (end[index] - start[index]) / (end[0] - start[0]) * 1e3
 
     def switches_per_step(self) -> float | None:
+        return self.count_per_step(4)
+
+    def count_per_step(self, index: int) -> float | None:
+        """A counter of the steady window per step (4: involuntary switches, 5: minor page faults)."""
         start, end = self.window.get("from"), self.window.get("to")
-        return (
-            None
-            if start is None or end is None or end[0] <= start[0]
-            else (end[4] - start[4]) / (end[0] - start[0])
-        )
+        if start is None or end is None or end[0] <= start[0] or len(end) <= index:
+            return None
+        return (end[index] - start[index]) / (end[0] - start[0])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -236,10 +246,10 @@ def _minus(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else a - b
 
 
-def mean_of(values: list[float | None]) -> str:
+def mean_of(values: list[float | None], spec: str = ".2f") -> str:
     """The mean of the known ``values`` with each in brackets; ``-`` when none is known."""
     known = [v for v in values if v is not None]
-    return f"{statistics.mean(known):.2f} ({', '.join(f'{v:.2f}' for v in known)})" if known else "-"
+    return f"{statistics.mean(known):{spec}} ({', '.join(f'{v:{spec}}' for v in known)})" if known else "-"
 
 
 def summary_rows(runs: list[Run], variants: list[str]) -> list[list[str]]:
@@ -260,6 +270,7 @@ def summary_rows(runs: list[Run], variants: list[str]) -> list[list[str]]:
             mean_of([run.per_step_ms(2) for run in mine]), mean_of([run.per_step_ms(3) for run in mine]),
             mean_of([_minus(run.per_step_ms(1), run.per_step_ms(2)) for run in mine]),
             mean_of([run.switches_per_step() for run in mine]),
+            mean_of([run.count_per_step(5) for run in mine], ".0f"),
             mean_of([run.gc_ms_per_step() for run in mine]),
             ", ".join(f"{run.gc.get('gen2 collections', 0):.0f} ({run.gc.get('tracked objects at exit', 0) / 1e3:.0f}k)"
                       for run in mine),
@@ -295,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  round {index} {variant}: median {statistics.median(run.step_s) * 1e3:.2f} ms/step, "
                           f"mean {statistics.mean(run.step_s) * 1e3:.2f}, main CPU {mean_of([run.per_step_ms(2)])}, "
                           f"process CPU {mean_of([run.per_step_ms(3)])}, switches {mean_of([run.switches_per_step()])}, "
+                          f"faults {mean_of([run.count_per_step(5)], '.0f')}, "
                           f"GC {mean_of([run.gc_ms_per_step()])} ms/step {dict(run.gc)}; "
                           f"{cpu_cell([run])}", flush=True)  # fmt: skip
         finally:
@@ -322,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         "include start-up) per minute of training, threads of one name summed; `native:` a thread no Python "
         "code started; S3 server: the nanio process's CPU (another process on the same cores). main thread CPU / process CPU / off-CPU (wall less the main thread's CPU: waits for the "
         "GIL, for a core, for memory) / involuntary context switches: per step over the same steady window, "
-        "measured inside the process at its step markers. GC: the garbage collector's time per step in that "
+        "measured inside the process at its step markers; minor page faults per step likewise. GC: the garbage collector's time per step in that "
         "window (`gc.callbacks`), its full collections, and the objects it tracks at exit.",
         "- Load average (1, 5, 15 min) before: " + ", ".join(f"{v:.2f}" for v in load_before)
         + "; after: " + ", ".join(f"{v:.2f}" for v in os.getloadavg()),
