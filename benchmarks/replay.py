@@ -58,6 +58,8 @@ from _replay_schedule import (
 from _servers import S3_KEY, S3_SECRET, make_bucket, moto_server, s3_options
 
 CHILD = Path(__file__).resolve().parent / "_replay_child.py"
+# glibc keeps its heap: no trim of its top at every free, no mmap/munmap per block under 32 MiB (--keep-heap)
+KEEP_HEAP = {"MALLOC_TRIM_THRESHOLD_": str(2**30), "MALLOC_MMAP_THRESHOLD_": str(32 * 2**20)}
 LIGHTNING = ("spot", "spot-auto", "mc", "none")
 HF = ("hf-spot", "hf-steps", "hf-none")
 LIBRARY = ("spot", "spot-auto", "hf-spot")
@@ -102,6 +104,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--store", choices=("moto", "nanio"), default="moto",
         help="the S3 server on this box: moto (the tests' server; receiving an upload costs it several "
         "times a real client's CPU, taken from the training's cores) or nanio (a fast one)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--keep-heap", action="store_true",
+        help="every machine (the baselines too) runs with glibc keeping its heap (MALLOC_TRIM_THRESHOLD_, "
+        "MALLOC_MMAP_THRESHOLD_): without it a CPU step's speed turns on page faults from the heap's layout, "
+        "not on the variant (step_cost.py)",
     )  # fmt: skip
     parser.add_argument("--max-attempts", type=int, default=12)
     parser.add_argument(
@@ -168,6 +176,8 @@ class Replay:
             "AWS_SECRET_ACCESS_KEY": S3_SECRET, "AWS_ENDPOINT_URL": self.endpoint, "AWS_DEFAULT_REGION": "us-east-1",
             "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
         })  # fmt: skip
+        if self.args.keep_heap:
+            env.update(KEEP_HEAP)
         return env
 
     def attempt(self, variant: str, key: str, index: int, schedule: Schedule, out: Path) -> Attempt:
@@ -398,7 +408,9 @@ def breakdown(outcome: Outcome) -> str:
 def command_line(args: argparse.Namespace) -> str:
     parts = ["python benchmarks/replay.py", f"--variants {','.join(args.variants)}", f"--schedule {args.schedule}",
              f"--steps {args.steps} --width {args.width} --layers {args.layers}",
-             f"--interval-s {args.interval_s:g} --grace-s {args.grace_s:g}"]  # fmt: skip
+             f"--interval-s {args.interval_s:g} --grace-s {args.grace_s:g}", f"--store {args.store}"]  # fmt: skip
+    if args.keep_heap:
+        parts.append("--keep-heap")
     if args.schedule == "fixed":
         parts.append(f"--time-scale {args.time_scale:g}")
     else:
@@ -453,7 +465,12 @@ def main(argv: list[str] | None = None) -> int:
         f"- `uname -a`: `{uname}`; nproc {os.cpu_count()}",
         f"- Job: MLP {args.layers}×{args.width} on CPU (1 thread), {args.steps} steps; interval {args.interval_s:g} s, "
         f"SPOT_SIGNAL_GRACE_S={args.grace_s:g}; restart {args.restart_gap_s:g} s after the previous machine "
-        f"ended, each a new machine (empty cwd, HOME, TMPDIR, SPOT_SCRATCH; own host name); one {args.store} S3 store.",
+        f"ended, each a new machine (empty cwd, HOME, TMPDIR, SPOT_SCRATCH; own host name); one {args.store} S3 store"
+        + (
+            f"; every machine with {' '.join(f'{k}={v}' for k, v in KEEP_HEAP.items())}."
+            if args.keep_heap
+            else "."
+        ),
         *baseline_lines,
         schedule_line,
         "- Load average (1, 5, 15 min; other work shares the box, so compare variants within one run): before "

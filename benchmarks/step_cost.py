@@ -49,11 +49,10 @@ from _common import (
 )
 from _replay_outcome import parse_markers
 from _servers import S3_KEY, S3_SECRET, make_bucket, s3_options
+from replay import KEEP_HEAP
 
 CHILD = Path(__file__).resolve().parent / "_step_cost_child.py"
 HOUR = "3600"
-# glibc told to keep its heap: no trim of the heap's top at every free, no mmap/munmap of blocks under 32 MiB
-KEEP_HEAP = {"MALLOC_TRIM_THRESHOLD_": str(2**30), "MALLOC_MMAP_THRESHOLD_": str(32 * 2**20)}
 VARIANTS: dict[str, tuple[str, str, dict[str, str]]] = {  # name -> (child variant, store, environment)
     "none": ("none", "-", {}),
     "mc": ("mc", "folder", {}),
@@ -64,11 +63,9 @@ VARIANTS: dict[str, tuple[str, str, dict[str, str]]] = {  # name -> (child varia
     "spot-no-trim": ("spot", "s3", {"SPOT_TRIM_HEAP": "0"}),
     "spot-no-upload": ("spot", "s3", {"STEP_COST_NO_UPLOAD": "1"}),
     "spot-resumed": ("spot", "s3", {}),
-    "none-keep-heap": (
-        "none",
-        "-",
-        {"MALLOC_TRIM_THRESHOLD_": "1073741824", "MALLOC_MMAP_THRESHOLD_": "33554432"},
-    ),
+    "none-keep-heap": ("none", "-", KEEP_HEAP),
+    "mc-keep-heap": ("mc", "folder", KEEP_HEAP),
+    "spot-keep-heap": ("spot", "s3", KEEP_HEAP),
     "spot-quiet": (
         "spot",
         "s3",
