@@ -14,7 +14,9 @@ turned off: ``spot-no-record`` (the attempt record written once an hour), ``spot
 lock's heartbeat once an hour), ``spot-no-trim`` (no ``malloc_trim``), ``spot-no-upload`` (snapshot
 and write only; nothing uploaded), ``spot-resumed`` (resumed from the checkpoint another machine
 committed at step 100), ``none-keep-heap``, ``mc-keep-heap``, ``spot-keep-heap`` (glibc told to keep
-its heap: ``MALLOC_TRIM_THRESHOLD_=1 GiB``, ``MALLOC_MMAP_THRESHOLD_=32 MiB``), ``spot-quiet`` (record, heartbeat and trim all off).
+its heap: ``MALLOC_TRIM_THRESHOLD_=1 GiB``, ``MALLOC_MMAP_THRESHOLD_=32 MiB``), ``spot-quiet`` (record, heartbeat and trim all off); ``spot-after-kill``, ``mc-after-kill`` (heap kept; the
+run starts 3 s after a machine of the same run was SIGKILLed 9 s after its spawn: the library's replacement
+trains while the dead run's lock goes stale).
 
     python benchmarks/step_cost.py --quick
     python benchmarks/step_cost.py --variants none,mc,spot,spot-file --rounds 2
@@ -63,6 +65,8 @@ VARIANTS: dict[str, tuple[str, str, dict[str, str]]] = {  # name -> (child varia
     "spot-no-trim": ("spot", "s3", {"SPOT_TRIM_HEAP": "0"}),
     "spot-no-upload": ("spot", "s3", {"STEP_COST_NO_UPLOAD": "1"}),
     "spot-resumed": ("spot", "s3", {}),
+    "spot-after-kill": ("spot", "s3", KEEP_HEAP),
+    "mc-after-kill": ("mc", "folder", KEEP_HEAP),
     "none-keep-heap": ("none", "-", KEEP_HEAP),
     "mc-keep-heap": ("mc", "folder", KEEP_HEAP),
     "spot-keep-heap": ("spot", "s3", KEEP_HEAP),
@@ -149,6 +153,10 @@ def steady_step_s(steps: list[tuple[int, float]], skip: int) -> list[float]:
 
 
 RESUMED_FROM = 100  # ``-resumed``: a machine before trains this many steps, its last checkpoint the resume
+KILLED_AT_S = (
+    9.0  # ``-after-kill``: a machine before is SIGKILLed this long after its spawn (no checkpoint yet)
+)
+RESTART_GAP_S = 3.0
 
 
 def server_cpu_s() -> float:
@@ -170,8 +178,12 @@ def server_cpu_s() -> float:
 def run_once(args: argparse.Namespace, variant: str, index: int, workdir: Path, endpoint: str | None) -> Run:
     if variant.endswith("-resumed"):
         _run_child(args, variant, index, workdir, endpoint, RESUMED_FROM, "before")
+    elif variant.endswith("-after-kill"):
+        _run_child(args, variant, index, workdir, endpoint, args.steps, "killed", kill_after_s=KILLED_AT_S)
+        time.sleep(RESTART_GAP_S)  # the replacement boots, as in the replay
     server_before = server_cpu_s()
     run = _run_child(args, variant, index, workdir, endpoint, args.steps, "")
+    assert run is not None
     run.server_cpu_s = server_cpu_s() - server_before
     return run
 
@@ -184,7 +196,8 @@ def _run_child(
     endpoint: str | None,
     steps: int,
     tag: str,
-) -> Run:
+    kill_after_s: float | None = None,
+) -> Run | None:
     child_variant, store, extra_env = VARIANTS[variant.split("@")[0]]
     code = args.base if variant.endswith("@base") else str(REPO_ROOT)
     machine = workdir / "machines" / f"{variant}-{index}{tag}"
@@ -213,8 +226,15 @@ def _run_child(
             "--persist-dir", str(machine / "persistent")]  # fmt: skip
     log_path = workdir / "logs" / f"{variant}-{index}{tag}.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.run(argv, cwd=machine / "work", env=env, stdin=subprocess.DEVNULL, stdout=log,
-                              stderr=subprocess.STDOUT, check=False)  # fmt: skip
+        proc = subprocess.Popen(argv, cwd=machine / "work", env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT)  # fmt: skip
+        try:
+            proc.wait(timeout=kill_after_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # a hard loss: no notice, the lock and the attempt record left behind
+            proc.wait()
+            shutil.rmtree(machine)
+            return None
     lines = log_path.read_text(errors="replace").splitlines()
     steps, done = parse_markers(lines)
     if proc.returncode != 0 or not done:
