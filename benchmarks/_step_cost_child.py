@@ -115,7 +115,7 @@ def _no_upload() -> None:
     def upload(self: Persister, job: object) -> None:
         discard_folder(job.local_dir, job.owns_local_dir)  # type: ignore[attr-defined]
 
-    Persister._upload = upload  # type: ignore[method-assign]
+    Persister._upload = upload
 
 
 def main() -> int:

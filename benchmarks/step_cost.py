@@ -236,13 +236,13 @@ def _run_child(
             shutil.rmtree(machine)
             return None
     lines = log_path.read_text(errors="replace").splitlines()
-    steps, done = parse_markers(lines)
+    markers, done = parse_markers(lines)
     if proc.returncode != 0 or not done:
         raise SystemExit(f"{variant} run {index} failed (exit {proc.returncode}): see {log_path}")
     measured = json.loads(threads_json.read_text()) if threads_json.exists() else {}
     checkpoints = sum("committed" in line for line in lines) if child_variant == "spot" else 0
     shutil.rmtree(machine)
-    return Run(variant, steady_step_s(steps, args.skip), steps[-1][1] - steps[0][1], measured.get("threads", {}),
+    return Run(variant, steady_step_s(markers, args.skip), markers[-1][1] - markers[0][1], measured.get("threads", {}),
                checkpoints, measured.get("window", {}), measured.get("gc", {}))  # fmt: skip
 
 
