@@ -415,7 +415,7 @@ def delete_step(store: CheckpointStore, step: int) -> bool:
     had_manifest = store._exists(manifest)
     if had_manifest:
         url = f"{store.step_url(step)}/{MANIFEST_NAME}"
-        store.retry.call(lambda: layout.remove_file(store.fs, manifest), f"delete {url}")
+        retention.remove_object(store, manifest, f"delete {url}")
         if store._exists(manifest):
             raise DeleteIncompleteError(
                 f"the store kept {url} although it answered the delete as done (a bucket policy or an "
@@ -423,7 +423,7 @@ def delete_step(store: CheckpointStore, step: int) -> bool:
                 [url],
             )
     if store._exists(folder):
-        store.retry.call(lambda: layout.remove_tree(store.fs, folder), f"delete {store.url_of(folder)}")
+        retention.remove_folder(store, folder, f"delete {store.url_of(folder)}")
         remaining = sorted(transfer.file_sizes(store.fs, store.retry, folder, f"list {store.url_of(folder)}"))
         if remaining:
             urls = [f"{store.url_of(folder)}/{name}" for name in remaining]

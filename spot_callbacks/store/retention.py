@@ -176,13 +176,45 @@ def _remove_files(store: Any, paths: list[str], what: str, recursive: bool = Fal
                 fs.rm(path, recursive=True) if recursive else fs.rm_file(path)
 
     def remove() -> None:
-        if getattr(store, "_single_deletes", False):
-            one_by_one()
-            return
         try:
             fs.rm(paths, recursive=recursive)
         except FileNotFoundError:  # a local filesystem stops at one already gone: the others one by one
             one_by_one()
+
+    _in_bulk_else_one_by_one(store, remove, one_by_one, what)
+
+
+def remove_folder(store: Any, folder: str, what: str) -> None:
+    """Delete ``folder`` and everything under it (a step folder a writer begins again, a deleted
+    checkpoint's payload); on a server without bulk deletes, one object at a time."""
+    fs = store.fs
+
+    def one_by_one() -> None:
+        if hasattr(fs, "invalidate_cache"):
+            fs.invalidate_cache(folder)
+        with contextlib.suppress(FileNotFoundError):
+            for path in fs.find(folder, withdirs=False):
+                with contextlib.suppress(FileNotFoundError):
+                    fs.rm_file(path)
+
+    _in_bulk_else_one_by_one(store, lambda: layout.remove_tree(fs, folder), one_by_one, what)
+
+
+def remove_object(store: Any, path: str, what: str) -> None:
+    """Delete one object (s3fs sends even one as a bulk delete); on a server without bulk deletes, alone."""
+    fs = store.fs
+    _in_bulk_else_one_by_one(store, lambda: layout.remove_file(fs, path), lambda: fs.rm_file(path), what)
+
+
+def _in_bulk_else_one_by_one(store: Any, bulk: Any, one_by_one: Any, what: str) -> None:
+    """``bulk()``, retried; a server that refuses bulk deletes gets ``one_by_one()`` now and from then on."""
+
+    def remove() -> None:
+        if getattr(store, "_single_deletes", False):
+            one_by_one()
+            return
+        try:
+            bulk()
         except (NotImplementedError, OSError) as err:
             if not _bulk_delete_refused(err):
                 raise
