@@ -188,3 +188,19 @@ def test_a_server_without_bulk_delete_rewrites_and_deletes_a_step_one_object_at_
     assert [info.step for info in direct.committed()] == [1]
     direct.fs.invalidate_cache()
     assert not [path for path in direct.fs.find(direct.root) if "step-000000002" in path]
+
+
+def test_a_server_without_bulk_delete_passes_the_preflight_and_leaves_no_probe(s3_server, tmp_path) -> None:
+    from spot_callbacks.store.preflight import PROBE_PREFIX, preflight
+
+    url = f"s3://{s3_server.bucket}/no-bulk-preflight-{tmp_path.name}"
+    with hostile_proxy(s3_server.port, "", "no-bulk-delete") as proxy:
+        preflight(CheckpointStore(url, storage_options=through(proxy, s3_server), retry=FAST_RETRY))
+        assert proxy.answered["POST"] >= 1  # the probe's delete went as a bulk delete first, refused
+    direct = CheckpointStore(url, storage_options=dict(s3_server.storage_options))
+    direct.fs.invalidate_cache()
+    assert not [
+        path
+        for path in direct.fs.find(f"{s3_server.bucket}")
+        if PROBE_PREFIX in path and url.rsplit("/", 1)[1] in path
+    ]

@@ -18,7 +18,6 @@ Its cost is bounded by what it may delete, plus one listing and the lineage's ow
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import posixpath
 from collections.abc import Iterable
@@ -200,12 +199,6 @@ def remove_folder(store: Any, folder: str, what: str) -> None:
     _in_bulk_else_one_by_one(store, lambda: layout.remove_tree(fs, folder), one_by_one, what)
 
 
-def remove_object(store: Any, path: str, what: str) -> None:
-    """Delete one object (s3fs sends even one as a bulk delete); on a server without bulk deletes, alone."""
-    fs = store.fs
-    _in_bulk_else_one_by_one(store, lambda: layout.remove_file(fs, path), lambda: fs.rm_file(path), what)
-
-
 def _in_bulk_else_one_by_one(store: Any, bulk: Any, one_by_one: Any, what: str) -> None:
     """``bulk()``, retried; a server that refuses bulk deletes gets ``one_by_one()`` now and from then on."""
 
@@ -216,7 +209,7 @@ def _in_bulk_else_one_by_one(store: Any, bulk: Any, one_by_one: Any, what: str) 
         try:
             bulk()
         except (NotImplementedError, OSError) as err:
-            if not _bulk_delete_refused(err):
+            if not layout.bulk_delete_refused(err):
                 raise
             store._single_deletes = True  # this store, from now on
             log.info(
@@ -226,15 +219,6 @@ def _in_bulk_else_one_by_one(store: Any, bulk: Any, one_by_one: Any, what: str) 
             one_by_one()
 
     store.retry.call(remove, what)
-
-
-def _bulk_delete_refused(err: BaseException) -> bool:
-    """A server without DeleteObjects (some S3-compatible stores): 501 NotImplemented, which s3fs
-    raises as ``OSError(ENOSYS)``, or a method it does not allow."""
-    if isinstance(err, NotImplementedError) or getattr(err, "errno", None) == errno.ENOSYS:
-        return True
-    text = str(err).lower()
-    return "not implemented" in text or "notimplemented" in text or "method not allowed" in text
 
 
 def _files_under(store: Any) -> set[str]:
