@@ -364,6 +364,54 @@ def test_streams_in_flight_never_pass_the_budget_and_segments_take_only_free_str
     assert any(span is not None for span in spans)  # some file was split while streams were free
 
 
+class CountingStreams:
+    """A stand-in for the reader's stream semaphore that counts the streams held."""
+
+    def __init__(self, streams: int) -> None:
+        self._inner = threading.BoundedSemaphore(streams)
+        self._lock = threading.Lock()
+        self.held = 0
+
+    def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
+        got = self._inner.acquire(blocking, timeout)
+        if got:
+            with self._lock:
+                self.held += 1
+        return got
+
+    def release(self) -> None:
+        with self._lock:
+            self.held -= 1
+        self._inner.release()
+
+
+def test_a_file_cut_into_fewer_spans_than_streams_free_holds_only_the_streams_it_uses(
+    s3_server, tmp_path, monkeypatch
+):
+    from spot_callbacks.store.clients.base import PULL_STREAMS
+
+    monkeypatch.setenv("SPOT_PULL_SEGMENT_MB", "1")
+    # 9 MiB + 1 byte would like 8 segments; on MiB boundaries that is 5 spans of 2 MiB (the last 1 MiB + 1).
+    store = CheckpointStore(s3_url(s3_server, tmp_path, "surplus"), storage_options=dict(s3_server.storage_options),
+                            retry=FAST_RETRY)  # fmt: skip
+    contents = payload_folder(tmp_path, {"state.pt": 9 * MiB + 1})
+    CommitWriter(store).write_checkpoint(1, tmp_path / "src", reason="manual", framework="test")
+    plane = payload_plane(store)
+    assert isinstance(plane, S3Plane)
+    streams = plane._reader._streams = CountingStreams(PULL_STREAMS)  # type: ignore[assignment]
+    real_get_chunks, spans, held = obstore_calls.get_chunks, [], []
+
+    def seen(*args: Any, **kwargs: Any) -> Any:
+        spans.append(kwargs.get("span"))
+        held.append(streams.held)  # the streams the pull holds while its segments are asked
+        yield from real_get_chunks(*args, **kwargs)
+
+    monkeypatch.setattr(obstore_calls, "get_chunks", seen)
+    pulled = store.pull(1, tmp_path / "pulled")
+    assert (pulled / "state.pt").read_bytes() == contents["state.pt"]
+    assert len(spans) == 5 and max(held) == 5 and streams.held == 0
+
+
 def test_a_streamed_attempt_past_its_time_stops_by_itself_and_removes_what_it_wrote(tmp_path):
     def chunks() -> Any:
         yield b"a" * 10

@@ -169,3 +169,38 @@ def test_a_server_without_bulk_delete_gets_single_deletes_and_retention_still_pr
     assert not [
         path for path in direct.fs.find(direct.root) if "step-000000001" in path or "step-000000002" in path
     ]
+
+
+def test_a_server_without_bulk_delete_rewrites_and_deletes_a_step_one_object_at_a_time(
+    s3_server, tmp_path
+) -> None:
+    url = f"s3://{s3_server.bucket}/no-bulk-step-{tmp_path.name}"
+    with hostile_proxy(s3_server.port, "", "no-bulk-delete") as proxy:
+        store = CheckpointStore(url, storage_options=through(proxy, s3_server), retry=FAST_RETRY)
+        for step, seed in ((1, 1), (1, 2), (2, 3)):  # step 1 twice: the second write deletes the first
+            folder, raw = payload(tmp_path / f"seed{seed}", seed, 1000)
+            CommitWriter(store).write_checkpoint(step, folder, reason="manual", framework="test")
+        pulled = store.pull(1, tmp_path / "pulled")
+        assert (pulled / "state.pt").read_bytes() == payload(tmp_path / "again", 2, 1000)[1]
+        store.delete(2)
+        assert proxy.answered["POST"] >= 1  # the bulk delete was asked and refused
+    direct = CheckpointStore(url, storage_options=dict(s3_server.storage_options))
+    assert [info.step for info in direct.committed()] == [1]
+    direct.fs.invalidate_cache()
+    assert not [path for path in direct.fs.find(direct.root) if "step-000000002" in path]
+
+
+def test_a_server_without_bulk_delete_passes_the_preflight_and_leaves_no_probe(s3_server, tmp_path) -> None:
+    from spot_callbacks.store.preflight import PROBE_PREFIX, preflight
+
+    url = f"s3://{s3_server.bucket}/no-bulk-preflight-{tmp_path.name}"
+    with hostile_proxy(s3_server.port, "", "no-bulk-delete") as proxy:
+        preflight(CheckpointStore(url, storage_options=through(proxy, s3_server), retry=FAST_RETRY))
+        assert proxy.answered["POST"] >= 1  # the probe's delete went as a bulk delete first, refused
+    direct = CheckpointStore(url, storage_options=dict(s3_server.storage_options))
+    direct.fs.invalidate_cache()
+    assert not [
+        path
+        for path in direct.fs.find(f"{s3_server.bucket}")
+        if PROBE_PREFIX in path and url.rsplit("/", 1)[1] in path
+    ]

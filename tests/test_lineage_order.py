@@ -11,6 +11,7 @@ on moto S3."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
 from datetime import datetime, timedelta, timezone
@@ -266,3 +267,36 @@ def test_every_backend_says_when_it_wrote_each_manifest(store_url: StoreTarget, 
     times = stored_times(store, store.step_folders())
     assert set(times) == {1, 2} and times[1] <= times[2]
     assert abs(times[2] - time.time()) < 3600  # a real time, on the store's clock (here: this machine's)
+
+
+class ListingsAtOnce:
+    """Delegates to ``inner``; a step listing (``ls``) waits until a recursive listing (``find``) has
+    started, and records whether it had (it had not when the two go out one after the other)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.find_started = threading.Event()
+        self.waited: list[bool] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def find(self, *args: Any, **kwargs: Any) -> Any:
+        self.find_started.set()
+        return self.inner.find(*args, **kwargs)
+
+    def ls(self, *args: Any, **kwargs: Any) -> Any:
+        self.waited.append(self.find_started.wait(timeout=30))
+        return self.inner.ls(*args, **kwargs)
+
+
+def test_latest_sends_its_two_listings_at_once_not_one_after_the_other(tmp_path):
+    store = CheckpointStore(f"memory://listings-{uuid.uuid4().hex[:8]}/run")
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "w.bin").write_bytes(b"weights")
+    for step in (1, 2):
+        CommitWriter(store).write_checkpoint(step, tmp_path / "src", reason="manual", framework="test")
+    store.fs = wrapper = ListingsAtOnce(store.fs)
+    found = store.latest()
+    assert found is not None and found.step == 2
+    assert wrapper.waited == [True]  # the step listing went out while the recursive one was in flight

@@ -8,6 +8,7 @@ protocol they wrote (``az://``, although adlfs calls itself ``abfs``).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import stat
@@ -222,7 +223,26 @@ def exists_fresh(fs: Any, path: str) -> bool:
 # fs.rm, never fs.rm_file: adlfs and gcsfs inherit a sync rm_file that creates a coroutine
 # and never awaits it, so the object silently stays.
 def remove_file(fs: Any, path: str) -> None:
-    fs.rm(path)
+    try:
+        fs.rm(path)
+    except (NotImplementedError, OSError) as err:
+        if isinstance(err, FileNotFoundError) or not bulk_delete_refused(err):
+            raise
+        fs.rm_file(path)  # s3fs sends even one object's delete as DeleteObjects; such a server takes DELETE
+
+
+def bulk_delete_refused(err: BaseException) -> bool:
+    """A server without DeleteObjects (some S3-compatible stores): 501 NotImplemented, which s3fs
+    raises as ``OSError(ENOSYS)``, or a method it does not allow.
+
+    Example:
+        >>> bulk_delete_refused(OSError(errno.ENOSYS, "not implemented")), bulk_delete_refused(PermissionError("denied"))
+        (True, False)
+    """
+    if isinstance(err, NotImplementedError) or getattr(err, "errno", None) == errno.ENOSYS:
+        return True
+    text = str(err).lower()
+    return "not implemented" in text or "notimplemented" in text or "method not allowed" in text
 
 
 def remove_tree(fs: Any, folder: str) -> None:

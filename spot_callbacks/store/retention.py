@@ -18,7 +18,6 @@ Its cost is bounded by what it may delete, plus one listing and the lineage's ow
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import posixpath
 from collections.abc import Iterable
@@ -176,15 +175,41 @@ def _remove_files(store: Any, paths: list[str], what: str, recursive: bool = Fal
                 fs.rm(path, recursive=True) if recursive else fs.rm_file(path)
 
     def remove() -> None:
-        if getattr(store, "_single_deletes", False):
-            one_by_one()
-            return
         try:
             fs.rm(paths, recursive=recursive)
         except FileNotFoundError:  # a local filesystem stops at one already gone: the others one by one
             one_by_one()
+
+    _in_bulk_else_one_by_one(store, remove, one_by_one, what)
+
+
+def remove_folder(store: Any, folder: str, what: str) -> None:
+    """Delete ``folder`` and everything under it (a step folder a writer begins again, a deleted
+    checkpoint's payload); on a server without bulk deletes, one object at a time."""
+    fs = store.fs
+
+    def one_by_one() -> None:
+        if hasattr(fs, "invalidate_cache"):
+            fs.invalidate_cache(folder)
+        with contextlib.suppress(FileNotFoundError):
+            for path in fs.find(folder, withdirs=False):
+                with contextlib.suppress(FileNotFoundError):
+                    fs.rm_file(path)
+
+    _in_bulk_else_one_by_one(store, lambda: layout.remove_tree(fs, folder), one_by_one, what)
+
+
+def _in_bulk_else_one_by_one(store: Any, bulk: Any, one_by_one: Any, what: str) -> None:
+    """``bulk()``, retried; a server that refuses bulk deletes gets ``one_by_one()`` now and from then on."""
+
+    def remove() -> None:
+        if getattr(store, "_single_deletes", False):
+            one_by_one()
+            return
+        try:
+            bulk()
         except (NotImplementedError, OSError) as err:
-            if not _bulk_delete_refused(err):
+            if not layout.bulk_delete_refused(err):
                 raise
             store._single_deletes = True  # this store, from now on
             log.info(
@@ -194,15 +219,6 @@ def _remove_files(store: Any, paths: list[str], what: str, recursive: bool = Fal
             one_by_one()
 
     store.retry.call(remove, what)
-
-
-def _bulk_delete_refused(err: BaseException) -> bool:
-    """A server without DeleteObjects (some S3-compatible stores): 501 NotImplemented, which s3fs
-    raises as ``OSError(ENOSYS)``, or a method it does not allow."""
-    if isinstance(err, NotImplementedError) or getattr(err, "errno", None) == errno.ENOSYS:
-        return True
-    text = str(err).lower()
-    return "not implemented" in text or "notimplemented" in text or "method not allowed" in text
 
 
 def _files_under(store: Any) -> set[str]:
