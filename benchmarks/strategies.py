@@ -81,7 +81,8 @@ def command_of(
         ]  # fmt: skip
     kind = strategy.removeprefix("lightning-")
     devices = "1" if strategy in SINGLE else "2"
-    return [sys.executable, str(HERE / "_sharded_worker.py"), *common, "--devices", devices, "--strategy", kind]
+    worker = str(HERE / "_sharded_worker.py")
+    return [sys.executable, worker, *common, "--devices", devices, "--strategy", kind]
 
 
 def run_one(
