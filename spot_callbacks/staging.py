@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import mmap
 import os
 import pickle
 import random
@@ -151,7 +150,7 @@ class StagingArea:
             or buffer.dtype != tensor.dtype
             or buffer.is_pinned() != pin
         ):
-            buffer = _host_buffer(tensor.shape, tensor.dtype, pin)
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
             self._buffers[path] = buffer
         return buffer
 
@@ -307,27 +306,6 @@ class _StageContext:
             torch.cuda.current_stream(device).wait_stream(stream)
             events.append(event)
         return events
-
-
-# Buffers from this size up are mapped on their own, outside the C heap (see _host_buffer).
-OWN_MAPPING_BYTES = 1 << 20
-
-
-def _host_buffer(shape: torch.Size, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """An uninitialised host tensor of ``shape`` and ``dtype`` that owns exactly its storage.
-
-    A large unpinned one is an anonymous memory mapping of its own rather than ``torch.empty``:
-    under glibc, once training has freed a large block (FSDP's all-gathers, every step) the dynamic
-    mmap threshold rises and ``torch.empty`` takes buffers of a few MB from the main heap, between
-    the training's own blocks; that heap can only shrink from its top, so a training step that
-    needs a block the size of a freed one grows the heap instead. A mapping of its own keeps the
-    staging buffers out of the heap, and goes back to the OS whole when a plan drops it.
-    """
-    nbytes = shape.numel() * dtype.itemsize
-    if pin or nbytes < OWN_MAPPING_BYTES:
-        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin)
-    mapping = mmap.mmap(-1, nbytes)  # the tensor's storage keeps the mapping alive
-    return torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def _child(path: tuple[Any, ...] | None, key: Any) -> tuple[Any, ...] | None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pickle
 import threading
 from collections import OrderedDict
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -116,32 +115,6 @@ def test_the_plan_is_reused_until_a_shape_changes_and_the_resume_stays_exact(tmp
     assert loaded["model"]["2.weight"].shape == (6, 16) and third["0.bias"] is first["0.bias"]
     # The optimizer state left the staged state: its buffers went with the old plan.
     assert area.buffer_bytes == sum(t.numel() * t.element_size() for t in model.state_dict().values())
-
-
-@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps (Linux)")
-def test_a_large_buffer_is_a_mapping_of_its_own_and_dcp_writes_it_in_place(tmp_path):
-    """Outside the C heap (a heap that shrinks only from its top keeps what training frees around it),
-    and owning exactly its bytes: DCP's writer clones a tensor whose storage is larger (a second copy)."""
-    from torch.distributed.checkpoint.filesystem import _SerialCpuLoader
-
-    big, small = torch.randn(512, 1024), torch.randn(8)  # 2 MiB: its own mapping; 32 bytes: the heap
-    area = StagingArea()
-    staged = area.stage({"big": big, "small": small})
-    buffer = staged.state["big"]
-    assert torch.equal(buffer, big) and torch.equal(staged.state["small"], small)
-    assert buffer.untyped_storage().nbytes() == big.nbytes
-    regions = {}
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        start, end = (int(bound, 16) for bound in line.split()[0].split("-"))
-        regions[start] = end - start
-    assert regions.get(buffer.data_ptr()) == big.nbytes  # a whole mapping, page-aligned, nothing else in it
-    loader = _SerialCpuLoader(lambda item: item)
-    loader.add(big.nbytes, buffer)
-    ((written, _),) = loader.values()
-    assert written.data_ptr() == buffer.data_ptr()  # not cloned
-    write_state(staged, tmp_path / "state.pt")
-    staged.release()
-    assert torch.equal(load_state(tmp_path / "state.pt")["big"], big)
 
 
 def test_a_tie_that_appears_follows_the_plan_as_an_alias():
