@@ -182,6 +182,7 @@ class TrainOn(transformers.TrainerCallback):
             return
         _train_on.line_up()
         if step % args.every == 0 and step < state.max_steps:
+            _train_on.dump_heap(f"before checkpoint {step}")
             if not self.floor.seconds:
                 self.baseline = self.rss.cut()
             self.floor.time(step, tensors)
@@ -230,6 +231,7 @@ def main_train_on() -> None:
     )  # fmt: skip
     trainer.train()  # on_train_end waits for the last commit: inside the RSS window
     extra = rss.cut() - train_on.baseline
+    _train_on.dump_heap("after train")
     clock.dump_profile(training_args.process_index)
     assert train_on.floor is not None
     plain_s, rows = _train_on.checkpoint_rows(clock, train_on.floor, args.every, args.steps)
