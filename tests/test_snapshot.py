@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import random
 import threading
 from collections import OrderedDict
 
@@ -199,6 +200,10 @@ def test_non_tensor_leaves_are_deep_copied():
     state["arr"][0] = 99
     assert staged.state["arr"].tolist() == [0, 1, 2]
     assert staged.state["np"][0] == "MT19937"
+    python_rng = random.getstate()
+    staged = StagingArea().stage({"python": python_rng, "ids": [1, 2]})
+    assert staged.state["python"][1] is python_rng[1]  # a tuple of ints is immutable: kept, not walked
+    assert staged.state["python"] == python_rng and staged.state["ids"] == [1, 2]
 
 
 class _Exploit:
