@@ -33,7 +33,7 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "scripts"))
-from hf_fsdp_run import enable_fsdp_on_cpu  # noqa: E402
+from hf_fsdp_run import enable_fsdp_on_cpu, fsdp1_on_cpu  # noqa: E402
 
 from spot_callbacks.hf import SpotCheckpointCallback  # noqa: E402
 from spot_callbacks.persist import heap  # noqa: E402
@@ -53,6 +53,11 @@ parser.add_argument(
     "--train-on", action="store_true",
     help="training runs on while the writer writes and uploads (no wait for each commit): the hooks "
     "are timed from outside, the floor beside each checkpoint, RSS over the whole run (_train_on.py)",
+)  # fmt: skip
+parser.add_argument(
+    "--parallel", choices=["fsdp2", "fsdp1", "ddp", "single"], default="fsdp2",
+    help="with --train-on: accelerate's FSDP2 or FSDP1 plugin (SHARDED_STATE_DICT), DDP (torchrun, no "
+    "FSDP), or one process (plain python)",
 )  # fmt: skip
 parser.add_argument("--output-dir", required=True)
 parser.add_argument("--results", required=True, help="folder for one rank-N.json per rank")
@@ -177,6 +182,7 @@ class TrainOn(transformers.TrainerCallback):
             return
         _train_on.line_up()
         if step % args.every == 0 and step < state.max_steps:
+            _train_on.dump_heap(f"before checkpoint {step}")
             if not self.floor.seconds:
                 self.baseline = self.rss.cut()
             self.floor.time(step, tensors)
@@ -204,11 +210,20 @@ def main_train_on() -> None:
     )  # fmt: skip
     clock.wrap(spot, ["on_step_begin", "on_step_end", "on_log", "on_evaluate", "on_save"])
     train_on = TrainOn(spot, clock, rss)
+    sharding: dict = {}
+    if args.parallel.startswith("fsdp"):
+        version = int(args.parallel[-1])
+        sharding = {
+            "fsdp": True,
+            "fsdp_config": {
+                "version": version, "state_dict_type": "SHARDED_STATE_DICT",
+                "transformer_layer_cls_to_wrap": ["Linear"], **fsdp1_on_cpu(version),
+            },
+        }  # fmt: skip
     training_args = transformers.TrainingArguments(
         output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=4, learning_rate=1e-4,
         save_strategy="no", logging_steps=10**6, report_to=[], use_cpu=True, dataloader_num_workers=0,
-        disable_tqdm=True, fsdp=True,
-        fsdp_config={"version": 2, "state_dict_type": "SHARDED_STATE_DICT", "transformer_layer_cls_to_wrap": ["Linear"]},
+        disable_tqdm=True, **sharding,
     )  # fmt: skip
     trainer = transformers.Trainer(
         model=Mlp(), args=training_args, train_dataset=Inputs(args.steps * 4 * training_args.world_size),
@@ -216,6 +231,7 @@ def main_train_on() -> None:
     )  # fmt: skip
     trainer.train()  # on_train_end waits for the last commit: inside the RSS window
     extra = rss.cut() - train_on.baseline
+    _train_on.dump_heap("after train")
     clock.dump_profile(training_args.process_index)
     assert train_on.floor is not None
     plain_s, rows = _train_on.checkpoint_rows(clock, train_on.floor, args.every, args.steps)
@@ -223,7 +239,7 @@ def main_train_on() -> None:
         row["stage_wait_s"] = train_on.waits.get(row["step"], 0.0)
     rank = training_args.process_index
     result = {
-        "rank": rank, "mode": "hf-fsdp2", "fsdp": trainer.is_fsdp_enabled, "shard_bytes": train_on.floor.nbytes,
+        "rank": rank, "mode": f"hf-{args.parallel}", "fsdp": trainer.is_fsdp_enabled, "shard_bytes": train_on.floor.nbytes,
         "plain_hooks_s": plain_s, "rows": rows, "extra_rss_bytes": extra,
         "shard_handle_builds": spot._staged.handles.builds, "trims_s": list(heap.RECENT_TRIMS_S),
     }  # fmt: skip

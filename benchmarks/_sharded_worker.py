@@ -15,6 +15,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -38,7 +39,10 @@ parser.add_argument("--every", type=int, default=3)
 parser.add_argument("--steps", type=int, default=9)
 parser.add_argument("--gathered", action="store_true")
 parser.add_argument("--results", required=True, help="folder for one rank-N.json per rank")
-parser.add_argument("--strategy", choices=["fsdp", "ddp"], default="fsdp", help="ddp: DDPStrategy on gloo")
+parser.add_argument(
+    "--strategy", choices=["fsdp", "ddp", "single"], default="fsdp",
+    help="ddp: DDPStrategy on gloo; single: one process (give --devices 1)",
+)  # fmt: skip
 parser.add_argument(
     "--train-on", action="store_true",
     help="training runs on while the writer writes and uploads (no wait for each commit): the hook is "
@@ -55,7 +59,7 @@ class Net(pl.LightningModule):
         )
 
     def configure_model(self) -> None:
-        if args.strategy == "ddp":
+        if args.strategy != "fsdp":
             return
         mesh = self.device_mesh["data_parallel"]
         for layer in self.layers:
@@ -203,8 +207,9 @@ def main_train_on() -> None:
     clock.wrap(spot, ["on_train_batch_end"])
     train_on = TrainOn(spot, clock, rss)
     data = TensorDataset(torch.randn(args.steps * 4 * args.devices, args.hidden))
-    strategy = (
+    strategy: Any = (
         DDPStrategy(process_group_backend="gloo") if args.strategy == "ddp"
+        else "auto" if args.strategy == "single"
         else ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
     )  # fmt: skip
     trainer = pl.Trainer(

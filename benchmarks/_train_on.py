@@ -119,6 +119,30 @@ class Floor:
         self.seconds[step] = time.perf_counter() - started
 
 
+def dump_heap(label: str) -> None:
+    """SPOT_BENCH_HEAP=prefix: glibc's malloc_info (every arena's sizes) and smaps_rollup into prefix.PID."""
+    prefix = os.environ.get("SPOT_BENCH_HEAP")
+    if not prefix:
+        return
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.fopen.restype = ctypes.c_void_p
+    libc.fopen.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+    libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    libc.fclose.argtypes = [ctypes.c_void_p]
+    path = f"{prefix}.{os.getpid()}"
+    with open(path, "a") as handle:
+        handle.write(
+            f"=== {label} rss {rss_bytes() / 1e6:.0f} MB threads {[t.name for t in threading.enumerate()]}\n"
+        )
+        with open("/proc/self/smaps_rollup") as rollup:
+            handle.write(rollup.read())
+    stream = libc.fopen(path.encode(), b"a")
+    libc.malloc_info(0, stream)
+    libc.fclose(stream)
+
+
 def line_up() -> None:
     """Every rank here before going on: the hooks timed next start together on every rank, so a
     collective inside them waits for the other ranks' checkpoint work only, not for the noise of

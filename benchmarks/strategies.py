@@ -14,9 +14,11 @@ uploads (nothing waits for a commit until the end of the run). On every rank (``
 - *extra RSS*: the peak RSS from the first checkpoint to the end of the run (last commit included)
   over the peak of the plain training steps before it, in units of the rank's shard.
 
-Strategies: ``hf-fsdp2`` (HF Trainer, accelerate FSDP2 ``SHARDED_STATE_DICT``: every rank stages
-its shards), ``lightning-ddp`` (DDPStrategy: rank 0 stages the whole state, rank 1 nothing),
-``lightning-fsdp`` (ModelParallelStrategy: every rank its shards, through DCP's stager).
+Strategies: ``hf-single`` and ``lightning-single`` (one process: it stages the whole state),
+``hf-ddp`` (HF Trainer under torchrun, DDP on gloo) and ``lightning-ddp`` (DDPStrategy): rank 0
+stages the whole state, rank 1 nothing; ``hf-fsdp2`` / ``hf-fsdp1`` (HF Trainer, accelerate's FSDP2 /
+FSDP1 plugin, ``SHARDED_STATE_DICT``: every rank stages its shards), ``lightning-fsdp``
+(ModelParallelStrategy: every rank its shards).
 
     python benchmarks/strategies.py                                   # ~500 MB of state, 2 runs each
     python benchmarks/strategies.py --strategies hf-fsdp2 --runs 1
@@ -48,7 +50,10 @@ from _common import (
 from _servers import open_store
 
 HERE = Path(__file__).resolve().parent
-STRATEGIES = ("hf-fsdp2", "lightning-ddp", "lightning-fsdp")
+STRATEGIES = (
+    "hf-single", "hf-ddp", "hf-fsdp2", "hf-fsdp1", "lightning-single", "lightning-ddp", "lightning-fsdp",
+)  # fmt: skip
+SINGLE = ("hf-single", "lightning-single")  # one process
 QUICK = {"hidden": 256, "layers": 2, "every": 3, "steps": 10, "runs": 1}
 HEADERS = [
     "strategy", "run", "rank", "stages", "blocked / floor per checkpoint", "median", "blocked (median)",
@@ -64,13 +69,20 @@ def command_of(
         "--layers", str(args.layers), "--every", str(args.every), "--steps", str(args.steps),
         "--results", str(results), "--train-on",
     ]  # fmt: skip
-    if strategy == "hf-fsdp2":
+    if strategy.startswith("hf-"):
+        kind = strategy.removeprefix("hf-")
+        launch = (
+            [sys.executable] if strategy in SINGLE
+            else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+        )  # fmt: skip
         return [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-            str(HERE / "_hf_fsdp_worker.py"), *common, "--output-dir", str(workdir / f"out-{results.name}"),
+            *launch, str(HERE / "_hf_fsdp_worker.py"), *common, "--parallel", kind,
+            "--output-dir", str(workdir / f"out-{results.name}"),
         ]  # fmt: skip
     kind = strategy.removeprefix("lightning-")
-    return [sys.executable, str(HERE / "_sharded_worker.py"), *common, "--devices", "2", "--strategy", kind]
+    devices = "1" if strategy in SINGLE else "2"
+    worker = str(HERE / "_sharded_worker.py")
+    return [sys.executable, worker, *common, "--devices", devices, "--strategy", kind]
 
 
 def run_one(
@@ -87,14 +99,14 @@ def run_one(
     ranks = [json.loads(path.read_text()) for path in sorted(results.glob("rank-*.json"))]
     for result in ranks:
         result["run"] = run
-        if strategy == "hf-fsdp2" and not result["fsdp"]:
-            raise SystemExit("hf-fsdp2: the Trainer did not take accelerate's FSDP path")
+        if strategy.startswith("hf-fsdp") and not result["fsdp"]:
+            raise SystemExit(f"{strategy}: the Trainer did not take accelerate's FSDP path")
     return sorted(ranks, key=lambda result: result["rank"])
 
 
 def stages_bytes(strategy: str, result: dict) -> int:
     """What this rank stages: DDP's rank 0 the whole state, its other ranks nothing."""
-    if strategy == "lightning-ddp" and result["rank"] != 0:
+    if strategy.endswith("-ddp") and result["rank"] != 0:
         return 0
     return result["shard_bytes"]
 
@@ -176,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     load_end = " ".join(f"{value:.2f}" for value in os.getloadavg())
     table.sort(key=lambda cells: (strategies.index(cells[0]), cells[1], cells[2]))
     title = (
-        f"{params / 1e6:.0f}M parameters, {state_mb:.0f} MB of state, 2 processes (gloo, CPU), {args.store} store, "
+        f"{params / 1e6:.0f}M parameters, {state_mb:.0f} MB of state, 2 processes (gloo, CPU; the single rows 1), {args.store} store, "
         f"checkpoint every {args.every} steps, {args.steps} steps, training on during writes and uploads"
     )
     print_rich_table(HEADERS, table, title, left=["strategy", "blocked / floor per checkpoint"])

@@ -54,6 +54,51 @@ def gather_from_ranks(value: Any) -> list[Any]:
     return gathered
 
 
+class _Array:
+    """A CPU tensor on its way through :func:`gather_states_from_ranks`: its bytes as a NumPy array."""
+
+    def __init__(self, array: Any) -> None:
+        self.array = array
+
+
+def _to_arrays(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.device.type == "cpu" and type(value) is torch.Tensor:
+        return _Array(value.numpy())
+    if type(value) is dict:
+        return {key: _to_arrays(item) for key, item in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_to_arrays(item) for item in value)
+    return value
+
+
+def _to_tensors(value: Any) -> Any:
+    if isinstance(value, _Array):
+        return torch.from_numpy(value.array)
+    if type(value) is dict:
+        return {key: _to_tensors(item) for key, item in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_to_tensors(item) for item in value)
+    return value
+
+
+def gather_states_from_ranks(value: Any) -> list[Any]:
+    """:func:`gather_from_ranks` of a value whose tensors are small CPU tensors (RNG states).
+
+    Their bytes travel as NumPy arrays inside one pickle: ``all_gather_object`` pickles a tensor
+    through ``torch.save`` and unpickles it through ``torch.load``, per tensor and per rank, which
+    made the RNG gather the largest fixed cost of a Lightning FSDP checkpoint after the copy. The
+    tensors come back with the same dtype, shape and values.
+
+    Example:
+        >>> gathered = gather_states_from_ranks({"torch": torch.get_rng_state()})
+        >>> torch.equal(gathered[0]["torch"], torch.get_rng_state())
+        True
+    """
+    if not distributed_ready():
+        return [value]
+    return [_to_tensors(item) for item in gather_from_ranks(_to_arrays(value))]
+
+
 def agree_on_alerts(notice: Any, hint: str | None) -> tuple[Any, str | None]:
     """Every rank's notice and hint -> the same answer on all: the notice with the earliest deadline.
 

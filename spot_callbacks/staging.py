@@ -233,6 +233,8 @@ class _StageContext:
                 return list(value)
             return [self.copy(item, _child(path, index)) for index, item in enumerate(value)]
         if type(value) is tuple:
+            if all(type(item) in _ATOMIC_TYPES for item in value):  # random.getstate()'s 625 ints: immutable
+                return value
             return tuple(self.copy(item, _child(path, index)) for index, item in enumerate(value))
         if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
             return type(value)(*(self.copy(item, _child(path, index)) for index, item in enumerate(value)))

@@ -138,6 +138,11 @@ def test_staged_fsdp_checkpoint_is_the_trainers_folder_commits_on_sigterm_and_re
             assert (staged_5 / folder / shard).read_bytes() == (trainer_5 / folder / shard).read_bytes()
     for name in ("scheduler.pt", "rng_state_0.pth", "rng_state_1.pth"):
         assert (staged_5 / name).read_bytes() == (trainer_5 / name).read_bytes(), name
+    # The ranks' flos, gathered by the writers rather than in the loop, add up as the Trainer's save counts them.
+    staged_state, trainer_state = (
+        json.loads((f / "trainer_state.json").read_text()) for f in (staged_5, trainer_5)
+    )
+    assert staged_state["total_flos"] == trainer_state["total_flos"] > 0
 
     # 2 processes on a fresh output_dir, another seed: bit-identical to the uninterrupted run.
     results, _ = train(tmp_path, "machine-b", 2, *remote, "--every-n-steps", 5, "--seed", 99, expect_rc=0)
@@ -215,6 +220,11 @@ def test_fsdp1_and_lora_checkpoints_are_staged_as_the_trainers_folder_and_resume
         assert all("lora_" in key for key in dcp_index(staged_5 / "pytorch_model_fsdp_0")[0])
     for name in ("scheduler.pt", "rng_state_0.pth", "rng_state_1.pth"):
         assert (staged_5 / name).read_bytes() == (trainer_5 / name).read_bytes(), name
+    # The ranks' flos, gathered by the writers rather than in the loop, add up as the Trainer's save counts them.
+    staged_state, trainer_state = (
+        json.loads((f / "trainer_state.json").read_text()) for f in (staged_5, trainer_5)
+    )
+    assert staged_state["total_flos"] == trainer_state["total_flos"] > 0
 
     # Staging changed nothing in training, and the Trainer alone resumes from the staged step 5 on
     # 2 processes exactly as from its own folder: with LoRA under FSDP2 bit-identically to the

@@ -100,3 +100,18 @@ def test_a_replaced_tensor_takes_the_state_dicts_again(sharded: Any) -> None:
     assert_same(optimizer, as_savers_take_it(sharded)[1])
     handles.shards_of(sharded)
     assert handles.builds == 2  # and keeps the new ones
+
+
+def test_the_ranks_flos_are_added_as_store_flos_sums_them(sharded: Any) -> None:
+    """The staged FSDP checkpoint's ``total_flos``: the all-gather ``Trainer.store_flos`` runs at a save,
+    run on the writers' group instead, with the same float32 arithmetic (here 2**24 + 1 rounds)."""
+    from transformers.trainer_pt_utils import distributed_broadcast_scalars
+
+    from spot_callbacks.hf import _compat as compat
+
+    current = float(2**24 + 1)
+    state = types.SimpleNamespace(total_flos=1000.0)
+    compat.add_ranks_flos(state, current, dist.group.WORLD)
+    expected = 1000.0 + distributed_broadcast_scalars([current], device=torch.device("cpu")).sum().item()
+    assert state.total_flos == expected
+    assert state.total_flos != 1000.0 + current  # float32, as store_flos sums them

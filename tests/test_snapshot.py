@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import random
 import threading
 from collections import OrderedDict
 
@@ -117,6 +118,29 @@ def test_the_plan_is_reused_until_a_shape_changes_and_the_resume_stays_exact(tmp
     assert area.buffer_bytes == sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
 
+def test_dcp_writes_a_staged_buffer_in_place_and_torch_save_stores_only_its_bytes(tmp_path):
+    """Each staged buffer owns exactly its bytes: DCP's writer clones a tensor whose storage is larger
+    (a second copy of the shard while it writes), and torch.save of a view stores its whole storage."""
+    from torch.distributed.checkpoint.filesystem import _SerialCpuLoader
+
+    flat = torch.randn(3 * 1024)
+    view = flat[:1024].view(32, 32)  # a view into a larger storage, as a flat buffer's would be
+    staged = StagingArea().stage({"w": view})
+    buffer = staged.state["w"]
+    assert torch.equal(buffer, view) and buffer.untyped_storage().nbytes() == view.nbytes
+    loader = _SerialCpuLoader(lambda item: item)
+    loader.add(buffer.nbytes, buffer)
+    loader.add(view.nbytes, view)
+    (written, _), (cloned, _) = loader.values()
+    assert written.data_ptr() == buffer.data_ptr()  # written from the buffer itself
+    assert cloned.data_ptr() != view.data_ptr()  # what DCP does to a view: a copy
+    write_state(staged, tmp_path / "state.pt")
+    staged.release()
+    torch.save({"w": view}, tmp_path / "view.pt")
+    # The view's file holds the whole 12 KB storage; the staged one only its 4 KB.
+    assert (tmp_path / "view.pt").stat().st_size > flat.nbytes > (tmp_path / "state.pt").stat().st_size
+
+
 def test_a_tie_that_appears_follows_the_plan_as_an_alias():
     weight, bias = torch.randn(4, 4), torch.randn(4)
     area = StagingArea()
@@ -176,6 +200,10 @@ def test_non_tensor_leaves_are_deep_copied():
     state["arr"][0] = 99
     assert staged.state["arr"].tolist() == [0, 1, 2]
     assert staged.state["np"][0] == "MT19937"
+    python_rng = random.getstate()
+    staged = StagingArea().stage({"python": python_rng, "ids": [1, 2]})
+    assert staged.state["python"][1] is python_rng[1]  # a tuple of ints is immutable: kept, not walked
+    assert staged.state["python"] == python_rng and staged.state["ids"] == [1, 2]
 
 
 class _Exploit:

@@ -193,12 +193,20 @@ def rng_state_name(args: Any) -> str:
     return "rng_state.pth" if args.world_size <= 1 else f"rng_state_{args.process_index}.pth"
 
 
-def trainer_state_at_save(trainer: transformers.Trainer) -> Any:
+def defers_flos(trainer: transformers.Trainer) -> bool:
+    """Whether ``Trainer.store_flos`` would be a collective (an all-gather of every rank's count) at a save."""
+    distributed = trainer.args.parallel_mode == transformers.training_args.ParallelMode.DISTRIBUTED
+    return distributed and trainer.hp_search_backend is None
+
+
+def trainer_state_at_save(trainer: transformers.Trainer, flush_flos: bool = True) -> Any:
     """A copy of ``trainer.state`` as ``Trainer._save_checkpoint`` writes it to ``trainer_state.json``.
 
     Collective with several processes (``store_flos``): every rank calls it at the same point.
+    ``flush_flos=False``: no ``store_flos`` (nothing collective, ``trainer`` untouched); the copy's
+    ``total_flos`` then lacks the ranks' ``current_flos``, which :func:`add_ranks_flos` adds later.
     """
-    if trainer.hp_search_backend is None:
+    if trainer.hp_search_backend is None and flush_flos:
         trainer.store_flos()
     state = copy.deepcopy(trainer.state)
     run_dir = trainer._get_output_dir(trial=None)
@@ -220,6 +228,17 @@ def trainer_state_at_save(trainer: transformers.Trainer) -> Any:
         else:
             stateful[name] = callback_state
     return state
+
+
+def add_ranks_flos(trainer_state: Any, current_flos: float, group: Any) -> None:
+    """Add every rank's ``current_flos`` to ``trainer_state.total_flos`` as ``Trainer.store_flos`` sums them
+    (float32 all-gather, summed, ``item()``), over ``group`` (collective: every rank at once)."""
+    import torch.distributed as dist
+
+    scalar = torch.tensor([current_flos])
+    gathered = [scalar.clone() for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, scalar, group=group)
+    trainer_state.total_flos += torch.cat(gathered, dim=0).sum().item()
 
 
 def save_model_weights(trainer: transformers.Trainer, state_dict: dict[str, Any], folder: Path) -> None:

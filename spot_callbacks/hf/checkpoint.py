@@ -219,7 +219,11 @@ class StagedSaves:
             raise RuntimeError("spot_callbacks: submit() without a staged checkpoint (stage() first)")
         started = time.perf_counter()
         trainer = self._live_trainer()
-        trainer_state = compat.trainer_state_at_save(trainer)
+        # Every rank writes: the flos all-gather of store_flos runs beside the DCP writes, on the writers'
+        # group, not here in the loop (the Trainer's own counters are left as they are: its next
+        # store_flos counts them once).
+        flos = trainer.current_flos if self.every_rank and compat.defers_flos(trainer) else None
+        trainer_state = compat.trainer_state_at_save(trainer, flush_flos=flos is None)
         step, reason = pending.request.step, pending.request.reason
         folder = compat.checkpoint_dir(trainer.args.output_dir, step)
         stall_s = pending.blocked_s + time.perf_counter() - started
@@ -234,6 +238,8 @@ class StagedSaves:
         if self.every_rank:
 
             def write_own(target: Path, group: Any) -> list[str]:
+                if flos is not None:
+                    compat.add_ranks_flos(trainer_state, flos, group.group)
                 return write_rank_files(
                     trainer, pending, trainer_state, target, group, self.sharded, self.adapters
                 )

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 import spot_callbacks.settings as settings
-from spot_callbacks._dist import gather_from_ranks, rank, world_size
+from spot_callbacks._dist import gather_states_from_ranks, rank, world_size
 from spot_callbacks.data_position import DataPosition, warn_if_changed
 from spot_callbacks.errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
 from spot_callbacks.persist.handles import ShardHandles
@@ -652,7 +652,7 @@ class LoopPosition:
         """Every rank's RNG now and at the epoch's start (collective), the batches done, and (with
         the ``trainer``) the settings they are counted in."""
         # One gather for both (each all_gather_object is two collectives inside the checkpoint's stall).
-        gathered = gather_from_ranks((capture_rng_state(), self.epoch_start_rng))
+        gathered = gather_states_from_ranks((capture_rng_state(), self.epoch_start_rng))
         return {
             "rng": [now for now, _ in gathered],
             "epoch_start_rng": [at_start for _, at_start in gathered],
