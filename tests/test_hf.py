@@ -500,3 +500,23 @@ def test_a_checkpoint_naming_our_callback_in_stateful_callbacks_never_rebuilds_i
     assert [c.step for c in store.committed()][-1] == 8  # the end-of-training save went to the run's store
     warned = [r.getMessage() for r in caplog.records if "stateful_callbacks" in r.getMessage()]
     assert len(warned) == 1 and "SpotCheckpointCallback" in warned[0] and "ignored" in warned[0], warned
+
+
+def test_the_staged_trainer_state_is_a_snapshot_of_the_log_history(tmp_path: Path) -> None:
+    """The copy taken in the blocked window (plain entries copied as dicts, others deep) does not move
+    when the Trainer's history changes after it, and equals what deepcopy gives."""
+    import copy
+
+    from spot_callbacks.hf._compat import trainer_state_at_save
+
+    trainer = make_trainer(tmp_path / "out", [], max_steps=2)
+    nested = {"step": 2, "per_class": [0.5, 0.25]}
+    trainer.state.log_history = [{"loss": 1.5, "step": 1, "note": "x", "flag": True, "none": None}, nested]
+    expected = copy.deepcopy(trainer.state.log_history)
+    staged = trainer_state_at_save(trainer, flush_flos=False)
+    assert staged.log_history == expected
+    trainer.state.log_history[0]["loss"] = 99.0
+    nested["per_class"].append(1.0)
+    trainer.state.log_history.append({"loss": 0.1, "step": 3})
+    assert staged.log_history == expected
+    assert staged.global_step == trainer.state.global_step
