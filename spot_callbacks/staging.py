@@ -193,7 +193,8 @@ class _PlanChanged(SpotError):
 
 
 _ATOMIC = (str, bytes, int, float, bool, type(None))
-_ATOMIC_TYPES = frozenset(_ATOMIC)
+# Values that are never changed in place: a snapshot keeps them as they are (also hf/_compat's log copy).
+ATOMIC_TYPES = frozenset(_ATOMIC)
 
 
 class _StageContext:
@@ -216,7 +217,7 @@ class _StageContext:
         """A copy of ``value``; ``path`` is ``None`` when following a plan (buffers are the plan's)."""
         if isinstance(value, torch.Tensor):
             return self.copy_tensor(value, path)
-        if type(value) in _ATOMIC_TYPES or isinstance(value, _ATOMIC):
+        if type(value) in ATOMIC_TYPES or isinstance(value, _ATOMIC):
             return value
         if type(value) in (dict, OrderedDict):
             duplicate = type(value)((key, self.copy(item, _child(path, key))) for key, item in value.items())
@@ -229,11 +230,11 @@ class _StageContext:
                 mapping[key] = self.copy(item, _child(path, key))
             return mapping
         if type(value) is list:
-            if all(type(item) in _ATOMIC_TYPES for item in value):  # parameter ids of a param group
+            if all(type(item) in ATOMIC_TYPES for item in value):  # parameter ids of a param group
                 return list(value)
             return [self.copy(item, _child(path, index)) for index, item in enumerate(value)]
         if type(value) is tuple:
-            if all(type(item) in _ATOMIC_TYPES for item in value):  # random.getstate()'s 625 ints: immutable
+            if all(type(item) in ATOMIC_TYPES for item in value):  # random.getstate()'s 625 ints: immutable
                 return value
             return tuple(self.copy(item, _child(path, index)) for index, item in enumerate(value))
         if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
@@ -317,9 +318,9 @@ def _child(path: tuple[Any, ...] | None, key: Any) -> tuple[Any, ...] | None:
 def _copy_plain(value: Any) -> Any:
     """A deep copy of plain data (dicts and lists of strings and numbers); ``deepcopy`` for the rest."""
     kind = type(value)
-    if kind in _ATOMIC_TYPES:
+    if kind in ATOMIC_TYPES:
         return value
-    if kind in (dict, OrderedDict) and all(type(key) in _ATOMIC_TYPES for key in value):
+    if kind in (dict, OrderedDict) and all(type(key) in ATOMIC_TYPES for key in value):
         return kind((key, _copy_plain(item)) for key, item in value.items())
     if kind is list:
         return [_copy_plain(item) for item in value]

@@ -43,6 +43,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 import spot_callbacks.settings as settings
 from spot_callbacks.errors import ConfigError
 from spot_callbacks.run_lease import release_on_unwind
+from spot_callbacks.staging import ATOMIC_TYPES
 from spot_callbacks.training_horizon import Horizon
 
 log = logging.getLogger("spot_callbacks")
@@ -232,9 +233,6 @@ def trainer_state_at_save(trainer: transformers.Trainer, flush_flos: bool = True
     return state
 
 
-_LOG_SCALARS = (float, int, str, bool, type(None))
-
-
 def _log_history_copy(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A copy of ``TrainerState.log_history`` at a few µs per entry, where ``deepcopy`` takes ~5.
 
@@ -244,7 +242,7 @@ def _log_history_copy(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """
     return [
         dict(entry)
-        if type(entry) is dict and all(type(value) in _LOG_SCALARS for value in entry.values())
+        if type(entry) is dict and all(type(value) in ATOMIC_TYPES for value in entry.values())
         else copy.deepcopy(entry)
         for entry in history
     ]
