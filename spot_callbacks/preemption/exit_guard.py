@@ -46,17 +46,22 @@ _installed = False
 
 def guard(persister: Any) -> None:
     """Watch ``persister`` (its ``idle`` and ``worker_threads()``) at the exit of this process."""
+    _install()
+    _open.add(persister)
+
+
+def _install() -> None:
     global _installed
     with _registered:
         if not _installed:
             atexit.register(park_workers_at_exit)
             _installed = True
-    _open.add(persister)
 
 
 def arm(deadline: float | None, exit_code: int) -> None:
     """The process is to exit with ``exit_code`` by ``deadline`` (epoch seconds; None: no limit but
     :data:`UNARMED_EXIT_WAIT_S`), a busy worker or not."""
+    _install()
     _armed.update(deadline=deadline, code=exit_code)
 
 
