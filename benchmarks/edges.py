@@ -10,14 +10,15 @@ spawn to the first step (start-up), the call of ``train``/``fit`` to the first s
 last step to exit (the emergency path). ``--trees`` compares checkouts of the library (a baseline
 and a change), interleaved round by round so that the box's drifting load falls on both alike.
 
-    python benchmarks/edges.py --rounds 5
-    python benchmarks/edges.py --trees /tmp/base,. --variants hf-spot,spot --rounds 7
+    python benchmarks/edges.py --quick
+    python benchmarks/edges.py --trees /tmp/base,. --variants hf-spot,spot --rounds 3 --no-append
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -27,10 +28,25 @@ import threading
 import time
 from pathlib import Path
 
-from _common import REPO_ROOT
+from _common import (
+    REPO_ROOT,
+    add_common_args,
+    apply_quick,
+    choice_list,
+    load_average,
+    markdown_table,
+    print_rich_table,
+    record,
+    section_head,
+    versions_line,
+)
 from _replay_outcome import parse_markers, ready_at
 from _servers import make_bucket, s3_options
-from replay import KEEP_HEAP, Replay, s3_server
+from replay import Replay, s3_server
+
+VARIANTS = ("hf-spot", "spot", "spot-auto")
+QUICK = {"rounds": 1, "steps_before_term": 50, "width": 256, "layers": 3}
+HEADERS = ["variant", "tree", "machine", "start-up s", "in fit s", "last step to exit s", "runs"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,7 +60,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--grace-s", type=float, default=5.0)
     parser.add_argument("--store", choices=("moto", "nanio"), default="nanio")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (logs)")
-    return parser.parse_args(argv)
+    add_common_args(parser)
+    args = parser.parse_args(argv)
+    apply_quick(parser, args, QUICK)
+    args.variants = choice_list(parser, args.variants, VARIANTS, "--variants")
+    return args
 
 
 def one_machine(
@@ -102,10 +122,11 @@ def one_machine(
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     trees = [str(Path(tree).resolve()) for tree in args.trees.split(",")]
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    variants = args.variants
     workdir = Path(tempfile.mkdtemp(prefix="spot-edges-"))
     (workdir / "logs").mkdir()
-    load_before = os.getloadavg()
+    load_before = load_average()
+    started = time.monotonic()
     results: dict[tuple[str, str, int], list[dict]] = {}
     replay_args = argparse.Namespace(
         steps=100000,
@@ -129,20 +150,34 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"round {round_} {variant} {tree} machine {index}: start-up {got['startup']:.2f} s "
                               f"(in fit {got['in_fit']:.2f}), last step to exit {got['exit']:.2f} s, rc {got['rc']}",
                               flush=True)  # fmt: skip
-    print(f"\nload average before {load_before}, after {os.getloadavg()}; {args.rounds} rounds, "
-          f"{KEEP_HEAP and 'heap kept'}, store {args.store}; medians (min..max):")  # fmt: skip
+    rows = []
     for (variant, tree, index), runs in results.items():
-        parts = []
+        cells = []
         for name in ("startup", "in_fit", "exit"):
             values = [r[name] for r in runs]
-            parts.append(f"{name} {statistics.median(values):.2f} s ({min(values):.2f}..{max(values):.2f})")
-        what = "fresh store" if index == 0 else "resume"
-        print(f"  {variant} {tree} [{what}]: " + ", ".join(parts))
+            cells.append(f"{statistics.median(values):.2f} ({min(values):.2f}..{max(values):.2f})")
+        rows.append([variant, tree, "fresh store" if index == 0 else "resume", *cells, str(len(runs))])
+    print_rich_table(
+        HEADERS, rows, "start-up and exit, medians (min..max)", left=["variant", "tree", "machine"]
+    )
+    command = (f"python benchmarks/edges.py --trees {args.trees} --variants {','.join(variants)} --rounds "
+               f"{args.rounds} --steps-before-term {args.steps_before_term} --width {args.width} --layers "
+               f"{args.layers} --grace-s {args.grace_s:g} --store {args.store}")  # fmt: skip
+    record(args, [
+        "",
+        *section_head("Start-up and exit edges", command, versions_line(("torch", "lightning", "transformers")),
+                      f" ({time.monotonic() - started:.0f}s)"),
+        f"- Each machine: the replay's child (MLP {args.layers}×{args.width}, heap kept) on a fresh machine, "
+        f"SIGTERM after {args.steps_before_term} steps; a fresh store, then a resume from it; trees interleaved, "
+        "their order alternating per round.",
+        f"- Load average (1, 5, 15 min): before {load_before}; after {load_average()}",
+        "",
+        *markdown_table(HEADERS, rows),
+        "",
+    ])  # fmt: skip
     if args.keep:
         print(f"work folder kept: {workdir}")
     else:
-        import shutil
-
         shutil.rmtree(workdir, ignore_errors=True)
     return 0
 
