@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -67,6 +68,12 @@ def test_sigterm_while_the_end_checkpoint_uploads_commits_it_and_exits_143(tmp_p
     assert "SIGTERM notice while the last checkpoint uploads: step 6 goes first" in output
     assert "stopping as preempted (SIGTERM at the end of training): exit 143" in output
     assert "FIT RETURNED" not in output
+    assert frozen_at_exit(output) > 0  # the stopped run's exit skipped the final collections
+
+
+def frozen_at_exit(output: str) -> int:
+    [line] = [line for line in output.splitlines() if line.startswith("GC FROZEN AT EXIT ")]
+    return int(line.split()[-1])
 
 
 def test_a_hung_store_at_the_end_never_holds_the_exit_past_the_deadline(tmp_path) -> None:
@@ -123,6 +130,7 @@ def test_a_first_ctrl_c_checkpoints_the_last_completed_step_commits_and_stops(tm
     assert f"stopping after Ctrl-C: step {latest.step} is committed; run the same command again" in output
     assert not (tmp_path / "run" / LOCK_NAME).exists()
     assert "KeyboardInterrupt" not in output
+    assert frozen_at_exit(output) > 0
 
 
 def test_a_second_ctrl_c_stops_at_once_without_waiting_for_a_hung_upload(tmp_path) -> None:
@@ -175,3 +183,17 @@ def test_the_exit_waits_quietly_for_a_worker_that_finishes_soon_and_warns_for_on
     assert late.idle
     [line] = [r.getMessage() for r in caplog.records if "still works" in r.getMessage()]
     assert line.startswith("spot_callbacks: exiting while spot-emergency still works; waiting at most")
+
+
+def test_only_an_armed_exit_leaves_the_objects_uncollected(monkeypatch) -> None:
+    monkeypatch.setattr(exit_guard, "_open", weakref.WeakSet())
+    monkeypatch.setattr(exit_guard, "_armed", {})
+    assert gc.get_freeze_count() == 0
+    try:
+        exit_guard.park_workers_at_exit()  # a plain end of the script: collected as usual
+        assert gc.get_freeze_count() == 0
+        exit_guard.arm(time.time() + 30, 143)
+        exit_guard.park_workers_at_exit()  # a stopped run: its objects are left to the process's end
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()

@@ -42,6 +42,12 @@ def _terminate(child: subprocess.Popen[str]) -> tuple[str, str, float]:
     return out, err, time.monotonic() - signalled
 
 
+def _frozen_at_exit(out: str) -> int:
+    """What the script's last atexit handler saw: the objects the exit left uncollected (exit_guard)."""
+    [line] = [line for line in out.splitlines() if line.startswith("GC FROZEN AT EXIT ")]
+    return int(line.split()[-1])
+
+
 def _until(condition: Any, what: str, timeout_s: float = 60.0) -> None:
     waiter, deadline = threading.Event(), time.monotonic() + timeout_s
     while not condition():
@@ -72,7 +78,7 @@ def test_sigterm_while_waiting_for_the_run_lock_exits_143_at_once(s3_server, tmp
             line = child.stderr.readline()
             assert line, "the child ended before waiting for the lock: " + "".join(lines)
             lines.append(line)
-        _, err, took_s = _terminate(child)
+        out, err, took_s = _terminate(child)
     finally:
         child.kill()
         alive.set()
@@ -81,6 +87,7 @@ def test_sigterm_while_waiting_for_the_run_lock_exits_143_at_once(s3_server, tmp
     assert took_s <= 5.0, f"exited {took_s:.1f}s after SIGTERM"
     assert "SIGTERM while waiting for the store and the run lock" in err and "Traceback" not in err
     assert RunLock(store).holder()["run_id"] == "a" * 32  # the other run's lock is untouched
+    assert _frozen_at_exit(out) > 0  # a prompt exit: the final collections skipped
 
 
 def test_sigterm_while_pulling_the_resume_point_exits_143_and_releases_the_lock(
@@ -103,3 +110,4 @@ def test_sigterm_while_pulling_the_resume_point_exits_143_and_releases_the_lock(
     assert "SIGTERM while pulling the checkpoint to resume from" in err and "Traceback" not in err
     assert RunLock(store).holder() is None  # released on the way out
     assert [info.step for info in store.committed()] == [1]  # nothing written to the store
+    assert _frozen_at_exit(out) > 0

@@ -5,11 +5,17 @@ inside ``torch.save`` (C++) then aborts the process (SIGABRT/SIGSEGV, exit 134/1
 the 143 a preempted run exits with. At exit, the busy workers of every open persister are given
 until the armed deadline to park; one still busy then ends the process at once, with the armed
 exit code, logs flushed, before finalisation can reach it.
+
+A stopped run's exit skips the interpreter's last garbage collections (:func:`gc.freeze`): with
+torch and a framework loaded they walk millions of objects, a second or more between the last
+commit and the process's end, all of it billed; objects still alive at exit are not promised their
+``__del__`` by Python in any case.
 """
 
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import os
 import sys
@@ -40,17 +46,22 @@ _installed = False
 
 def guard(persister: Any) -> None:
     """Watch ``persister`` (its ``idle`` and ``worker_threads()``) at the exit of this process."""
+    _install()
+    _open.add(persister)
+
+
+def _install() -> None:
     global _installed
     with _registered:
         if not _installed:
             atexit.register(park_workers_at_exit)
             _installed = True
-    _open.add(persister)
 
 
 def arm(deadline: float | None, exit_code: int) -> None:
     """The process is to exit with ``exit_code`` by ``deadline`` (epoch seconds; None: no limit but
     :data:`UNARMED_EXIT_WAIT_S`), a busy worker or not."""
+    _install()
     _armed.update(deadline=deadline, code=exit_code)
 
 
@@ -82,10 +93,18 @@ def busy_workers() -> list[threading.Thread]:
 
 def park_workers_at_exit() -> None:
     """At interpreter exit: wait (bounded) for busy workers; if one is still busy, ``os._exit`` now.
+    An armed exit (a stopped run) then leaves the objects alive to the process's end, uncollected.
 
     Example:
-        >>> park_workers_at_exit()  # nothing busy: returns at once
+        >>> park_workers_at_exit()  # nothing busy, nothing armed: returns at once
     """
+    _park_busy_workers()
+    if "code" in _armed:
+        # What is left is memory the process's end frees at once; the collections would take seconds.
+        gc.freeze()
+
+
+def _park_busy_workers() -> None:
     busy = busy_workers()
     if not busy:
         return

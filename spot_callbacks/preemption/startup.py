@@ -19,10 +19,13 @@ import contextlib
 import logging
 import signal
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import spot_callbacks.preemption.exit_guard as exit_guard
 from spot_callbacks.preemption.notice import PREEMPTED_EXIT_CODE
+from spot_callbacks.preemption.signals import signal_grace_s
 from spot_callbacks.preemption.sources import GRACE_SIGNALS
 
 log = logging.getLogger("spot_callbacks")
@@ -44,6 +47,7 @@ def exit_on_notice(sources: Iterable[str], doing: str) -> Iterator[None]:
             "the store. Run the same command again: it resumes from the newest committed checkpoint",
             name, doing, PREEMPTED_EXIT_CODE,
         )  # fmt: skip
+        exit_guard.arm(time.time() + signal_grace_s(), PREEMPTED_EXIT_CODE)  # and prompt (exit_guard)
         raise SystemExit(PREEMPTED_EXIT_CODE)  # unwinds through the callers' finally blocks
 
     previous = {name: signal.signal(getattr(signal, name), interrupted) for name in names}

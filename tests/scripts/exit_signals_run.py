@@ -9,6 +9,8 @@ in between, then the line). ``--hang`` never lets that upload finish (a hung sto
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import sys
 import threading
 
@@ -17,6 +19,10 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 
 from spot_callbacks import saving as jobs
 from spot_callbacks.lightning import SpotCheckpoint
+
+# Registered before the library's own exit hook, so it runs after it: how many objects the exit left
+# uncollected (exit_guard).
+atexit.register(lambda: print(f"GC FROZEN AT EXIT {gc.get_freeze_count()}", flush=True))
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--dirpath", required=True)
