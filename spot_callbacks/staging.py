@@ -271,10 +271,10 @@ class _Preparing:
                 if self.cancel.is_set():
                     return
                 buffer = spec.allocate()
-                _fault_in(buffer)
-                with area._buffers_lock:
+                with area._buffers_lock:  # counted from now (buffer_bytes), resident once touched
                     area._buffers[spec.path] = buffer
                     area._prepared.add(spec.path)
+                _fault_in(buffer)
         except Exception as err:  # noqa: BLE001 - out of memory here: the stage allocates, and says so then
             log.debug("spot_callbacks: preparing the staging buffers stopped: %r", err)
 
