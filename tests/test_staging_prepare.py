@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import pytest
 import torch
 import transformers
 from lightning.pytorch.demos.boring_classes import BoringModel
@@ -133,3 +134,16 @@ def test_lightning_allocates_the_buffers_after_its_first_step_and_stages_into_th
     assert area.prepared_buffers_used == params  # BoringModel's SGD keeps no state: the weights
     [info, *_] = spot.store.committed()
     assert info.step == 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (pinned staging path)")
+def test_cuda_tensors_get_pinned_buffers_prepared_in_the_background() -> None:
+    model = torch.nn.Linear(256, 256).cuda()
+    area = StagingArea()
+    area.prepare(model.state_dict())
+    assert area.wait_prepared(timeout=60)
+    staged = area.stage(model.state_dict())
+    assert area.prepared_buffers_used == 2 and staged.state["weight"].is_pinned()
+    staged.wait_copied()
+    assert torch.equal(staged.state["weight"], model.weight.detach().cpu())
+    staged.release()
