@@ -171,6 +171,7 @@ class TrainOn(transformers.TrainerCallback):
         self.spot, self.clock, self.rss = spot, clock, rss
         self.floor: _train_on.Floor | None = None
         self.baseline = 0  # peak RSS over plain steps before the first checkpoint
+        self.prepared_bytes = 0  # staging buffers allocated before the first checkpoint
         self.waits: dict[int, float] = {}
 
     def on_step_end(self, args_, state, control, **kwargs):
@@ -179,12 +180,16 @@ class TrainOn(transformers.TrainerCallback):
         if self.floor is None:  # after the first step: the optimizer state exists
             self.floor = _train_on.Floor(tensors)
             self.rss.cut()
+            # The checkpoint callback allocates its staging buffers in the background from now on:
+            # checkpoint memory, kept out of the plain steps' baseline.
+            self.rss.discount = lambda: self.spot.engine.staging.buffer_bytes
             return
         _train_on.line_up()
         if step % args.every == 0 and step < state.max_steps:
             _train_on.dump_heap(f"before checkpoint {step}")
             if not self.floor.seconds:
-                self.baseline = self.rss.cut()
+                self.baseline = self.rss.cut(end_discount=True)
+                self.prepared_bytes = self.spot.engine.staging.buffer_bytes
             self.floor.time(step, tensors)
             _train_on.line_up()
 
@@ -241,6 +246,7 @@ def main_train_on() -> None:
     result = {
         "rank": rank, "mode": f"hf-{args.parallel}", "fsdp": trainer.is_fsdp_enabled, "shard_bytes": train_on.floor.nbytes,
         "plain_hooks_s": plain_s, "rows": rows, "extra_rss_bytes": extra,
+        "prepared_bytes": train_on.prepared_bytes, "prepared_used": getattr(spot.engine.staging, "prepared_buffers_used", 0),
         "shard_handle_builds": spot._staged.handles.builds, "trims_s": list(heap.RECENT_TRIMS_S),
     }  # fmt: skip
     with open(os.path.join(args.results, f"rank-{rank}.json"), "w") as handle:

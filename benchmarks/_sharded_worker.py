@@ -169,6 +169,7 @@ class TrainOn(pl.Callback):
         self.spot, self.clock, self.rss = spot, clock, rss
         self.floor: _train_on.Floor | None = None
         self.baseline = 0  # peak RSS over plain steps before the first checkpoint
+        self.prepared_bytes = 0  # staging buffers allocated before the first checkpoint
         self.waits: dict[int, float] = {}
 
     def on_train_batch_end(self, trainer, pl_module, *rest) -> None:
@@ -177,11 +178,15 @@ class TrainOn(pl.Callback):
         if self.floor is None:  # after the first step: the optimizer state exists
             self.floor = _train_on.Floor(tensors)
             self.rss.cut()
+            # The checkpoint callback allocates its staging buffers in the background from now on:
+            # checkpoint memory, kept out of the plain steps' baseline.
+            self.rss.discount = lambda: self.spot.engine.staging.buffer_bytes
             return
         _train_on.line_up()
         if step % args.every == 0 and step < args.steps:
             if not self.floor.seconds:
-                self.baseline = self.rss.cut()
+                self.baseline = self.rss.cut(end_discount=True)
+                self.prepared_bytes = self.spot.engine.staging.buffer_bytes
             self.floor.time(step, tensors)
             _train_on.line_up()
 
@@ -228,6 +233,7 @@ def main_train_on() -> None:
     result = {
         "rank": trainer.global_rank, "mode": f"lightning-{args.strategy}", "shard_bytes": train_on.floor.nbytes,
         "plain_hooks_s": plain_s, "rows": rows, "extra_rss_bytes": extra,
+        "prepared_bytes": train_on.prepared_bytes, "prepared_used": getattr(spot.engine.staging, "prepared_buffers_used", 0),
         "shard_handle_builds": spot._shard_handles.builds, "trims_s": list(heap.RECENT_TRIMS_S),
     }  # fmt: skip
     with open(os.path.join(args.results, f"rank-{trainer.global_rank}.json"), "w") as handle:

@@ -12,7 +12,9 @@ uploads (nothing waits for a commit until the end of the run). On every rank (``
   into buffers allocated once, timed just before each checkpoint's hooks; *ratio*: blocked / floor
   of each checkpoint, and their median;
 - *extra RSS*: the peak RSS from the first checkpoint to the end of the run (last commit included)
-  over the peak of the plain training steps before it, in units of the rank's shard.
+  over the peak of the plain training steps before it, in units of the rank's shard. The staging
+  buffers the callback allocates in the background after the first step are taken off the plain
+  steps' samples (they are the checkpoints' memory, and count in the extra).
 
 Strategies: ``hf-single`` and ``lightning-single`` (one process: it stages the whole state),
 ``hf-ddp`` (HF Trainer under torchrun, DDP on gloo) and ``lightning-ddp`` (DDPStrategy): rank 0
@@ -167,12 +169,16 @@ def main(argv: list[str] | None = None) -> int:
     summary: dict[str, tuple[list[float], list[float]]] = {}
     trims: dict[str, list[float]] = {}
     builds: dict[str, set[int]] = {}
+    prepared: dict[str, list[tuple[int, int]]] = {}
     try:
         with open_store(args.store, workdir, "strategies") as (url, options):
             for run in range(1, args.runs + 1):
                 for strategy in strategies if run % 2 else reversed(strategies):
                     for result in run_one(strategy, run, args, workdir, url, options):
                         trims.setdefault(strategy, []).extend(result.get("trims_s", []))
+                        prepared.setdefault(strategy, []).append(
+                            (result.get("prepared_bytes", 0), result.get("prepared_used", 0))
+                        )
                         if "shard_handle_builds" in result:
                             builds.setdefault(strategy, set()).add(result["shard_handle_builds"])
                         cells, median, extra_ratio = row_of(strategy, result)
@@ -215,6 +221,14 @@ def main(argv: list[str] | None = None) -> int:
             heap_line += (
                 f"; shard state dicts taken {'/'.join(map(str, sorted(builds[strategy])))} time(s) per run"
             )
+        allocated = [nbytes for nbytes, _ in prepared.get(strategy, []) if nbytes]
+        if allocated:
+            used = sorted({count for nbytes, count in prepared[strategy] if nbytes})
+            heap_line += (
+                f"; staging buffers allocated in the background before the first checkpoint: "
+                f"{min(allocated) / 1e6:.0f}-{max(allocated) / 1e6:.0f} MB per staging rank, "
+                f"{'/'.join(map(str, used))} of them used by it"
+            )
         verdicts.append(heap_line)
     print("\n".join(verdicts))
     print(f"load average at start {load_start}, at end {load_end}")
@@ -239,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         f"- {title}. *blocked*: the time in the checkpoint callback's hooks at a checkpoint step (wrapped from "
         "outside) less the median at steps without one; *floor*: `copy_` of the rank's local tensors into buffers "
         "allocated once, timed just before each checkpoint's hooks; *extra RSS*: the peak RSS from the first "
-        "checkpoint to the end of the run (the last commit included) over the peak of the plain steps before it.",
+        "checkpoint to the end of the run (the last commit included) over the peak of the plain steps before it (the staging buffers allocated in the background after "
+        "the first step taken off the latter: they count in the extra).",
         *(f"- {line}" for line in verdicts),
         "",
         *markdown_table(HEADERS, table),

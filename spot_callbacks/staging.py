@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import mmap
 import os
 import pickle
 import random
@@ -98,15 +99,69 @@ class StagingArea:
     def __init__(self, pin_memory: bool | None = None) -> None:
         self._pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._buffers_lock = threading.Lock()  # the preparing thread adds buffers while others read
+        self._preparing: _Preparing | None = None
+        self._prepared: set[tuple[Any, ...]] = set()  # paths whose buffer prepare() allocated, unused yet
         self._in_use = threading.Semaphore(1)
         self._streams: dict[torch.device, Any] = {}
         self._plan: _Plan | None = None
+        self.prepared_buffers_used = 0  # buffers a stage found allocated by prepare()
         self.plan_builds = 0  # stages that (re)built the plan: the first, then one per change
         self.last_wait_s = 0.0
 
     @property
     def buffer_bytes(self) -> int:
-        return sum(buf.numel() * buf.element_size() for buf in self._buffers.values())
+        """Bytes of the buffers held now (allocated by a stage, or by :meth:`prepare` in the background)."""
+        with self._buffers_lock:
+            return sum(_tensor_nbytes(buf) for buf in self._buffers.values())
+
+    def prepare(self, state: Any) -> bool:
+        """Allocate the buffers a first :meth:`stage` of ``state`` would, on a background thread.
+
+        The calling thread walks ``state`` for the shapes, dtypes and devices of its tensors only
+        (no tensor's data is read); a daemon thread allocates a buffer for each and touches its pages,
+        so the first checkpoint copies into resident buffers like every later one. The memory is the
+        buffers a stage would allocate, only earlier. A :meth:`stage` that comes before the thread is
+        done stops it after the buffer in hand and allocates the rest itself. Does nothing (returns
+        ``False``) once a stage has planned the buffers or while an earlier call is still allocating.
+
+        Example:
+            >>> area = StagingArea()
+            >>> area.prepare({"w": torch.ones(1024)})
+            True
+            >>> area.wait_prepared()  # a stage need not wait: it stops the thread and allocates the rest
+            True
+            >>> staged = area.stage({"w": torch.ones(1024)})
+            >>> area.buffer_bytes, area.prepared_buffers_used
+            (4096, 1)
+            >>> staged.release()
+        """
+        if self._plan is not None or (self._preparing is not None and self._preparing.thread.is_alive()):
+            return False
+        specs: list[_BufferSpec] = []
+        _buffer_specs(state, (), specs, set(), self._pin_memory)
+        with self._buffers_lock:
+            specs = [spec for spec in specs if not _buffer_fits(self._buffers.get(spec.path), spec)]
+        preparing = _Preparing(self, specs)
+        self._preparing = preparing
+        preparing.thread.start()
+        return True
+
+    def wait_prepared(self, timeout: float | None = None) -> bool:
+        """Block until the buffers :meth:`prepare` allocates are all there; ``False`` on timeout."""
+        preparing = self._preparing
+        if preparing is not None:
+            preparing.thread.join(timeout)
+            return not preparing.thread.is_alive()
+        return True
+
+    def _stop_preparing(self) -> None:
+        """Stop the preparing thread after the buffer it is on (a stage allocates the rest itself)."""
+        preparing = self._preparing
+        if preparing is not None:
+            self._preparing = None
+            preparing.cancel.set()
+            preparing.thread.join()
 
     def stage(self, state: Any, timeout: float | None = None) -> StagedState:
         """Copy every tensor of ``state`` into host buffers; copy other leaves deeply.
@@ -120,6 +175,7 @@ class StagingArea:
                 "the previous checkpoint is still being written to scratch; staging buffers are busy"
             )
         self.last_wait_s = time.perf_counter() - started
+        self._stop_preparing()
         if self.last_wait_s > 0.05:
             checkpoint_line(
                 "spot_callbacks: waited %.2fs for the previous checkpoint to leave the staging buffers",
@@ -143,27 +199,113 @@ class StagingArea:
 
     def _buffer_for(self, path: tuple[Any, ...], tensor: torch.Tensor) -> torch.Tensor:
         buffer = self._buffers.get(path)
-        pin = self._pin_memory and tensor.device.type == "cuda"
-        if (
-            buffer is None
-            or buffer.shape != tensor.shape
-            or buffer.dtype != tensor.dtype
-            or buffer.is_pinned() != pin
-        ):
-            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
-            self._buffers[path] = buffer
-        return buffer
+        spec = _BufferSpec(
+            path, tensor.shape, tensor.dtype, self._pin_memory and tensor.device.type == "cuda"
+        )
+        if not _buffer_fits(buffer, spec):
+            buffer = spec.allocate()
+            with self._buffers_lock:
+                self._buffers[path] = buffer
+        elif path in self._prepared:
+            self._prepared.discard(path)
+            self.prepared_buffers_used += 1
+        return cast(torch.Tensor, buffer)
 
     def _new_plan(self, plan: _Plan, paths: set[tuple[Any, ...]]) -> None:
         """Keep the plan a stage built; buffers of tensors that left the state go with the old one."""
         self._plan = plan
-        self._buffers = {path: buffer for path, buffer in self._buffers.items() if path in paths}
+        with self._buffers_lock:
+            self._buffers = {path: buffer for path, buffer in self._buffers.items() if path in paths}
+        self._prepared.clear()
         self.plan_builds += 1
 
     def _stream_for(self, device: torch.device) -> Any:
         if device not in self._streams:
             self._streams[device] = torch.cuda.Stream(device=device)
         return self._streams[device]
+
+
+class _BufferSpec:
+    """What a staging buffer is: the path of its tensor in the state, its shape and dtype, pinned or not."""
+
+    __slots__ = ("path", "shape", "dtype", "pin")
+
+    def __init__(self, path: tuple[Any, ...], shape: torch.Size, dtype: torch.dtype, pin: bool) -> None:
+        self.path, self.shape, self.dtype, self.pin = path, shape, dtype, pin
+
+    def allocate(self) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device="cpu", pin_memory=self.pin)
+
+
+def _buffer_fits(buffer: torch.Tensor | None, spec: _BufferSpec) -> bool:
+    return (
+        buffer is not None
+        and buffer.shape == spec.shape
+        and buffer.dtype == spec.dtype
+        and buffer.is_pinned() == spec.pin
+    )
+
+
+_PAGE = mmap.PAGESIZE
+
+
+def _fault_in(buffer: torch.Tensor) -> None:
+    """Write one byte of every page of a new buffer, so the copy into it finds them resident."""
+    if buffer.numel() and not buffer.is_pinned():  # pinned memory is resident already
+        with torch.no_grad():
+            buffer.view(-1).view(torch.uint8)[::_PAGE].zero_()
+
+
+class _Preparing:
+    """A daemon thread allocating the buffers of ``specs`` into ``area`` until done or cancelled."""
+
+    def __init__(self, area: StagingArea, specs: list[_BufferSpec]) -> None:
+        self.cancel = threading.Event()
+        self.thread = threading.Thread(
+            target=self._run, args=(area, specs), name="spot-staging-prepare", daemon=True
+        )
+
+    def _run(self, area: StagingArea, specs: list[_BufferSpec]) -> None:
+        try:
+            for spec in specs:
+                if self.cancel.is_set():
+                    return
+                buffer = spec.allocate()
+                with area._buffers_lock:  # counted from now (buffer_bytes), resident once touched
+                    area._buffers[spec.path] = buffer
+                    area._prepared.add(spec.path)
+                _fault_in(buffer)
+        except Exception as err:  # noqa: BLE001 - out of memory here: the stage allocates, and says so then
+            log.debug("spot_callbacks: preparing the staging buffers stopped: %r", err)
+
+
+def _buffer_specs(
+    value: Any, path: tuple[Any, ...], specs: list[_BufferSpec], seen: set[_TensorKey], pin_memory: bool
+) -> None:
+    """The buffers :meth:`_StageContext.copy` would allocate for ``value``, walked the same way (tied
+    tensors once); reads each tensor's shape, dtype, device and storage pointer, never its data."""
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach() if type(value) is not torch.Tensor else value
+        if tensor.layout != torch.strided or type(tensor) is not torch.Tensor or tensor.is_quantized:
+            return  # copied whole at the stage: no buffer
+        key: _TensorKey = (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype, tensor.device)
+        if tensor.numel() and key in seen:
+            return
+        seen.add(key)
+        specs.append(
+            _BufferSpec(path, tensor.shape, tensor.dtype, pin_memory and tensor.device.type == "cuda")
+        )
+        return
+    if type(value) in ATOMIC_TYPES or isinstance(value, _ATOMIC):
+        return
+    if isinstance(value, Mapping):
+        for key_, item in value.items():
+            _buffer_specs(item, (*path, key_), specs, seen, pin_memory)
+    elif type(value) in (list, tuple) or (isinstance(value, tuple) and hasattr(value, "_fields")):
+        if all(type(item) in ATOMIC_TYPES for item in value):
+            return
+        for index, item in enumerate(value):
+            _buffer_specs(item, (*path, index), specs, seen, pin_memory)
 
 
 class _Plan:

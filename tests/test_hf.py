@@ -520,3 +520,29 @@ def test_the_staged_trainer_state_is_a_snapshot_of_the_log_history(tmp_path: Pat
     trainer.state.log_history.append({"loss": 0.1, "step": 3})
     assert staged.log_history == expected
     assert staged.global_step == trainer.state.global_step
+
+
+def test_the_log_history_copy_reuses_earlier_entries_and_recopies_the_newest_step(tmp_path: Path) -> None:
+    """Checkpoints copy only the entries logged since the last one; the newest step's row (which this
+    package's metrics are merged into after the append) is copied again; a replaced history whole."""
+    import copy
+
+    from spot_callbacks.hf._compat import trainer_state_at_save
+
+    trainer = make_trainer(tmp_path / "out", [], max_steps=2)
+    trainer.state.log_history = [{"loss": 1.5, "step": 1}, {"loss": 1.2, "step": 2}]
+    first = trainer_state_at_save(trainer, flush_flos=False).log_history
+    trainer.state.log_history[-1]["spot/stall_s"] = 0.1  # merged into step 2's row after the copy
+    trainer.state.log_history.append({"loss": 1.0, "step": 3, "extra": [1, 2]})
+    second = trainer_state_at_save(trainer, flush_flos=False).log_history
+    assert second == trainer.state.log_history
+    assert second[0] is first[0]  # step 1's row: copied once
+    assert second[1] is not first[1] and first[1] == {"loss": 1.2, "step": 2}  # step 2's: again
+    assert second[2]["extra"] is not trainer.state.log_history[2]["extra"]  # deep where not plain
+    trainer.state.log_history = [{"loss": 9.0, "step": 1}]  # a new history: copied whole
+    third = trainer_state_at_save(trainer, flush_flos=False).log_history
+    assert third == [{"loss": 9.0, "step": 1}] and third[0] is not second[0]
+    del trainer.state.log_history[:]  # cut
+    trainer.state.log_history.extend([{"loss": 8.0, "step": 1}, {"loss": 7.0, "step": 2}])
+    expected = copy.deepcopy(trainer.state.log_history)
+    assert trainer_state_at_save(trainer, flush_flos=False).log_history == expected

@@ -31,6 +31,8 @@ import random
 import signal
 import sys
 import types
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -209,9 +211,8 @@ def trainer_state_at_save(trainer: transformers.Trainer, flush_flos: bool = True
     """
     if trainer.hp_search_backend is None and flush_flos:
         trainer.store_flos()
-    state = copy.deepcopy(
-        trainer.state, {id(trainer.state.log_history): _log_history_copy(trainer.state.log_history)}
-    )
+    history = trainer.state.log_history
+    state = copy.deepcopy(trainer.state, {id(history): _HISTORY_COPIES.copy(trainer.state)})
     run_dir = trainer._get_output_dir(trial=None)
     if save_strategy(trainer.args) in ("steps", "epoch", "best") and state.best_global_step:
         best = checkpoint_dir(run_dir, state.best_global_step)
@@ -240,12 +241,85 @@ def _log_history_copy(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     entries cost 54 ms of the step's blocked window deep-copied, 8 ms this way. An entry of plain
     values (what ``Trainer.log`` appends) is copied as a dict; anything else is deep-copied.
     """
-    return [
-        dict(entry)
-        if type(entry) is dict and all(type(value) in ATOMIC_TYPES for value in entry.values())
-        else copy.deepcopy(entry)
-        for entry in history
-    ]
+    return [_entry_copy(entry) for entry in history]
+
+
+def _entry_copy(entry: Any) -> Any:
+    if type(entry) is dict and all(type(value) in ATOMIC_TYPES for value in entry.values()):
+        return dict(entry)
+    return copy.deepcopy(entry)
+
+
+class _LogHistoryCopies:
+    """Copies of a ``TrainerState.log_history``'s entries, kept from one checkpoint to the next: a
+    checkpoint copies only the entries logged since the last one (O(new entries), not O(history)).
+
+    An entry is written once: ``Trainer.log`` appends a new dict and never changes an older one;
+    the one change after the append is at the same step (this package's metrics merged into the
+    step's row, ``hf/metrics.py``), so the entries of the newest copied step are copied again. A
+    history replaced or cut (another ``TrainerState``, ``log_history[:] = ...``) is copied whole.
+    A callback that edits an older entry in place would not be seen; none of transformers' does.
+
+    Example:
+        >>> from transformers import TrainerState
+        >>> state = TrainerState(log_history=[{"loss": 1.0, "step": 1}, {"loss": 0.9, "step": 2}])
+        >>> copies = _LogHistoryCopies()
+        >>> first = copies.copy(state)
+        >>> state.log_history.append({"loss": 0.5, "step": 3})
+        >>> second = copies.copy(state)
+        >>> second == state.log_history and second[0] is first[0] and second[0] is not state.log_history[0]
+        True
+    """
+
+    def __init__(self) -> None:
+        self._owner: Callable[[], Any] = lambda: None  # the TrainerState, weakly
+        self._history_id = 0
+        self._originals: list[Any] = []  # the live entries copied, by identity
+        self._copies: list[Any] = []
+
+    def copy(self, state: Any) -> list[Any]:
+        """A copy of ``state.log_history``, entry by entry; the entries copied before are reused."""
+        history = state.log_history
+        kept = len(self._originals)
+        if (
+            self._owner() is not state
+            or id(history) != self._history_id
+            or len(history) < kept
+            or (
+                kept
+                and (history[0] is not self._originals[0] or history[kept - 1] is not self._originals[-1])
+            )
+        ):
+            self._owner, self._history_id, self._originals, self._copies = (
+                weakref.ref(state),
+                id(history),
+                [],
+                [],
+            )
+            kept = 0
+        kept = self._newest_step_start(kept)
+        del self._originals[kept:], self._copies[kept:]
+        for entry in history[kept:]:
+            self._originals.append(entry)
+            self._copies.append(_entry_copy(entry))
+        return list(self._copies)
+
+    def _newest_step_start(self, kept: int) -> int:
+        """Where the entries of the newest copied step begin: they may still change (copied again)."""
+        if not kept:
+            return 0
+        step = _step_of(self._originals[kept - 1])
+        while kept and _step_of(self._originals[kept - 1]) == step:
+            kept -= 1
+        return kept
+
+
+def _step_of(entry: Any) -> Any:
+    return entry.get("step") if isinstance(entry, dict) else None
+
+
+# The copies of the history of the TrainerState last checkpointed (one Trainer trains at a time).
+_HISTORY_COPIES = _LogHistoryCopies()
 
 
 def add_ranks_flos(trainer_state: Any, current_flos: float, group: Any) -> None:

@@ -106,6 +106,7 @@ class StagedSaves:
             fsdp.ShardHandles()
         )  # sharded: the shards to stage, kept from one checkpoint to the next
         self._said: set[str] = set()
+        self._prepared = False  # this train()'s staging buffers were asked for (prepare())
 
     def _live_trainer(self) -> transformers.Trainer:
         trainer = self._trainer()
@@ -118,6 +119,7 @@ class StagedSaves:
         self._trainer = weakref.ref(trainer) if trainer is not None else (lambda: None)
         self.pending, self.submitted_steps = None, []
         self.handles = fsdp.ShardHandles()
+        self._prepared = False
         self.owns_folders = compat.save_strategy(args) == "no"  # nothing else rotates checkpoint-N
         if args.save_only_model:
             log.warning(
@@ -168,6 +170,29 @@ class StagedSaves:
             )
             return False
         return True
+
+    def prepare(self, staging: StagingArea) -> None:
+        """At the first ``on_step_end`` of a train() without a checkpoint (the optimizer state exists):
+        the buffers :meth:`stage` will copy into, allocated in the background (every rank that stages).
+
+        Skipped where taking the state dicts is itself a collective or a gather (FSDP1, sharded
+        adapters): their first checkpoint allocates the buffers, as before.
+        """
+        if self._prepared or self.fallback_reason is not None:
+            return
+        self._prepared = True
+        trainer = self._trainer()
+        if trainer is None:
+            return
+        if self.every_rank:
+            if self.sharded and (self.adapters is not None or not fsdp.is_fsdp2(trainer)):
+                return
+            state = rank_state(trainer, self.sharded, {}, self.adapters, self.handles)
+        elif is_writer():
+            state = rank_state(trainer, sharded=False, layouts={}, peft=self.adapters)
+        else:
+            return
+        staging.prepare(state)
 
     def stage(self, request: Any, epoch: int, staging: StagingArea) -> None:
         """At ``on_step_end``: snapshot the tensors and RNG streams (the writer rank stages them all,

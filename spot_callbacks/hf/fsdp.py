@@ -140,11 +140,15 @@ class ShardHandles(handles.ShardHandles):
             model, optimizer = model_and_optimizer_shards(trainer, adapters)
             return {"model": model, "optimizer": optimizer}
 
-        fsdp2 = getattr(trainer.accelerator.state.fsdp_plugin, "fsdp_version", 1) == 2
         state, layouts = self.local_state(
-            trainer.model, {"optimizer": trainer.optimizer}, take, keep=fsdp2 and adapters is None
+            trainer.model, {"optimizer": trainer.optimizer}, take, keep=is_fsdp2(trainer) and adapters is None
         )
         return state["model"], state["optimizer"], layouts
+
+
+def is_fsdp2(trainer: Any) -> bool:
+    """Whether accelerate wraps the Trainer's model with FSDP2 (``fully_shard``) rather than FSDP1."""
+    return getattr(trainer.accelerator.state.fsdp_plugin, "fsdp_version", 1) == 2
 
 
 def write_dcp_folder(

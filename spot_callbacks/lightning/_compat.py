@@ -372,8 +372,6 @@ def dump_sharded_checkpoint(trainer: Any, handles: ShardHandles) -> DumpedCheckp
         state = {"model": checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": o for i, o in enumerate(checkpoint.pop("optimizer_states", []))})
         return DumpedCheckpoint(state, checkpoint)
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
     strategy.lightning_module_state_dict = dict  # instance attributes shadow the methods for this dump
     strategy.optimizer_state = lambda optimizer: {}
     try:
@@ -382,7 +380,15 @@ def dump_sharded_checkpoint(trainer: Any, handles: ShardHandles) -> DumpedCheckp
         del strategy.lightning_module_state_dict, strategy.optimizer_state
     checkpoint.pop("state_dict", None)
     checkpoint.pop("optimizer_states", None)
-    model = strategy.model
+    state, layouts = _local_shards(trainer, handles)
+    return DumpedCheckpoint(state, checkpoint, layouts)
+
+
+def _local_shards(trainer: Any, handles: ShardHandles) -> tuple[dict[str, Any], dict[tuple[Any, ...], Any]]:
+    """ModelParallelStrategy's model and optimizer state dicts as local shards, through ``handles``."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    model = trainer.strategy.model
     optimizers = {f"optimizer_{index}": optimizer for index, optimizer in enumerate(trainer.optimizers)}
 
     def take() -> dict[str, Any]:
@@ -390,8 +396,24 @@ def dump_sharded_checkpoint(trainer: Any, handles: ShardHandles) -> DumpedCheckp
         state.update({name: get_optimizer_state_dict(model, o) for name, o in optimizers.items()})
         return state
 
-    state, layouts = handles.local_state(model, optimizers, take)
-    return DumpedCheckpoint(state, checkpoint, layouts)
+    return handles.local_state(model, optimizers, take)
+
+
+def tensors_to_stage(trainer: Any, handles: ShardHandles) -> dict[str, Any] | None:
+    """The tensors :func:`dump_for_save` will hand the staging, under the same keys, without running
+    the checkpoint hooks (for :meth:`~spot_callbacks.staging.StagingArea.prepare`); ``None`` for a
+    strategy whose state dicts take a collective or a gather (FSDPStrategy, DeepSpeed), or on a
+    rank that stages nothing."""
+    strategy = trainer.strategy
+    name = type(strategy).__name__
+    if name == "ModelParallelStrategy":
+        return _local_shards(trainer, handles)[0]
+    if name not in ("SingleDeviceStrategy", "DDPStrategy") or not trainer.is_global_zero:
+        return None
+    return {
+        "state_dict": strategy.lightning_module_state_dict(),
+        "optimizer_states": [strategy.optimizer_state(optimizer) for optimizer in trainer.optimizers],
+    }
 
 
 def restore_epoch_position(trainer: Any, batches_done: int) -> bool:

@@ -88,6 +88,7 @@ class _SpotCheckpointHooks:
         self._resume_state: dict[str, Any] | None = None
         self._saving = False
         self._shard_handles = ShardHandles()
+        self._staging_prepared = False
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> _SpotCheckpointHooks:
@@ -111,6 +112,7 @@ class _SpotCheckpointHooks:
             return
         self._trainer = trainer
         self._shard_handles = ShardHandles()  # this fit's sharded state dicts, kept across its checkpoints
+        self._staging_prepared = False  # this fit's staging buffers were asked for (first step boundary)
         compat.install_latest_resolution(trainer, self._resolve_latest)
         compat.install_horizon_check(trainer, self._horizon_restored)
         self.engine.start()
@@ -175,6 +177,12 @@ class _SpotCheckpointHooks:
         elif action.save:
             assert action.reason is not None  # a save always carries its reason
             self._save(trainer, action.reason)
+        elif not self._staging_prepared and report_failures:
+            # The optimizer state exists now: the staging buffers are allocated off the loop.
+            self._staging_prepared = True
+            state = compat.tensors_to_stage(trainer, self._shard_handles)
+            if state is not None:
+                self.engine.staging.prepare(state)
 
     def _save(self, trainer: Any, reason: str, fit_ended: bool = False) -> None:
         step, epoch = trainer.global_step, trainer.current_epoch

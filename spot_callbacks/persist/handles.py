@@ -152,13 +152,16 @@ def _live_sources(model: Any, optimizers: Any) -> tuple[list[Any], list[tuple[in
         for param, state in optimizer.state.items():
             sources.append(param)
             sources.extend(value for value in state.values() if isinstance(value, torch.Tensor))
-    with torch.no_grad():  # DTensor.to_local() is then the local tensor itself, no autograd node
-        locals_ = [_local_key(source) for source in sources]
+    locals_ = [_local_key(source) for source in sources]
     return sources, locals_
 
 
 def _local_key(tensor: Any) -> tuple[int, torch.Size]:
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    # A DTensor's local shard is its _local_tensor (what to_local() returns without autograd), read
+    # directly: to_local() costs a dispatch per tensor at every checkpoint; this walk is per tensor.
+    local = getattr(tensor, "_local_tensor", None)
+    if local is None:
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
     return local.data_ptr(), local.shape
 
 

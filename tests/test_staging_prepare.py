@@ -1,0 +1,149 @@
+"""Staging buffers allocated off the loop: StagingArea.prepare, and the trainers that call it after the first step."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import transformers
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+from spot_callbacks import staging
+from spot_callbacks.hf import SpotCheckpointCallback
+from spot_callbacks.lightning import SpotCheckpoint
+from spot_callbacks.staging import StagingArea, load_state, write_state
+
+
+def training_state() -> dict[str, Any]:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    optimizer.step()
+    return {"model": model.state_dict(), "optim": optimizer.state_dict(), "rng": torch.get_rng_state()}
+
+
+def tensors(state: Any) -> list[torch.Tensor]:
+    if isinstance(state, dict):
+        return [leaf for value in state.values() for leaf in tensors(value)]
+    if isinstance(state, (list, tuple)):
+        return [leaf for value in state for leaf in tensors(value)]
+    return [state] if isinstance(state, torch.Tensor) else []
+
+
+def assert_same(actual: Any, expected: Any) -> None:
+    got, want = tensors(actual), tensors(expected)
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_the_first_stage_copies_into_the_prepared_buffers_and_the_state_file_is_exact(tmp_path: Path) -> None:
+    state = training_state()
+    area = StagingArea()
+    assert area.prepare(state)
+    assert area.wait_prepared(timeout=60)
+    prepared = area.buffer_bytes
+    staged = area.stage(state)
+    copies = sum(1 for tensor in tensors(state) if tensor.numel())
+    assert area.prepared_buffers_used == copies  # the stage allocated no buffer of its own
+    assert area.buffer_bytes == prepared == staged.nbytes
+    write_state(staged, tmp_path / "state.pt")
+    staged.release()
+    assert_same(load_state(tmp_path / "state.pt"), state)
+    assert not area.prepare(state)  # planned now: a later call does nothing
+
+
+def test_prepare_reads_shapes_only_and_allocates_each_tied_tensor_once() -> None:
+    weight = torch.empty(64, 32, device="meta")  # no data: a read of it would fail
+    area = StagingArea()
+    area.prepare({"encoder": weight, "decoder": weight, "bias": torch.empty(32, device="meta"), "step": 3})
+    assert area.wait_prepared(timeout=60)
+    assert area.buffer_bytes == (64 * 32 + 32) * 4  # the tie is one buffer, as the stage makes it
+    live = torch.randn(64, 32)
+    staged = area.stage({"encoder": live, "decoder": live, "bias": torch.randn(32), "step": 3})
+    assert staged.state["encoder"] is staged.state["decoder"] and torch.equal(staged.state["encoder"], live)
+    assert area.prepared_buffers_used == 2
+    staged.release()
+
+
+def test_a_stage_during_the_allocation_stops_it_and_allocates_the_rest_itself(monkeypatch) -> None:
+    state = training_state()
+    area = StagingArea()
+    in_first_buffer = threading.Event()
+    faulted: list[int] = []
+
+    def fault_in_until_cancelled(buffer: torch.Tensor) -> None:
+        cancel = area._preparing.cancel  # set by the stage below, while this thread is on its first buffer
+        faulted.append(buffer.numel())
+        in_first_buffer.set()
+        assert cancel.wait(timeout=60)
+
+    monkeypatch.setattr(staging, "_fault_in", fault_in_until_cancelled)
+    area.prepare(state)
+    assert in_first_buffer.wait(timeout=60)
+    staged = area.stage(state)  # stops the thread after the buffer in hand; it allocates the others
+    assert len(faulted) == 1 and area.prepared_buffers_used == 1
+    assert_same(staged.state, state)
+    assert staged.nbytes == area.buffer_bytes == sum(t.numel() * t.element_size() for t in tensors(state))
+    staged.release()
+
+
+class WaitForStagingBuffers(transformers.TrainerCallback):
+    """After the checkpoint callback: let its background allocation finish before the next step,
+    so the first checkpoint finds every buffer (a stage that comes first allocates the rest itself)."""
+
+    def __init__(self, area: StagingArea) -> None:
+        self.area = area
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        assert self.area.wait_prepared(timeout=60)
+
+
+def test_hf_trainer_allocates_the_buffers_after_its_first_step_and_stages_into_them(tmp_path: Path) -> None:
+    from tests.test_hf import make_trainer
+
+    ckpt = SpotCheckpointCallback(
+        dirpath=str(tmp_path / "store"), interval=None, every_n_steps=3, preemption=[]
+    )
+    trainer = make_trainer(tmp_path / "out", [ckpt, WaitForStagingBuffers(ckpt.engine.staging)], max_steps=7)
+    trainer.train()
+    area = ckpt.engine.staging
+    assert area.plan_builds == 1 and area.prepared_buffers_used > 0
+    # Every tensor of model and optimizer was prepared: none was allocated by the first checkpoint.
+    params = sum(1 for _ in trainer.model.parameters())
+    assert area.prepared_buffers_used >= 3 * params  # weights, exp_avg, exp_avg_sq
+    assert [(c.step, c.reason) for c in ckpt.store.committed()] == [(3, "steps"), (6, "steps"), (7, "end")]
+
+
+def test_lightning_allocates_the_buffers_after_its_first_step_and_stages_into_them(tmp_path: Path) -> None:
+    spot = SpotCheckpoint(dirpath=str(tmp_path / "run"), interval=None, every_n_steps=3, preemption=[])
+
+    class Wait(pl.Callback):
+        def on_train_batch_end(self, *args: Any) -> None:
+            assert spot.engine.staging.wait_prepared(timeout=60)
+
+    model = BoringModel()
+    trainer = pl.Trainer(callbacks=[spot, Wait()], max_steps=7, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False)  # fmt: skip
+    trainer.fit(model)
+    area = spot.engine.staging
+    assert area.plan_builds == 1
+    params = sum(1 for _ in model.parameters())
+    assert area.prepared_buffers_used == params  # BoringModel's SGD keeps no state: the weights
+    [info, *_] = spot.store.committed()
+    assert info.step == 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (pinned staging path)")
+def test_cuda_tensors_get_pinned_buffers_prepared_in_the_background() -> None:
+    model = torch.nn.Linear(256, 256).cuda()
+    area = StagingArea()
+    area.prepare(model.state_dict())
+    assert area.wait_prepared(timeout=60)
+    staged = area.stage(model.state_dict())
+    assert area.prepared_buffers_used == 2 and staged.state["weight"].is_pinned()
+    staged.wait_copied()
+    assert torch.equal(staged.state["weight"], model.weight.detach().cpu())
+    staged.release()
