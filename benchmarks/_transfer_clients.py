@@ -12,9 +12,12 @@ once the transfer is done, so set-up does not count and no sample can miss a pea
 
 Clients (``--clients`` of ``transfer.py``):
 
-* ``project``: ``CommitWriter.write_checkpoint`` (digests computed while uploading, as when the
-  writer did not hand them over) and ``CheckpointStore.pull`` into an empty folder (every checksum
-  verified);
+* ``project``: ``CommitWriter.write_checkpoint`` with no digests handed over, so xxh3 reads every
+  file beside the upload (the path of a Hugging Face checkpoint folder, whose files the Trainer
+  writes), and ``CheckpointStore.pull`` into an empty folder (every checksum verified);
+* ``project-written``: the same with every file's digest handed over, the path of a Lightning or
+  engine checkpoint and of a sharded (DCP) one, hashed as they are written (that hash is the
+  writer's cost, not the upload's: taken before the clock here); its pull is ``project``'s;
 * ``s3fs``: ``fs.put`` / ``fs.get`` of all files (s3fs' own concurrency), default options;
 * ``boto3``: s3transfer's TransferManager, 16 threads, 32 MiB parts, no payload signing and no CRC
   on the http endpoint, all files submitted at once;
@@ -75,7 +78,7 @@ def s3_options(endpoint: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------- clients
-def project(spec: dict[str, Any]) -> Any:
+def project(spec: dict[str, Any], digests: dict[str, Any] | None = None) -> Any:
     from spot_callbacks.store import CheckpointStore, CommitWriter
 
     store = CheckpointStore(
@@ -89,10 +92,21 @@ def project(spec: dict[str, Any]) -> Any:
             0, warm, reason="manual", framework="bench"
         )  # clients built, connections open
         return lambda: CommitWriter(store).write_checkpoint(
-            1, Path(spec["src"]), reason="manual", framework="bench"
+            1, Path(spec["src"]), reason="manual", framework="bench", digests=digests
         )
     store.pull(0, Path(spec["scratch"]) / "warm-pull")  # the tiny step the upload's warm-up wrote
     return lambda: store.pull(1, Path(spec["dest"]))
+
+
+def project_written(spec: dict[str, Any]) -> Any:
+    """The project with every file's digest handed over, as the writer hands them for a Lightning or
+    engine checkpoint (hashed while ``torch.save`` wrote it) and a sharded one (hashed while
+    ``dcp.save`` wrote it): hashed here before the clock, so the upload alone is timed."""
+    from spot_callbacks.store.checksums import digest_local_file
+
+    if spec["direction"] != "upload":
+        return project(spec)
+    return project(spec, {name: digest_local_file(Path(spec["src"]) / name) for name in spec["names"]})
 
 
 def raw_s3fs(spec: dict[str, Any]) -> Any:
@@ -182,7 +196,13 @@ def obstore_transfer(store: Any, spec: dict[str, Any]) -> Any:
     return lambda: list(pool.map(get, pairs))
 
 
-CLIENTS = {"project": project, "s3fs": raw_s3fs, "boto3": boto3_tuned, "obstore": raw_obstore}
+CLIENTS = {
+    "project": project,
+    "project-written": project_written,
+    "s3fs": raw_s3fs,
+    "boto3": boto3_tuned,
+    "obstore": raw_obstore,
+}
 
 
 def resume(spec: dict[str, Any]) -> Any:

@@ -73,7 +73,8 @@ BENCH_NAMES = {
     ): "transfer: the project's upload and pull vs raw S3 clients (nanio, fast and cloud-shaped links)",
 }
 LINKS = ("fast", "shaped")
-CLIENTS = ("project", "s3fs", "boto3", "obstore")
+CLIENTS = ("project", "project-written", "s3fs", "boto3", "obstore")
+DEFAULT_CLIENTS = ("project", "s3fs", "boto3", "obstore")
 RAW = ("s3fs", "boto3", "obstore")
 LAYOUTS = (1, 8)
 BUCKET = "spot-bench"
@@ -341,7 +342,7 @@ def main() -> None:
     )
     parser.add_argument("--size-mb", type=int, default=2048, help="bytes per checkpoint, all files together")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--clients", default=",".join(CLIENTS))
+    parser.add_argument("--clients", default=",".join(DEFAULT_CLIENTS))
     parser.add_argument("--layouts", default="1,8", help="numbers of files the checkpoint is split into")
     parser.add_argument(
         "--resume-mb", type=int, default=1024, help="the resume's checkpoint (0: no resume run)"
@@ -417,8 +418,11 @@ def report(
         "(all threads), peak extra RSS = the kernel's VmHWM, reset to the RSS just before the clock "
         "(`/proc/self/clear_refs`), minus that RSS. Raw obstore = plain `obstore.get(store, key).stream()` "
         "per file (8 files in 8 threads); boto3 = TransferManager, 16 threads, 32 MiB parts.",
-        "- Project = `CommitWriter.write_checkpoint` (xxh3 computed while uploading) and `CheckpointStore.pull` "
-        "(every checksum verified) with the default data plane (`SPOT_DATA_PLANE=auto`).",
+        "- Project = `CommitWriter.write_checkpoint` with no digests handed over (xxh3 reads each file beside "
+        "the upload: the path of a Hugging Face checkpoint folder) and `CheckpointStore.pull` (every checksum "
+        "verified) with the default data plane (`SPOT_DATA_PLANE=auto`); project-written = the same upload "
+        "with the digests handed over, as a Lightning or engine checkpoint (hashed by `torch.save`'s writer) "
+        "and a sharded DCP one (hashed as `dcp.save` writes) hand them: no pass beside the upload.",
         f"- Load average (1/5/15 min) at start: {load_before}; at end: {load_average()}.",
     ]
     if "shaped" in args.links:

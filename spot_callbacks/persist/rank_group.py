@@ -152,6 +152,10 @@ class RankGroupPersister(StepTracker, ABC, Generic[JobT]):
     def _manifest_extra(self) -> dict[str, Any]:
         return {}
 
+    def _written_digests(self, job: JobT) -> dict[str, FileDigest]:
+        """Digests of this rank's files known from writing them (the others are hashed as they upload)."""
+        return {}
+
     @abstractmethod
     def _after_round(self, job: JobT, committed: bool) -> None:
         """What becomes of the local folder once its checkpoint committed or failed."""
@@ -271,7 +275,10 @@ class RankGroupPersister(StepTracker, ABC, Generic[JobT]):
             return ("failed", stale_error or list_error)
         try:
             with self._metering(step) as meter:
-                return ("ok", self.writer.upload(step, job.local_dir, names, meter=meter))
+                return (
+                    "ok",
+                    self.writer.upload(step, job.local_dir, names, self._written_digests(job), meter),
+                )
         except Exception as err:  # noqa: BLE001 - reported to rank 0, which decides for all
             return ("failed", f"rank {self.rank}: {type(err).__name__}: {err} ({where_this_rank_runs()})")
 

@@ -34,12 +34,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from spot_callbacks.persist.dcp_digests import digesting_writer, written_digests
 from spot_callbacks.persist.dcp_safety import SafeFileSystemReader, SafeLoadPlanner, check_dcp_folder
 from spot_callbacks.persist.rank_group import RankGroup, RankGroupPersister
 from spot_callbacks.persist.scratch import discard_folder, discard_leftover_step_folders
 from spot_callbacks.persist.shards import as_global
 from spot_callbacks.persist.tracking import CheckpointJob
 from spot_callbacks.store import CheckpointStore, step_dirname
+from spot_callbacks.store.checksums import FileDigest
 from spot_callbacks.store.layout import SHARDED_META_FILE
 from spot_callbacks.store.transfer import write_local_atomically
 
@@ -112,6 +114,8 @@ class ShardedJob(CheckpointJob):
     # Staged as local shards (the engine's StagingArea): their layouts, to write them as DTensors again.
     layouts: dict[tuple[Any, ...], Any] | None = None
     before_write: Callable[[], None] | None = None  # e.g. wait for device-to-host copies
+    # The digests of the files dcp.save wrote, hashed as it wrote them (the upload reuses them).
+    digests: dict[str, FileDigest] = field(default_factory=dict)
     on_written: Callable[[], None] | None = (
         None  # after the write, whether it worked or not: free the buffers
     )
@@ -259,6 +263,9 @@ class ShardedPersister(RankGroupPersister[ShardedJob]):
     def _manifest_extra(self) -> dict[str, Any]:
         return {"sharded": {"world_size": self.world_size, "format": "torch.distributed.checkpoint"}}
 
+    def _written_digests(self, job: ShardedJob) -> dict[str, FileDigest]:
+        return job.digests
+
     def _after_round(self, job: ShardedJob, committed: bool) -> None:
         discard_folder(job.local_dir, job.owns_local_dir)  # the store has it, or it failed: scratch goes
 
@@ -314,11 +321,10 @@ class ShardedPersister(RankGroupPersister[ShardedJob]):
         staged = job.staged if job.layouts is None else as_global(job.staged, job.layouts)
         # DCP shares a rank's write error with every rank (CheckpointException on all). It writes
         # each tensor from the staged buffer itself (torch.save of a whole storage): no second copy.
-        dcp.save(
-            staged,
-            storage_writer=dcp.FileSystemWriter(job.local_dir, sync_files=True),
-            process_group=self._writes.group,
-        )
+        # Each file is hashed as DCP writes it: the upload reads it once (dcp_digests).
+        storage_writer = digesting_writer(job.local_dir, sync_files=True)
+        dcp.save(staged, storage_writer=storage_writer, process_group=self._writes.group)
+        job.digests = written_digests(storage_writer)
         self._writes.agree(lambda: self._write_meta(job), f"write {META_FILE}", job.local_dir, job.step)
         job.write_s = time.perf_counter() - started
         job.metrics["write_s"] = round(job.write_s, 6)

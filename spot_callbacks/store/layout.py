@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import re
 import stat
@@ -32,6 +33,8 @@ DCP_SHARD_FILE = "__{rank}_0.distcp"  # DCP's FileSystemWriter: one per rank
 # Beside the step folders: one record per process that trained here (accounting/attempts.py).
 ATTEMPTS_FOLDER = ".spot-attempts"
 _STEP_DIR = re.compile(r"^step-(\d{9,})$")
+
+log = logging.getLogger("spot_callbacks")
 
 
 # Who writes a step folder's files. The engine's saves take the persister from it
@@ -222,13 +225,43 @@ def exists_fresh(fs: Any, path: str) -> bool:
 
 # fs.rm, never fs.rm_file: adlfs and gcsfs inherit a sync rm_file that creates a coroutine
 # and never awaits it, so the object silently stays.
-def remove_file(fs: Any, path: str) -> None:
+def remove_file(fs: Any, path: str, store: Any = None) -> None:
+    """Delete one object. s3fs sends even one object's delete as DeleteObjects: a server that refuses
+    it gets a plain DELETE, and ``store`` (the store of ``fs``) learns it once for every later delete
+    (:func:`single_deletes`, shared with retention)."""
+    if store is not None and single_deletes(store):
+        fs.rm_file(path)
+        return
     try:
         fs.rm(path)
     except (NotImplementedError, OSError) as err:
         if isinstance(err, FileNotFoundError) or not bulk_delete_refused(err):
             raise
-        fs.rm_file(path)  # s3fs sends even one object's delete as DeleteObjects; such a server takes DELETE
+        if store is not None:
+            learn_single_deletes(store, err)
+        fs.rm_file(path)
+
+
+def single_deletes(store: Any) -> bool:
+    """True once ``store``'s server refused a bulk delete (:func:`learn_single_deletes`)."""
+    return bool(getattr(store, "_single_deletes", False))
+
+
+def learn_single_deletes(store: Any, err: BaseException) -> None:
+    """Remember that ``store``'s server refuses bulk deletes (``err``, its answer), saying so once.
+
+    Example:
+        >>> class Store: url = "s3://b/run"
+        >>> store = Store(); learn_single_deletes(store, OSError(errno.ENOSYS, "no")); single_deletes(store)
+        True
+    """
+    if single_deletes(store):
+        return
+    store._single_deletes = True  # this store, from now on
+    log.info(
+        "spot_callbacks: %s does not take bulk deletes (%s); deleting one object at a time",
+        getattr(store, "url", "the store"), err,
+    )  # fmt: skip
 
 
 def bulk_delete_refused(err: BaseException) -> bool:

@@ -203,7 +203,7 @@ def _in_bulk_else_one_by_one(store: Any, bulk: Any, one_by_one: Any, what: str) 
     """``bulk()``, retried; a server that refuses bulk deletes gets ``one_by_one()`` now and from then on."""
 
     def remove() -> None:
-        if getattr(store, "_single_deletes", False):
+        if layout.single_deletes(store):
             one_by_one()
             return
         try:
@@ -211,11 +211,7 @@ def _in_bulk_else_one_by_one(store: Any, bulk: Any, one_by_one: Any, what: str) 
         except (NotImplementedError, OSError) as err:
             if not layout.bulk_delete_refused(err):
                 raise
-            store._single_deletes = True  # this store, from now on
-            log.info(
-                "spot_callbacks: %s does not take bulk deletes (%s); deleting one object at a time",
-                store.url, err,
-            )  # fmt: skip
+            layout.learn_single_deletes(store, err)
             one_by_one()
 
     store.retry.call(remove, what)
