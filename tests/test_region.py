@@ -120,7 +120,10 @@ def test_off_cloud_the_check_is_silent_and_start_does_not_wait_for_it(
     finally:
         engine.finish()
     assert engine.region_check.mismatch is None
-    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    # Only the library's own lines: a client of an earlier test on this worker (gcsfs retrying a server
+    # that test stopped) may still log from its background loop.
+    ours = [r for r in caplog.records if r.name.startswith("spot_callbacks")]
+    assert [r.getMessage() for r in ours if r.levelno >= logging.WARNING] == []
 
 
 def _fs_and_root(s3_server: ServerInfo, bucket: str) -> tuple[Any, str]:
