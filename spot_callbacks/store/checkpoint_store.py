@@ -415,7 +415,7 @@ def delete_step(store: CheckpointStore, step: int) -> bool:
     had_manifest = store._exists(manifest)
     if had_manifest:
         url = f"{store.step_url(step)}/{MANIFEST_NAME}"
-        store.retry.call(lambda: layout.remove_file(store.fs, manifest, store), f"delete {url}")
+        store.retry.call(lambda: layout.remove_file(store, manifest), f"delete {url}")
         if store._exists(manifest):
             raise DeleteIncompleteError(
                 f"the store kept {url} although it answered the delete as done (a bucket policy or an "

@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -225,21 +226,26 @@ def exists_fresh(fs: Any, path: str) -> bool:
 
 # fs.rm, never fs.rm_file: adlfs and gcsfs inherit a sync rm_file that creates a coroutine
 # and never awaits it, so the object silently stays.
-def remove_file(fs: Any, path: str, store: Any = None) -> None:
-    """Delete one object. s3fs sends even one object's delete as DeleteObjects: a server that refuses
-    it gets a plain DELETE, and ``store`` (the store of ``fs``) learns it once for every later delete
-    (:func:`single_deletes`, shared with retention)."""
-    if store is not None and single_deletes(store):
-        fs.rm_file(path)
+def remove_file(store: Any, path: str) -> None:
+    """Delete one object of ``store``. s3fs sends even one object's delete as DeleteObjects: a server
+    that refuses it gets a plain DELETE, learned once for every later delete (:func:`in_bulk_else_one_by_one`)."""
+    in_bulk_else_one_by_one(store, lambda: store.fs.rm(path), lambda: store.fs.rm_file(path))
+
+
+def in_bulk_else_one_by_one(store: Any, bulk: Callable[[], Any], one_by_one: Callable[[], Any]) -> None:
+    """``bulk()``; on a server that refuses bulk deletes, ``one_by_one()`` now and for every later
+    delete of ``store`` (:func:`learn_single_deletes`): the one mechanism of single-object deletes,
+    retention's and this module's."""
+    if single_deletes(store):
+        one_by_one()
         return
     try:
-        fs.rm(path)
+        bulk()
     except (NotImplementedError, OSError) as err:
-        if isinstance(err, FileNotFoundError) or not bulk_delete_refused(err):
+        if not bulk_delete_refused(err):
             raise
-        if store is not None:
-            learn_single_deletes(store, err)
-        fs.rm_file(path)
+        learn_single_deletes(store, err)
+        one_by_one()
 
 
 def single_deletes(store: Any) -> bool:
@@ -272,6 +278,8 @@ def bulk_delete_refused(err: BaseException) -> bool:
         >>> bulk_delete_refused(OSError(errno.ENOSYS, "not implemented")), bulk_delete_refused(PermissionError("denied"))
         (True, False)
     """
+    if isinstance(err, FileNotFoundError):
+        return False  # the object is gone: an answer about the object, not about the method
     if isinstance(err, NotImplementedError) or getattr(err, "errno", None) == errno.ENOSYS:
         return True
     text = str(err).lower()

@@ -186,7 +186,7 @@ class _Probe:
         except BaseException:
             self.discard()
             raise
-        self.attempt(lambda: remove_file(fs, self.path, self.store), "delete the probe object")
+        self.attempt(lambda: remove_file(self.store, self.path), "delete the probe object")
         elapsed_s = time.monotonic() - self.started
         log.debug("spot_callbacks: preflight of %s passed in %.2fs", self.store.url, elapsed_s)
 
@@ -272,9 +272,7 @@ class _Probe:
     def discard(self) -> None:
         """Best effort, briefly: the probe of a preflight that failed after writing it."""
         try:
-            call_with_timeout(
-                lambda: remove_file(self.store.fs, self.path, self.store), 5.0, "delete the probe object"
-            )
+            call_with_timeout(lambda: remove_file(self.store, self.path), 5.0, "delete the probe object")
         except Exception:  # noqa: BLE001 - a stray probe is harmless; the failure that led here is the news
             log.debug("spot_callbacks: could not delete the probe %s", self.path, exc_info=True)
 

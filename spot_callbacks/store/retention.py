@@ -201,20 +201,7 @@ def remove_folder(store: Any, folder: str, what: str) -> None:
 
 def _in_bulk_else_one_by_one(store: Any, bulk: Any, one_by_one: Any, what: str) -> None:
     """``bulk()``, retried; a server that refuses bulk deletes gets ``one_by_one()`` now and from then on."""
-
-    def remove() -> None:
-        if layout.single_deletes(store):
-            one_by_one()
-            return
-        try:
-            bulk()
-        except (NotImplementedError, OSError) as err:
-            if not layout.bulk_delete_refused(err):
-                raise
-            layout.learn_single_deletes(store, err)
-            one_by_one()
-
-    store.retry.call(remove, what)
+    store.retry.call(lambda: layout.in_bulk_else_one_by_one(store, bulk, one_by_one), what)
 
 
 def _files_under(store: Any) -> set[str]:
