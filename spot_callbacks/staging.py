@@ -285,10 +285,9 @@ def _buffer_specs(
     """The buffers :meth:`_StageContext.copy` would allocate for ``value``, walked the same way (tied
     tensors once); reads each tensor's shape, dtype, device and storage pointer, never its data."""
     if isinstance(value, torch.Tensor):
-        tensor = value.detach() if type(value) is not torch.Tensor else value
-        if tensor.layout != torch.strided or type(tensor) is not torch.Tensor or tensor.is_quantized:
+        tensor, key = _buffered(value)
+        if key is None:
             return  # copied whole at the stage: no buffer
-        key: _TensorKey = (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype, tensor.device)
         if tensor.numel() and key in seen:
             return
         seen.add(key)
@@ -339,6 +338,18 @@ _ATOMIC = (str, bytes, int, float, bool, type(None))
 ATOMIC_TYPES = frozenset(_ATOMIC)
 
 
+def _buffered(tensor: torch.Tensor) -> tuple[torch.Tensor, _TensorKey | None]:
+    """``tensor`` as staged (a Parameter detached; other subclasses stay what they are) and the key its
+    buffer and its aliases go by; ``None`` for a tensor with no plain buffer shape (sparse, quantized,
+    subclassed), copied whole. What a stage copies into buffers and what :meth:`StagingArea.prepare`
+    allocates ahead of it are decided here, once."""
+    if type(tensor) is not torch.Tensor:
+        tensor = tensor.detach()
+    if tensor.layout != torch.strided or type(tensor) is not torch.Tensor or tensor.is_quantized:
+        return tensor, None
+    return tensor, (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype, tensor.device)
+
+
 class _StageContext:
     """One walk over a state. With a ``plan`` every tensor must fit the buffer planned for its place
     (else :class:`_PlanChanged`, raised before any CPU tensor is copied); without one, it finds each
@@ -385,14 +396,11 @@ class _StageContext:
         return copy.deepcopy(value)
 
     def copy_tensor(self, tensor: torch.Tensor, path: tuple[Any, ...] | None) -> torch.Tensor:
-        if type(tensor) is not torch.Tensor:
-            tensor = tensor.detach()  # a Parameter; other subclasses stay what they are
-        if tensor.layout != torch.strided or type(tensor) is not torch.Tensor or tensor.is_quantized:
-            # Sparse, quantized and subclassed tensors have no plain buffer shape: copy them whole.
+        tensor, key = _buffered(tensor)
+        if key is None:
             copied = tensor.detach().to("cpu", copy=True)
             self.nbytes += _tensor_nbytes(copied)
             return copied
-        key: _TensorKey = (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype, tensor.device)
         built = self.built
         position = len(built.keys)
         built.keys.append(key)
