@@ -604,6 +604,19 @@ def metadata_env(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
     return point
 
 
+@pytest.fixture
+def one_rank(tmp_path: Path) -> Iterator[Any]:
+    """A one-rank gloo process group and its CPU ``DeviceMesh`` (DTensor and DCP tests), torn down after."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DeviceMesh
+
+    dist.init_process_group("gloo", init_method=(tmp_path / "pg").as_uri(), rank=0, world_size=1)
+    try:
+        yield DeviceMesh("cpu", [0])
+    finally:
+        dist.destroy_process_group()
+
+
 def _metadata_fixture(cloud: str) -> Any:
     @pytest.fixture
     def fixture(_metadata_servers: dict[str, Any], metadata_env: Callable[..., None]) -> Iterator[Any]:

@@ -6,9 +6,8 @@ import io
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.tensor import DeviceMesh, Shard, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from spot_callbacks import CheckpointStore
 from spot_callbacks.persist.dcp_digests import HashingStream, digesting_writer, written_digests
@@ -19,15 +18,6 @@ from spot_callbacks.store.retry import RetryPolicy
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 FAST_RETRY = RetryPolicy(attempts=2, initial_backoff_s=0.001, max_backoff_s=0.01)
-
-
-@pytest.fixture
-def one_rank(tmp_path):
-    dist.init_process_group("gloo", init_method=(tmp_path / "pg").as_uri(), rank=0, world_size=1)
-    try:
-        yield DeviceMesh("cpu", [0])
-    finally:
-        dist.destroy_process_group()
 
 
 def test_every_file_dcp_writes_gets_the_digest_of_its_bytes_on_disk(tmp_path):

@@ -10,9 +10,7 @@ import logging
 import threading
 import time
 
-import pytest
 import torch
-import torch.distributed as dist
 from helpers.faultfs import FaultyFileSystem
 from torch.distributed.tensor import DeviceMesh, Shard, distribute_tensor
 
@@ -22,15 +20,6 @@ from spot_callbacks.persist.sharded import ShardedPersister
 from spot_callbacks.store.retry import RetryPolicy
 
 FAST_RETRY = RetryPolicy(attempts=2, initial_backoff_s=0.001, max_backoff_s=0.01)
-
-
-@pytest.fixture
-def one_rank(tmp_path):
-    dist.init_process_group("gloo", init_method=(tmp_path / "pg").as_uri(), rank=0, world_size=1)
-    try:
-        yield DeviceMesh("cpu", [0])
-    finally:
-        dist.destroy_process_group()
 
 
 def sharded_state(mesh: DeviceMesh, value: float) -> dict:
