@@ -63,7 +63,9 @@ def test_a_refused_s3_endpoint_is_one_line_with_the_fix_within_the_bound() -> No
         "cannot read s3://bucket/run: nothing accepts connections" in line
         and "Fix: check endpoint_url" in line
     )
-    assert "attempt" not in err and "EndpointConnectionError" in line  # the backend's words, once
+    # The backend's words, once; on a loaded machine the client's own retries can outlast the attempt,
+    # and then a direct connect tells a refused endpoint from a silent one (its words).
+    assert "attempt" not in err and ("EndpointConnectionError" in line or "ConnectionRefusedError" in line)
     assert elapsed_s < BUDGET_S + 15, elapsed_s  # a refused connection gets half the budget
 
 
