@@ -283,7 +283,9 @@ def test_lightning_cli_credentials_from_the_environment_reach_the_store_and_no_f
     )  # fmt: skip
     assert resume.returncode == 0, resume.stderr[-3000:]
     store = CheckpointStore(url, storage_options={**options, "key": KEY_MARKER, "secret": SECRET_MARKER})
-    assert [info.step for info in store.committed()] == [3, 6, 9]
+    # Each run's final step is always committed; step 3 may be dropped on a loaded machine (its upload not
+    # begun when step 6 was written: the newest written checkpoint wins).
+    assert [info.step for info in store.committed()] in ([3, 6, 9], [6, 9])
 
     missing = {name: value for name, value in env.items() if name != "SPOT_TEST_SECRET"}
     failed = lightning_cli(f"--config={saved_config}", environment=missing)
