@@ -39,7 +39,6 @@ from spot_callbacks.store.clients.base import PULL_STREAMS, MiB, TransferBudget
 from spot_callbacks.store.clients.streams import (
     Deadline,
     pwrite_all,
-    write_in_pieces,
     write_through_temporary,
 )
 from spot_callbacks.store.meter import Moved, ignore_moved
@@ -193,7 +192,7 @@ class ObstoreReader:
                 extra += 1
             if size is None or extra == 0:
                 got = self._stream(
-                    stores, key, url, (0, size), size, lambda offset, view: write_in_pieces(handle.write, view), hasher,
+                    stores, key, url, (0, size), size, lambda offset, view: pwrite_all(handle.fileno(), view, offset), hasher,
                     threading.Event(), [], deadline, what, moved,
                 )  # fmt: skip
                 return FileDigest(got, f"{CHECKSUM_ALGORITHM}:{hasher.hexdigest()}")
@@ -214,10 +213,9 @@ class ObstoreReader:
                 threads.append(thread)
             try:
                 self._stream(
-                    stores, key, url, spans[0], size, lambda offset, view: write_in_pieces(handle.write, view), hasher,
+                    stores, key, url, spans[0], size, lambda offset, view: pwrite_all(handle.fileno(), view, offset), hasher,
                     stop, errors, deadline, what, moved,
                 )  # fmt: skip
-                handle.flush()
                 reader = os.open(
                     partial, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
                 )
