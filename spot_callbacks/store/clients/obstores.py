@@ -36,7 +36,11 @@ import spot_callbacks.settings as settings
 from spot_callbacks.errors import CheckpointError, ConfigError, CorruptCheckpointError
 from spot_callbacks.store.checksums import CHECKSUM_ALGORITHM, FileDigest
 from spot_callbacks.store.clients.base import PULL_STREAMS, MiB, TransferBudget
-from spot_callbacks.store.clients.streams import Deadline, write_through_temporary
+from spot_callbacks.store.clients.streams import (
+    Deadline,
+    pwrite_all,
+    write_through_temporary,
+)
 from spot_callbacks.store.meter import Moved, ignore_moved
 
 OBSTORE_PACKAGE = "obstore"
@@ -188,7 +192,7 @@ class ObstoreReader:
                 extra += 1
             if size is None or extra == 0:
                 got = self._stream(
-                    stores, key, url, (0, size), size, lambda offset, view: handle.write(view), hasher,
+                    stores, key, url, (0, size), size, lambda offset, view: pwrite_all(handle.fileno(), view, offset), hasher,
                     threading.Event(), [], deadline, what, moved,
                 )  # fmt: skip
                 return FileDigest(got, f"{CHECKSUM_ALGORITHM}:{hasher.hexdigest()}")
@@ -209,10 +213,9 @@ class ObstoreReader:
                 threads.append(thread)
             try:
                 self._stream(
-                    stores, key, url, spans[0], size, lambda offset, view: handle.write(view), hasher,
+                    stores, key, url, spans[0], size, lambda offset, view: pwrite_all(handle.fileno(), view, offset), hasher,
                     stop, errors, deadline, what, moved,
                 )  # fmt: skip
-                handle.flush()
                 reader = os.open(
                     partial, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
                 )
@@ -258,7 +261,7 @@ class ObstoreReader:
             )
             try:
                 self._stream(
-                    stores, key, url, span, size, lambda offset, view: _pwrite(descriptor, view, offset),
+                    stores, key, url, span, size, lambda offset, view: pwrite_all(descriptor, view, offset),
                     None, stop, errors, deadline, what, moved,
                 )  # fmt: skip
             finally:
@@ -349,12 +352,6 @@ def _hash_region(descriptor: int, start: int, end: int, hasher: Any) -> None:
         length = min(HASH_WINDOW_BYTES, end - offset)
         with mmap.mmap(descriptor, length, access=mmap.ACCESS_READ, offset=offset) as view:
             hasher.update(view)
-
-
-def _pwrite(descriptor: int, view: memoryview, offset: int) -> None:
-    while view.nbytes:
-        written = os.pwrite(descriptor, view, offset)
-        view, offset = view[written:], offset + written
 
 
 def obstore_installed() -> bool:
