@@ -104,6 +104,24 @@ def interleaved(jobs: Sequence[str], every: int) -> list[str | None]:
     return order
 
 
+def round_order(variants: Sequence[str], rounds: int, abba: bool) -> list[tuple[int, str]]:
+    """``(round, variant)`` in the order they run: every variant once per round, and with ``abba`` the
+    order reversed in every other round (A B, B A, A B, ...), so that a slow stretch of the box falls
+    on each variant alike instead of always on the one that runs second.
+
+    Example:
+        >>> round_order(["a", "b"], 2, abba=True)
+        [(0, 'a'), (0, 'b'), (1, 'b'), (1, 'a')]
+        >>> round_order(["a", "b"], 2, abba=False)
+        [(0, 'a'), (0, 'b'), (1, 'a'), (1, 'b')]
+    """
+    order: list[tuple[int, str]] = []
+    for round_ in range(max(1, rounds)):
+        ordered = list(variants)[::-1] if abba and round_ % 2 else list(variants)
+        order += [(round_, variant) for variant in ordered]
+    return order
+
+
 def around(baselines: Sequence[Attempt]) -> tuple[float, float]:
     """The mean spawn-to-exit and seconds per step of the baselines run before and after a job."""
     if not baselines:

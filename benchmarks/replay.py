@@ -14,6 +14,11 @@ library, what ``spot-callbacks report --json`` and ``plan --from`` say.
     python benchmarks/replay.py --variants spot,mc,none             # the fixed schedule
     python benchmarks/replay.py --schedule poisson --bands gt20 --variants spot,mc
     python benchmarks/replay.py --variants hf-spot,hf-steps,hf-none
+    python benchmarks/replay.py --variants hf-spot,hf-steps --rounds 2 --abba   # A B, then B A
+
+``--rounds N`` runs every variant N times (each time on a store folder of its own); ``--abba`` reverses
+the variants' order in every other round, so that a slow stretch of the shared box falls on each
+variant alike; the section then gives each variant's mean over the rounds beside the rows.
 """
 
 from __future__ import annotations
@@ -45,7 +50,16 @@ from _common import (
     section_head,
     versions_line,
 )
-from _replay_outcome import Attempt, Outcome, around, interleaved, parse_markers, per_step_s, ready_at
+from _replay_outcome import (
+    Attempt,
+    Outcome,
+    around,
+    interleaved,
+    parse_markers,
+    per_step_s,
+    ready_at,
+    round_order,
+)
 from _replay_schedule import (
     BAND_LABELS,
     BANDS,
@@ -111,6 +125,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "MALLOC_MMAP_THRESHOLD_): without it a CPU step's speed turns on page faults from the heap's layout, "
         "not on the variant (step_cost.py)",
     )  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=1, help="every variant this many times")
+    parser.add_argument(
+        "--abba", action="store_true", help="reverse the variants' order in every other round (A B, B A, ...)"
+    )
     parser.add_argument("--max-attempts", type=int, default=12)
     parser.add_argument(
         "--baseline-every", type=int, default=2, help="an uninterrupted baseline after every N variant runs"
@@ -329,8 +347,9 @@ def replay(args: argparse.Namespace, workdir: Path) -> list[Outcome]:
         make_bucket(s3_options(endpoint), "replay")
         run = Replay(args, workdir, endpoint)
         for framework in sorted({framework_of(v) for v in args.variants}):
-            jobs = [f"{variant}\t{label}" for label in plans for variant in args.variants
-                    if framework_of(variant) == framework]  # fmt: skip
+            ours = [variant for variant in args.variants if framework_of(variant) == framework]
+            jobs = [f"{variant}\t{label}\t{round_}" for round_, variant in round_order(ours, args.rounds, args.abba)
+                    for label in plans]  # fmt: skip
             baselines: list[Attempt] = []
             runs: list[tuple[str, str, str, list[Attempt], int]] = []  # ..., index of the baseline before
             for job in interleaved(jobs, args.baseline_every):
@@ -342,11 +361,13 @@ def replay(args: argparse.Namespace, workdir: Path) -> list[Outcome]:
                         raise SystemExit(f"the uninterrupted {framework} run failed: see {workdir}/logs")
                     baselines.append(attempt)
                     continue
-                variant, label = job.split("\t")
+                variant, label, round_ = job.split("\t")
                 if variant == "hf-steps":
                     run.save_steps = max(1, round(args.interval_s / per_step_s(baselines[-1])))
                 key = f"{variant}-{label.replace(' ', '-').replace('%', '').replace('<', 'lt').replace('>', 'gt')}"
                 schedule = plans[label]
+                if args.rounds > 1:
+                    key, label = f"{key}-r{round_}", f"{label} r{round_}"
                 print(f"{variant} on {label}: {', '.join(i.describe() if i else '-' for i in schedule[:6])}",
                       flush=True)  # fmt: skip
                 runs.append(
@@ -405,12 +426,34 @@ def breakdown(outcome: Outcome) -> str:
     return f"{outcome.variant} ({outcome.schedule}): " + "; ".join(parts)
 
 
+def round_means(outcomes: list[Outcome]) -> list[str]:
+    """Per variant and schedule, the mean (min..max) goodput and kept share over its rounds."""
+    groups: dict[tuple[str, str], list[Outcome]] = {}
+    for outcome in outcomes:
+        groups.setdefault((outcome.variant, outcome.schedule.rsplit(" r", 1)[0]), []).append(outcome)
+    lines = []
+    for (variant, schedule), group in groups.items():
+        figures = []
+        for name, values in (
+            ("goodput", [o.goodput for o in group if o.finished]),
+            ("kept share", [o.kept_share for o in group]),
+            ("billed s", [o.billed_s for o in group]),
+        ):
+            if values:
+                mean = sum(values) / len(values)
+                figures.append(f"{name} {mean:.3f} ({min(values):.3f}..{max(values):.3f})")
+        lines.append(f"{variant} ({schedule}, {len(group)} rounds): " + ", ".join(figures))
+    return lines
+
+
 def command_line(args: argparse.Namespace) -> str:
     parts = ["python benchmarks/replay.py", f"--variants {','.join(args.variants)}", f"--schedule {args.schedule}",
              f"--steps {args.steps} --width {args.width} --layers {args.layers}",
              f"--interval-s {args.interval_s:g} --grace-s {args.grace_s:g}", f"--store {args.store}"]  # fmt: skip
     if args.keep_heap:
         parts.append("--keep-heap")
+    if args.rounds > 1:
+        parts.append(f"--rounds {args.rounds}" + (" --abba" if args.abba else ""))
     if args.schedule == "fixed":
         parts.append(f"--time-scale {args.time_scale:g}")
     else:
@@ -437,6 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     print_rich_table(HEADERS, rows, "goodput replay", left=["variant", "schedule"], width=220)
     machines = [breakdown(outcome) for outcome in outcomes]
     print("\n".join(machines))
+    means = round_means(outcomes) if args.rounds > 1 else []
+    print("\n".join(means))
     uname = subprocess.run(["uname", "-a"], capture_output=True, text=True).stdout.strip()
     baseline_lines = [
         f"- Uninterrupted ({framework}, no checkpoint), interleaved: one before the first variant, after every "
@@ -487,6 +532,18 @@ def main(argv: list[str] | None = None) -> int:
         "",
         *markdown_table(HEADERS, rows),
         "",
+        *(
+            [
+                f"Means over the {args.rounds} rounds (mean, min..max; "
+                + ("order reversed every other round, ABBA" if args.abba else "same order every round")
+                + "):",
+                "",
+                *(f"- {line}" for line in means),
+                "",
+            ]
+            if means
+            else []
+        ),
         "Billed seconds per machine: spawn to the first step + the steps trained (first to last, and ms/step) + the "
         "last step to exit (an emergency checkpoint, the final upload, the interpreter's exit):",
         "",

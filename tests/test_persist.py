@@ -145,3 +145,24 @@ def test_scratch_root_is_per_run(monkeypatch, tmp_path):
     b = default_scratch_root("s3://bucket/run-b")
     assert a.parent == tmp_path and b.parent == tmp_path and a != b
     assert default_scratch_root("s3://bucket/run-a", scratch_dir=str(tmp_path / "x")).parent == tmp_path / "x"
+
+
+def test_the_kept_local_copy_gets_the_manifest_as_committed_without_reading_it_back(store, tmp_path):
+    faulty = FaultyFileSystem(store.fs)
+    store.fs = faulty
+    reads: list[str] = []
+    inner_cat_file = faulty.inner.cat_file
+
+    def cat_file(path, *args, **kwargs):
+        reads.append(path)
+        return inner_cat_file(path, *args, **kwargs)
+
+    faulty.cat_file = cat_file
+    persister = Persister(store, keep_last=0)
+    persister.submit(job(tmp_path, 7, owns_local_dir=True))
+    assert persister.wait(timeout=60)
+    persister.close(timeout=60)
+    assert not [path for path in reads if path.endswith(MANIFEST_NAME)]  # one request less per commit
+    local = tmp_path / "scratch" / "step-7" / MANIFEST_NAME
+    assert local.read_bytes() == store.fs.cat_file(f"{store.step_path(7)}/{MANIFEST_NAME}")
+    assert local_copy_matches(store.latest(), local.parent)

@@ -145,3 +145,12 @@ def test_the_kept_share_times_only_the_steps_no_later_attempt_redid_at_their_own
     result = outcome.Outcome("spot", "fixed", attempts, 10.0, 0.1, 60)
     assert result.kept_training_s == pytest.approx(2.0 + 4.0)
     assert result.kept_share == pytest.approx(6.0 / (10 + 2 + 10))
+
+
+def test_abba_reverses_the_variants_order_every_other_round_and_runs_each_once_per_round() -> None:
+    order = outcome.round_order(["a", "b", "c"], 3, abba=True)
+    assert [v for _, v in order] == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
+    assert [r for r, _ in order] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    plain = outcome.round_order(["a", "b"], 2, abba=False)
+    assert [v for _, v in plain] == ["a", "b", "a", "b"]
+    assert outcome.round_order(["a", "b"], 0, abba=True) == [(0, "a"), (0, "b")]  # at least one round

@@ -332,7 +332,9 @@ class Persister(StepTracker):
             self._kept.drop()
             return
         try:
-            manifest = self.store.fs.cat_file(f"{self.store.step_path(job.step)}/{MANIFEST_NAME}")
+            manifest = self.writer.written_manifest(job.step)  # as committed: no read of it back
+            if manifest is None:
+                manifest = self.store.fs.cat_file(f"{self.store.step_path(job.step)}/{MANIFEST_NAME}")
             write_local_atomically(job.local_dir / MANIFEST_NAME, manifest)
         except Exception:  # noqa: BLE001 - the local copy is an optimisation only
             self._kept.drop()

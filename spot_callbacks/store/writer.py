@@ -37,6 +37,9 @@ from spot_callbacks.store.meter import TransferMeter
 log = logging.getLogger("spot_callbacks")
 
 
+_MANIFESTS_KEPT = 4  # written_manifest(): a commit's local copy asks for its own right after it
+
+
 class CommitWriter:
     """Writes checkpoints into ``store`` by the commit protocol (the store's own reads stay on it).
 
@@ -54,6 +57,9 @@ class CommitWriter:
         self.store = store
         # The steps this writer committed: what its retention may count (commit.retention_victims).
         self.committed_steps: set[int] = set()
+        # The manifests it wrote last, as written: a local copy of a checkpoint gets its manifest from
+        # here instead of reading back what was just written (one request less per commit).
+        self._written: dict[int, bytes] = {}
 
     def __repr__(self) -> str:
         return f"CommitWriter({self.store.url!r})"
@@ -144,11 +150,22 @@ class CommitWriter:
                     "spot_callbacks: %s reported %s: %s, but the manifest is in the store as written: "
                     "checkpoint %s is committed", what, type(err).__name__, err, info.url,
                 )  # fmt: skip
-                self.committed_steps.add(step)
+                self._remember(step, raw)
                 return info
             raise
-        self.committed_steps.add(step)
+        self._remember(step, raw)
         return info
+
+    def written_manifest(self, step: int) -> bytes | None:
+        """The manifest of ``step`` as this writer committed it (its bytes), or ``None`` if it did not
+        (lately: only the last few are kept)."""
+        return self._written.get(step)
+
+    def _remember(self, step: int, raw: bytes) -> None:
+        self.committed_steps.add(step)
+        self._written[step] = raw
+        for older in sorted(self._written)[:-_MANIFESTS_KEPT]:
+            self._written.pop(older, None)
 
     def _read_back(self, path: str) -> bytes | None:
         store = self.store
