@@ -60,6 +60,10 @@ parser.add_argument(
     "FSDP), or one process (plain python)",
 )  # fmt: skip
 parser.add_argument("--output-dir", required=True)
+parser.add_argument(
+    "--no-saves", action="store_true",
+    help="with --train-on: no checkpoint before the end of the run (a control: what RSS does without them)",
+)  # fmt: skip
 parser.add_argument("--results", required=True, help="folder for one rank-N.json per rank")
 args = parser.parse_args()
 
@@ -210,8 +214,8 @@ def main_train_on() -> None:
     torch.manual_seed(0)
     rss, clock = _train_on.RssWindow(), _train_on.HookClock(profile_every=args.every)
     spot = SpotCheckpointCallback(
-        dirpath=args.dirpath, interval=None, every_n_steps=args.every, keep_last=1,
-        storage_options=json.loads(args.storage_options), preemption=[],
+        dirpath=args.dirpath, interval=None, every_n_steps=10**9 if args.no_saves else args.every,
+        keep_last=1, storage_options=json.loads(args.storage_options), preemption=[],
     )  # fmt: skip
     clock.wrap(spot, ["on_step_begin", "on_step_end", "on_log", "on_evaluate", "on_save"])
     train_on = TrainOn(spot, clock, rss)

@@ -40,6 +40,10 @@ parser.add_argument("--steps", type=int, default=9)
 parser.add_argument("--gathered", action="store_true")
 parser.add_argument("--results", required=True, help="folder for one rank-N.json per rank")
 parser.add_argument(
+    "--no-saves", action="store_true",
+    help="with --train-on: no checkpoint before the end of the run (a control: what RSS does without them)",
+)  # fmt: skip
+parser.add_argument(
     "--strategy", choices=["fsdp", "ddp", "single"], default="fsdp",
     help="ddp: DDPStrategy on gloo; single: one process (give --devices 1)",
 )  # fmt: skip
@@ -206,8 +210,8 @@ def main_train_on() -> None:
     pl.seed_everything(0)
     rss, clock = _train_on.RssWindow(), _train_on.HookClock(profile_every=args.every)
     spot = SpotCheckpoint(
-        dirpath=args.dirpath, interval=None, every_n_steps=args.every, keep_last=1,
-        storage_options=json.loads(args.storage_options), preemption=[],
+        dirpath=args.dirpath, interval=None, every_n_steps=10**9 if args.no_saves else args.every,
+        keep_last=1, storage_options=json.loads(args.storage_options), preemption=[],
     )  # fmt: skip
     clock.wrap(spot, ["on_train_batch_end"])
     train_on = TrainOn(spot, clock, rss)

@@ -69,7 +69,7 @@ def command_of(
     common = [
         "--dirpath", f"{url}/{results.name}", "--storage-options", json.dumps(options), "--hidden", str(args.hidden),
         "--layers", str(args.layers), "--every", str(args.every), "--steps", str(args.steps),
-        "--results", str(results), "--train-on",
+        "--results", str(results), "--train-on", *(["--no-saves"] if args.no_saves else []),
     ]  # fmt: skip
     if strategy.startswith("hf-"):
         kind = strategy.removeprefix("hf-")
@@ -148,6 +148,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=21, help="one past the last measured checkpoint")
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--store", choices=["s3", "file"], default="file")
+    parser.add_argument(
+        "--no-saves", action="store_true",
+        help="a control: no checkpoint before the run's end (the extra RSS training shows on its own over the "
+        "same window; the staging buffers are still allocated after the first step; the ratios mean nothing)",
+    )  # fmt: skip
     add_common_args(parser)
     args = parser.parse_args(argv)
     apply_quick(parser, args, QUICK)
@@ -241,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         (f"{allocator} " if allocator else "")
         + f"python benchmarks/strategies.py --strategies {args.strategies} --hidden {args.hidden} --layers {args.layers} "
         f"--every {args.every} --steps {args.steps} --runs {args.runs} --store {args.store}"
+        + (" --no-saves" if args.no_saves else "")
     )
     section = [
         *section_head(

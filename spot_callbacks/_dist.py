@@ -99,6 +99,15 @@ def gather_states_from_ranks(value: Any) -> list[Any]:
     return [_to_tensors(item) for item in gather_from_ranks(_to_arrays(value))]
 
 
+def gather_states_to_first(value: Any, group: Any) -> list[Any] | None:
+    """:func:`gather_states_from_ranks` on ``group`` (a process group of its own), onto its rank 0
+    only: every rank's ``value`` in rank order there, ``None`` on the others."""
+    first = dist.get_rank(group) == 0
+    gathered: list[Any] | None = [None] * dist.get_world_size(group) if first else None
+    dist.gather_object(_to_arrays(value), gathered, dst=dist.get_global_rank(group, 0), group=group)
+    return None if gathered is None else [_to_tensors(item) for item in gathered]
+
+
 def agree_on_alerts(notice: Any, hint: str | None) -> tuple[Any, str | None]:
     """Every rank's notice and hint -> the same answer on all: the notice with the earliest deadline.
 

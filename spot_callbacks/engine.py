@@ -356,12 +356,17 @@ class SpotEngine:
         meta: dict[str, Any] | None = None,
         extra: dict[str, Any] | None = None,
         layouts: dict[tuple[Any, ...], Any] | None = None,
+        rank_meta: dict[tuple[Any, ...], Any] | None = None,
     ) -> float:
         """Every rank persists its shards (see :meth:`CheckpointWriter.save_sharded_state`)."""
         self.hold_for_writing()
-        result = self.saves.save_sharded_state(step, epoch, state, reason, meta, extra, layouts)
+        result = self.saves.save_sharded_state(step, epoch, state, reason, meta, extra, layouts, rank_meta)
         self._note_checkpoint(step)  # the snapshot is taken: training goes on from here
         return result
+
+    def prepare_sharded(self) -> None:
+        """Make the sharded persister ahead of the first checkpoint (see :meth:`CheckpointWriter.prepare_sharded`)."""
+        self.saves.prepare_sharded()
 
     def save_folder(
         self,

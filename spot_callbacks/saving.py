@@ -264,6 +264,12 @@ class CheckpointWriter:
             raise RuntimeError(self.persister_kind.mixing_error(kind))
         return self.persister  # made by this kind
 
+    def prepare_sharded(self) -> None:
+        """Make the sharded persister now, before the first checkpoint, which then does not pay for its
+        process groups. Collective: every rank calls it at the same step boundary (or none does)."""
+        if self.refused_reason is None:
+            self.persister_for(SHARDED_LAYOUT)
+
     def save_state(
         self, step: int, epoch: int | None, state: Any, reason: str, extra: dict[str, Any] | None = None
     ) -> float:
@@ -293,6 +299,7 @@ class CheckpointWriter:
         meta: dict[str, Any] | None = None,
         extra: dict[str, Any] | None = None,
         layouts: dict[tuple[Any, ...], Any] | None = None,
+        rank_meta: dict[tuple[Any, ...], Any] | None = None,
     ) -> float:
         """Snapshot this rank's shards of ``state`` and persist them in the background, every rank in parallel.
 
@@ -302,6 +309,9 @@ class CheckpointWriter:
         every rank's files are durable (see sharded.py). ``layouts``: ``state`` holds local shards
         already (:func:`~spot_callbacks.persist.shards.local_shards`, as
         :class:`~spot_callbacks.persist.handles.ShardHandles` keeps them), of these layouts.
+        ``rank_meta``: this rank's values for ``meta``, by their path in it, gathered onto rank 0 by the
+        writers beside the write (off the loop): ``meta.pt`` holds at each path every rank's value in
+        rank order (see :meth:`~spot_callbacks.persist.sharded.ShardedPersister.job`).
         Returns the seconds this rank was blocked.
         """
         started = time.perf_counter()
@@ -318,7 +328,7 @@ class CheckpointWriter:
             persister.submit(
                 persister.job(
                     step, reason, self.framework, staged.state, meta=meta, epoch=epoch, layouts=layouts,
-                    before_write=staged.wait_copied, on_written=staged.release, **terms,
+                    before_write=staged.wait_copied, on_written=staged.release, rank_meta=rank_meta, **terms,
                 )
             )  # fmt: skip
         except BaseException:

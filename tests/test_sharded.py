@@ -6,6 +6,7 @@ store a moto S3 server; each resume runs on a fresh, empty scratch disk.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -80,6 +81,12 @@ def test_fsdp_sigterm_to_s3_then_resume_on_2_1_and_4_processes(tmp_path, s3_serv
     assert latest.extra["sharded"] == {"world_size": 2, "format": "torch.distributed.checkpoint"}
     assert store.verify(latest.step, deep=True)
     assert [info.step for info in store.committed()] == [5, 10, 13]
+    with fsspec.open(f"{store.step_url(13)}/meta.pt", "rb", **options) as handle:
+        meta = torch.load(io.BytesIO(handle.read()), weights_only=True)
+    [spot] = [state for key, state in meta["callbacks"].items() if key.startswith("SpotCheckpoint")]
+    # Every rank's RNG states, gathered onto rank 0 by the writers (off the loop), in rank order.
+    assert len(spot["rng"]) == len(spot["epoch_start_rng"]) == 2
+    assert all(isinstance(state["torch"], torch.Tensor) for state in spot["rng"] + spot["epoch_start_rng"])
 
     fs = fsspec.filesystem("s3", **options)
     results = {}

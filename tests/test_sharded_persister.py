@@ -141,3 +141,27 @@ def test_local_shards_staged_in_a_staging_area_reuse_its_buffers_and_round_trip(
     state = {"model": {"w": distribute_tensor(torch.zeros(8, 4), one_rank, [Shard(0)])}, "step": 0.0}
     load_sharded_state(store.pull(2, tmp_path / "pulled"), state)
     assert torch.equal(state["model"]["w"].full_tensor(), torch.full((8, 4), 2.0)) and state["step"] == 2.0
+
+
+def test_rank_meta_is_gathered_by_the_writer_into_meta_pt_and_later_changes_do_not_reach_it(
+    one_rank, tmp_path
+):
+    store = CheckpointStore((tmp_path / "store").as_uri(), retry=FAST_RETRY)
+    persister = ShardedPersister(store, scratch_root=tmp_path / "scratch")
+    rng = {"torch": torch.get_rng_state(), "python": {"version": 3, "gauss": None}}
+    meta = {"epoch": 1, "callbacks": {"Spot": {"batches_done_in_epoch": 4}}}
+    staged, _ = persister.stage(sharded_state(one_rank, 7.0))
+    job = persister.job(
+        7, "steps", "test", staged, meta=meta, rank_meta={("callbacks", "Spot", "rng"): rng, ("new", "x"): 2}
+    )
+    meta["callbacks"]["Spot"]["batches_done_in_epoch"] = 99  # the snapshot was taken by job()
+    persister.submit(job)
+    assert persister.wait_for_step(7, timeout=60)
+    written = load_sharded_state(store.pull(7, tmp_path / "pulled"), sharded_state(one_rank, 0.0))
+    assert written["epoch"] == 1 and written["new"] == {"x": [2]}
+    spot = written["callbacks"]["Spot"]
+    assert spot["batches_done_in_epoch"] == 4 and list(spot) == ["batches_done_in_epoch", "rng"]
+    [only] = spot["rng"]  # one rank: a list of one, as an all-gather in the loop would have made
+    assert torch.equal(only["torch"], rng["torch"]) and only["torch"].dtype == torch.uint8
+    assert only["python"] == {"version": 3, "gauss": None}
+    assert persister.close(timeout=60)

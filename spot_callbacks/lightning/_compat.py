@@ -670,14 +670,24 @@ class LoopPosition:
     def batch_ends(self, batch_idx: int) -> None:
         self.batches_done_in_epoch = batch_idx + 1
 
-    def state_dict(self, trainer: Any = None) -> dict[str, Any]:
+    def state_dict(self, trainer: Any = None, rank_rng: dict[str, Any] | None = None) -> dict[str, Any]:
         """Every rank's RNG now and at the epoch's start (collective), the batches done, and (with
-        the ``trainer``) the settings they are counted in."""
-        # One gather for both (each all_gather_object is two collectives inside the checkpoint's stall).
-        gathered = gather_states_from_ranks((capture_rng_state(), self.epoch_start_rng))
+        the ``trainer``) the settings they are counted in.
+
+        ``rank_rng``: gather nothing; put this rank's two RNG states into it instead (under the keys
+        the gathered lists go by) and leave those keys out, for the caller to gather off the loop.
+        """
+        rng_lists: dict[str, Any] = {}
+        if rank_rng is not None:
+            rank_rng.update({"rng": capture_rng_state(), "epoch_start_rng": self.epoch_start_rng})
+        else:  # One gather for both (each all_gather_object is two collectives inside the checkpoint's stall).
+            gathered = gather_states_from_ranks((capture_rng_state(), self.epoch_start_rng))
+            rng_lists = {
+                "rng": [now for now, _ in gathered],
+                "epoch_start_rng": [at_start for _, at_start in gathered],
+            }
         return {
-            "rng": [now for now, _ in gathered],
-            "epoch_start_rng": [at_start for _, at_start in gathered],
+            **rng_lists,
             "batches_done_in_epoch": self.batches_done_in_epoch,
             **({"data_position": data_position(trainer).to_dict()} if trainer is not None else {}),
         }

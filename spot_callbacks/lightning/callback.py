@@ -87,6 +87,8 @@ class _SpotCheckpointHooks:
         self._position = compat.LoopPosition()
         self._resume_state: dict[str, Any] | None = None
         self._saving = False
+        # Inside a sharded save: this rank's RNG states for meta.pt, gathered by the writers (not in the loop).
+        self._rank_rng: dict[str, Any] | None = None
         self._shard_handles = ShardHandles()
         self._staging_prepared = False
 
@@ -183,22 +185,30 @@ class _SpotCheckpointHooks:
             state = compat.tensors_to_stage(trainer, self._shard_handles)
             if state is not None:
                 self.engine.staging.prepare(state)
+            if compat.saves_sharded(trainer):  # its process groups are made here, not at the first checkpoint
+                self.engine.prepare_sharded()
 
     def _save(self, trainer: Any, reason: str, fit_ended: bool = False) -> None:
         step, epoch = trainer.global_step, trainer.current_epoch
         self._saving = True  # the dump calls state_dict(): see there
+        sharded = compat.saves_sharded(trainer)
+        self._rank_rng = {} if sharded else None
         try:
             dumped = compat.dump_for_save(trainer, self._shard_handles)
+            rank_rng, self._rank_rng = self._rank_rng, None
         finally:
-            self._saving = False
+            self._saving, self._rank_rng = False, None
         if fit_ended:  # a larger max_steps / max_epochs trains on from here
             epoch = compat.loops_as_fit_left_them(
                 trainer, dumped.state if dumped.meta is None else dumped.meta
             )
         if dumped.meta is not None:  # FSDP: every rank persists its own shards
+            # Every rank's RNG states reach rank 0's meta.pt through the writers' gather, off the loop.
+            rank_meta = {("callbacks", self.state_key, key): value for key, value in (rank_rng or {}).items()}
             self.engine.save_sharded_state(
-                step, epoch, dumped.state, reason, meta=dumped.meta, layouts=dumped.layouts
-            )
+                step, epoch, dumped.state, reason, meta=dumped.meta, layouts=dumped.layouts,
+                rank_meta=rank_meta or None,
+            )  # fmt: skip
         else:
             self.engine.save_state(step, epoch, dumped.state, reason)
         lag_s = self.engine.persist_lag_s()
@@ -251,7 +261,7 @@ class _SpotCheckpointHooks:
             "format": STATE_FORMAT,
             # Inside our own save the clock restarts with this checkpoint; in anyone else's it runs on.
             "engine": self.engine.state_dict(at_checkpoint=self._saving),
-            **self._position.state_dict(self._trainer),
+            **self._position.state_dict(self._trainer, rank_rng=self._rank_rng),
             **({"horizon": compat.horizon(self._trainer).to_dict()} if self._trainer is not None else {}),
             "seed_environment": compat.seed_environment(),
         }

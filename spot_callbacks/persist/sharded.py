@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from spot_callbacks._dist import gather_states_to_first
 from spot_callbacks.persist.dcp_digests import digesting_writer, written_digests
 from spot_callbacks.persist.dcp_safety import SafeFileSystemReader, SafeLoadPlanner, check_dcp_folder
 from spot_callbacks.persist.rank_group import RankGroup, RankGroupPersister
@@ -119,6 +120,26 @@ class ShardedJob(CheckpointJob):
     on_written: Callable[[], None] | None = (
         None  # after the write, whether it worked or not: free the buffers
     )
+    # This rank's values for meta.pt, by their path in it: rank 0 puts every rank's, in rank order, there.
+    rank_meta: dict[tuple[Any, ...], Any] | None = None
+
+
+def with_rank_values(meta: bytes, gathered: list[dict[tuple[Any, ...], Any]]) -> bytes:
+    """``meta`` (:func:`serialize_meta`'s bytes) with, at each path of the ranks' ``rank_meta``, the list
+    of every rank's value there, in rank order (missing dicts on the way are made).
+
+    Example:
+        >>> meta = with_rank_values(serialize_meta({"cb": {"n": 1}}), [{("cb", "rng"): 0}, {("cb", "rng"): 1}])
+        >>> torch.load(io.BytesIO(meta), weights_only=True)
+        {'cb': {'n': 1, 'rng': [0, 1]}}
+    """
+    state = torch.load(io.BytesIO(meta), weights_only=True)  # what a resume loads it with
+    for path in gathered[0]:
+        where = state
+        for key in path[:-1]:
+            where = where.setdefault(key, {})
+        where[path[-1]] = [values[path] for values in gathered]
+    return serialize_meta(state)
 
 
 def serialize_meta(meta: dict[str, Any]) -> bytes:
@@ -229,12 +250,18 @@ class ShardedPersister(RankGroupPersister[ShardedJob]):
         layouts: dict[tuple[Any, ...], Any] | None = None,
         before_write: Callable[[], None] | None = None,
         on_written: Callable[[], None] | None = None,
+        rank_meta: dict[tuple[Any, ...], Any] | None = None,
     ) -> ShardedJob:
         """The job of one checkpoint on this rank (``meta`` is serialized now, on rank 0 only).
 
         ``staged`` holds DTensors (:meth:`stage`), or local shards with their ``layouts``
         (:func:`~spot_callbacks.persist.shards.local_shards`, staged by the caller): the writer
         calls ``before_write``, writes them as DTensors again, then calls ``on_written``.
+        ``rank_meta``: this rank's values for ``meta``, by their path in it (every rank gives the
+        same paths, or every rank none); the writers gather them onto rank 0 beside the write, off
+        the loop, and its ``meta.pt`` holds at each path the list of every rank's value in rank
+        order (what an all-gather in the loop would have put there). The values must not change
+        after the call (fresh RNG states, numbers).
         """
         return ShardedJob(
             step=step,
@@ -250,6 +277,7 @@ class ShardedPersister(RankGroupPersister[ShardedJob]):
             layouts=layouts,
             before_write=before_write,
             on_written=on_written,
+            rank_meta=rank_meta,
         )
 
     def wait_written(self, timeout: float | None = None) -> bool:
@@ -325,7 +353,13 @@ class ShardedPersister(RankGroupPersister[ShardedJob]):
         storage_writer = digesting_writer(job.local_dir, sync_files=True)
         dcp.save(staged, storage_writer=storage_writer, process_group=self._writes.group)
         job.digests = written_digests(storage_writer)
-        self._writes.agree(lambda: self._write_meta(job), f"write {META_FILE}", job.local_dir, job.step)
+        # After dcp.save, whose failure raised on every rank: every rank gets to this collective.
+        gathered = (
+            gather_states_to_first(job.rank_meta, self._writes.group) if job.rank_meta is not None else None
+        )
+        self._writes.agree(
+            lambda: self._write_meta(job, gathered), f"write {META_FILE}", job.local_dir, job.step
+        )
         job.write_s = time.perf_counter() - started
         job.metrics["write_s"] = round(job.write_s, 6)
 
@@ -335,9 +369,10 @@ class ShardedPersister(RankGroupPersister[ShardedJob]):
         job.local_dir.mkdir(parents=True, exist_ok=True)
 
     @staticmethod
-    def _write_meta(job: ShardedJob) -> None:
+    def _write_meta(job: ShardedJob, gathered: list[Any] | None) -> None:
         if job.meta is not None:
-            write_local_atomically(job.local_dir / META_FILE, job.meta)
+            meta = job.meta if gathered is None else with_rank_values(job.meta, gathered)
+            write_local_atomically(job.local_dir / META_FILE, meta)
 
 
 def _tensor_bytes(state: Any) -> int:
