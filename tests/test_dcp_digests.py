@@ -10,10 +10,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from spot_callbacks import CheckpointStore
+from spot_callbacks.persist import dcp_digests
 from spot_callbacks.persist.dcp_digests import HashingStream, digesting_writer, written_digests
 from spot_callbacks.persist.sharded import ShardedPersister
 from spot_callbacks.store import transfer
-from spot_callbacks.store.checksums import digest_local_file
+from spot_callbacks.store.checksums import WRITE_PIECE_BYTES, digest_local_file
 from spot_callbacks.store.retry import RetryPolicy
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -66,3 +67,41 @@ def test_a_sharded_checkpoint_uploads_with_the_written_digests_and_verifies(one_
     assert info is not None and {".metadata", "__0_0.distcp", "meta.pt"} == set(info.files)
     assert hashed_at_upload == ["meta.pt"]  # DCP's files came with their digests
     assert store.verify(1, deep=True)  # and every recorded checksum is the stored bytes'
+
+
+class CountedWrites:
+    """A file object that records the size of every write it is handed, then passes it on."""
+
+    def __init__(self, raw):
+        self.raw, self.writes = raw, []
+
+    def write(self, data):
+        self.writes.append(memoryview(data).nbytes)
+        return self.raw.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.raw, name)
+
+
+def test_dcp_files_reach_the_disk_in_writes_of_a_quarter_mib_at_most(tmp_path, monkeypatch):
+    """The kernel sizes a page-cache folio after the write: a tensor's bytes in one write take
+    blocks of fresh memory that a VM handing free memory back to its host faults in again."""
+    counted: dict[str, CountedWrites] = {}
+
+    def counting(raw):
+        counted[raw.name] = CountedWrites(raw)
+        return HashingStream(counted[raw.name])
+
+    monkeypatch.setattr(dcp_digests, "HashingStream", counting)
+    big = torch.arange(3 * 1024 * 1024 // 4 + 5, dtype=torch.float32)  # 3 MiB + 20 bytes
+    writer = digesting_writer(tmp_path / "ckpt")
+    dcp.save({"big": big, "step": 1}, storage_writer=writer, no_dist=True)
+    digests = written_digests(writer)
+    data = tmp_path / "ckpt" / "__0_0.distcp"
+    writes = counted[str(data)].writes
+    assert sum(writes) == data.stat().st_size > big.nbytes
+    assert max(writes) <= WRITE_PIECE_BYTES < big.nbytes
+    assert digests["__0_0.distcp"] == digest_local_file(data)  # the pieces hashed in order
+    loaded = {"big": torch.zeros_like(big), "step": 0}
+    dcp.load(loaded, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    assert torch.equal(loaded["big"], big)

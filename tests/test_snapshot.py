@@ -247,3 +247,40 @@ def test_cuda_state_is_staged_into_pinned_buffers_without_blocking():
     staged.wait_copied()
     assert torch.equal(staged.state["weight"], (model.weight - 1.0).cpu())
     staged.release()
+
+
+class CountedWrites:
+    """A file object that records the size of every write it is handed, then passes it on."""
+
+    def __init__(self, raw):
+        self.raw, self.writes = raw, []
+
+    def write(self, data):
+        self.writes.append(memoryview(data).nbytes)
+        return self.raw.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.raw, name)
+
+
+def test_a_state_reaches_the_disk_in_writes_of_a_quarter_mib_at_most(tmp_path, monkeypatch):
+    """The kernel sizes a page-cache folio after the write: a tensor's bytes in one write take
+    blocks of fresh memory that a VM handing free memory back to its host faults in again."""
+    from spot_callbacks import staging
+    from spot_callbacks.store.checksums import WRITE_PIECE_BYTES, ChecksumWriter
+
+    counted: list[CountedWrites] = []
+    monkeypatch.setattr(
+        staging,
+        "ChecksumWriter",
+        lambda raw: ChecksumWriter(counted.append(CountedWrites(raw)) or counted[-1]),
+    )
+    big = torch.arange(3 * 1024 * 1024 // 4 + 5, dtype=torch.float32)  # 3 MiB + 20 bytes, one storage
+    staged = StagingArea().stage({"big": big, "small": torch.ones(3), "step": 1})
+    digest = write_state(staged, tmp_path / "state.pt")
+    staged.release()
+    writes = counted[0].writes
+    assert sum(writes) == (tmp_path / "state.pt").stat().st_size > big.nbytes
+    assert max(writes) <= WRITE_PIECE_BYTES < big.nbytes
+    assert digest == digest_local_file(tmp_path / "state.pt")  # the pieces hashed in order
+    assert torch.equal(load_state(tmp_path / "state.pt")["big"], big)

@@ -25,11 +25,12 @@ from typing import Any
 
 import xxhash
 
-from spot_callbacks.store.checksums import CHECKSUM_ALGORITHM, FileDigest
+from spot_callbacks.store.checksums import CHECKSUM_ALGORITHM, FileDigest, write_in_pieces
 
 
 class HashingStream:
-    """A file opened for writing that hashes and counts the bytes written through it.
+    """A file opened for writing that hashes and counts the bytes written through it, each write
+    reaching the file in pieces of :data:`~spot_callbacks.store.checksums.WRITE_PIECE_BYTES` at most.
 
     Example:
         >>> import io
@@ -48,12 +49,15 @@ class HashingStream:
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        written = self._raw.write(view)
-        if written is not None and written != view.nbytes:
-            self._sound = False  # a short write: what is on disk is not what was hashed
-        self._hasher.update(view)
+        write_in_pieces(self._write_piece, view)  # DCP hands each tensor's bytes in one call
         self._size += view.nbytes
         return view.nbytes
+
+    def _write_piece(self, piece: memoryview) -> None:
+        written = self._raw.write(piece)
+        if written is not None and written != piece.nbytes:
+            self._sound = False  # a short write: what is on disk is not what was hashed
+        self._hasher.update(piece)
 
     def tell(self) -> int:
         return self._size

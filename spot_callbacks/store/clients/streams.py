@@ -16,19 +16,11 @@ from typing import Any, TypeVar
 import xxhash
 
 from spot_callbacks.errors import AttemptTimeoutError
-from spot_callbacks.store.checksums import CHECKSUM_ALGORITHM, FileDigest
+from spot_callbacks.store.checksums import CHECKSUM_ALGORITHM, WRITE_PIECE_BYTES, FileDigest, write_in_pieces
 from spot_callbacks.store.meter import Moved, ignore_moved
 from spot_callbacks.store.transfer import open_new_temporary
 
 T = TypeVar("T")
-
-# The most one write() hands the page cache at once. Linux sizes a file's page-cache folio after the
-# write (ext4, XFS: large folios), so a 1 MiB write takes a 1 MiB block of fresh memory, and on a VM
-# whose free memory goes back to the host (virtio free page reporting) each such block faults in
-# from the host again: 1 GiB written in 1 MiB writes cost 0.74-0.97 CPU-s of kernel time, in 512,
-# 256 or 128 KiB writes 0.23-0.26 (fresh file, 6 s after the last one was removed; 2 loaded cores,
-# 2026-12-06). It made a shaped-link pull cost 2.0 CPU-s/GB instead of 1.0-1.2.
-WRITE_PIECE_BYTES = 256 * 1024
 
 
 class Deadline:
@@ -69,20 +61,6 @@ def stream_to_file(
             chunks, deadline, what, lambda view: write_in_pieces(handle.write, view), moved
         ),
     )
-
-
-def write_in_pieces(write: Callable[[memoryview], object], view: memoryview) -> None:
-    """``write(piece)`` for each :data:`WRITE_PIECE_BYTES` piece of ``view`` in order (``write`` a
-    file object's: it writes all it is given).
-
-    Example:
-        >>> pieces = []
-        >>> write_in_pieces(lambda piece: pieces.append(piece.nbytes), memoryview(bytes(600 * 1024)))
-        >>> pieces
-        [262144, 262144, 90112]
-    """
-    for start in range(0, view.nbytes, WRITE_PIECE_BYTES):
-        write(view[start : start + WRITE_PIECE_BYTES])
 
 
 def pwrite_all(descriptor: int, view: memoryview, offset: int) -> None:
