@@ -14,7 +14,13 @@ uploads (nothing waits for a commit until the end of the run). On every rank (``
 - *extra RSS*: the peak RSS from the first checkpoint to the end of the run (last commit included)
   over the peak of the plain training steps before it, in units of the rank's shard. The staging
   buffers the callback allocates in the background after the first step are taken off the plain
-  steps' samples (they are the checkpoints' memory, and count in the extra).
+  steps' samples (they are the checkpoints' memory, and count in the extra). Training's own heap
+  grows over the same window, so this figure is not what the checkpoints add: for that,
+- *over control* (``--control``): a ``--no-saves`` run of the same strategy beside each run
+  (interleaved: the checkpointing run first on odd runs, the control first on even ones); the
+  checkpointing run's peak RSS from its first checkpoint to the end less the control's over the same
+  steps (through its last step: its one save at the end is left out), the control's staging buffers
+  (allocated after the first step in both runs) taken off its peak; per rank, in units of its shard.
 
 Strategies: ``hf-single`` and ``lightning-single`` (one process: it stages the whole state),
 ``hf-ddp`` (HF Trainer under torchrun, DDP on gloo) and ``lightning-ddp`` (DDPStrategy): rank 0
@@ -24,6 +30,7 @@ FSDP1 plugin, ``SHARDED_STATE_DICT``: every rank stages its shards), ``lightning
 
     python benchmarks/strategies.py                                   # ~500 MB of state, 2 runs each
     python benchmarks/strategies.py --strategies hf-fsdp2 --runs 1
+    python benchmarks/strategies.py --strategies hf-fsdp2,lightning-fsdp --control   # what checkpoints add
     python benchmarks/strategies.py --quick --results-file /tmp/bench.md   # a check that it runs
 """
 
