@@ -67,6 +67,7 @@ QUICK = {"hidden": 256, "layers": 2, "every": 3, "steps": 10, "runs": 1}
 HEADERS = [
     "strategy", "run", "rank", "stages", "blocked / floor per checkpoint", "median", "blocked (median)",
     "floor (median)", "extra RSS", "extra / stages", "control: extra / stages", "over control", "over control / stages",
+    "aligned / stages",
 ]  # fmt: skip
 
 
@@ -150,15 +151,17 @@ def row_of(
         extra_ratio: float | None = extra / stages
     else:
         median, per_checkpoint, extra_ratio = None, "(stages nothing)", None
-    control_cells = ["-", "-", "-"]
+    control_cells = ["-", "-", "-", "-"]
     over_ratio: float | None = None
     if control is not None:
         over = over_control(result, control)
         control_ratio = control["extra_rss_bytes"] / stages if stages else None
         over_ratio = over / stages if stages else None
+        # The same with each run's own RSS baseline taken off (the two processes' offset at the same step).
+        aligned = over - (result["baseline_rss_bytes"] - control["baseline_rss_bytes"])
         control_cells = [
             "-" if control_ratio is None else f"{control_ratio:.2f}x", f"{over / 1e6:.0f} MB",
-            "-" if over_ratio is None else f"{over_ratio:.2f}x",
+            "-" if over_ratio is None else f"{over_ratio:.2f}x", f"{aligned / stages:.2f}x" if stages else "-",
         ]  # fmt: skip
     waits = [row.get("stage_wait_s", 0.0) for row in rows]
     if max(waits, default=0.0) > 0.05:
@@ -333,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         "`--no-saves` run of the same strategy beside each run (interleaved), its extra RSS the same way; *over "
         "control*: the checkpointing run's peak RSS from its first checkpoint to the end less the control's over "
         "the same steps (through its last step; its staging buffers, allocated in both, taken off it): what the "
-        "checkpoints add to training's own memory.",
+        "checkpoints add to training's own memory; *aligned*: the same less the difference of the two runs' "
+        "baselines (the two processes' offset at the same step).",
         *(f"- {line}" for line in verdicts),
         "",
         *markdown_table(HEADERS, table),
