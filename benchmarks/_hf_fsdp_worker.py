@@ -177,6 +177,8 @@ class TrainOn(transformers.TrainerCallback):
         self.baseline = 0  # peak RSS over plain steps before the first checkpoint
         self.prepared_bytes = 0  # staging buffers allocated before the first checkpoint
         self.waits: dict[int, float] = {}
+        self.train_peak = 0  # peak RSS from the first checkpoint through the last step (before the run's end)
+        self.staging_bytes = 0  # staging buffers held at the last step
 
     def on_step_end(self, args_, state, control, **kwargs):
         step = self.clock.step = state.global_step
@@ -189,6 +191,8 @@ class TrainOn(transformers.TrainerCallback):
             self.rss.discount = lambda: self.spot.engine.staging.buffer_bytes
             return
         _train_on.line_up()
+        if step == state.max_steps:  # a --no-saves control saves at the run's end: not training's memory
+            self.train_peak, self.staging_bytes = self.rss.peak, self.spot.engine.staging.buffer_bytes
         if step % args.every == 0 and step < state.max_steps:
             _train_on.dump_heap(f"before checkpoint {step}")
             if not self.floor.seconds:
@@ -250,6 +254,8 @@ def main_train_on() -> None:
     result = {
         "rank": rank, "mode": f"hf-{args.parallel}", "fsdp": trainer.is_fsdp_enabled, "shard_bytes": train_on.floor.nbytes,
         "plain_hooks_s": plain_s, "rows": rows, "extra_rss_bytes": extra,
+        "baseline_rss_bytes": train_on.baseline, "peak_rss_bytes": train_on.baseline + extra,
+        "train_peak_rss_bytes": train_on.train_peak, "staging_bytes": train_on.staging_bytes,
         "prepared_bytes": train_on.prepared_bytes, "prepared_used": getattr(spot.engine.staging, "prepared_buffers_used", 0),
         "shard_handle_builds": spot._staged.handles.builds, "trims_s": list(heap.RECENT_TRIMS_S),
     }  # fmt: skip

@@ -14,7 +14,13 @@ uploads (nothing waits for a commit until the end of the run). On every rank (``
 - *extra RSS*: the peak RSS from the first checkpoint to the end of the run (last commit included)
   over the peak of the plain training steps before it, in units of the rank's shard. The staging
   buffers the callback allocates in the background after the first step are taken off the plain
-  steps' samples (they are the checkpoints' memory, and count in the extra).
+  steps' samples (they are the checkpoints' memory, and count in the extra). Training's own heap
+  grows over the same window, so this figure is not what the checkpoints add: for that,
+- *over control* (``--control``): a ``--no-saves`` run of the same strategy beside each run
+  (interleaved: the checkpointing run first on odd runs, the control first on even ones); the
+  checkpointing run's peak RSS from its first checkpoint to the end less the control's over the same
+  steps (through its last step: its one save at the end is left out), the control's staging buffers
+  (allocated after the first step in both runs) taken off its peak; per rank, in units of its shard.
 
 Strategies: ``hf-single`` and ``lightning-single`` (one process: it stages the whole state),
 ``hf-ddp`` (HF Trainer under torchrun, DDP on gloo) and ``lightning-ddp`` (DDPStrategy): rank 0
@@ -24,6 +30,7 @@ FSDP1 plugin, ``SHARDED_STATE_DICT``: every rank stages its shards), ``lightning
 
     python benchmarks/strategies.py                                   # ~500 MB of state, 2 runs each
     python benchmarks/strategies.py --strategies hf-fsdp2 --runs 1
+    python benchmarks/strategies.py --strategies hf-fsdp2,lightning-fsdp --control   # what checkpoints add
     python benchmarks/strategies.py --quick --results-file /tmp/bench.md   # a check that it runs
 """
 
@@ -59,17 +66,24 @@ SINGLE = ("hf-single", "lightning-single")  # one process
 QUICK = {"hidden": 256, "layers": 2, "every": 3, "steps": 10, "runs": 1}
 HEADERS = [
     "strategy", "run", "rank", "stages", "blocked / floor per checkpoint", "median", "blocked (median)",
-    "floor (median)", "extra RSS", "extra / stages",
+    "floor (median)", "extra RSS", "extra / stages", "control: extra / stages", "over control", "over control / stages",
+    "aligned / stages",
 ]  # fmt: skip
 
 
 def command_of(
-    strategy: str, args: argparse.Namespace, workdir: Path, url: str, options: dict, results: Path
+    strategy: str,
+    args: argparse.Namespace,
+    workdir: Path,
+    url: str,
+    options: dict,
+    results: Path,
+    no_saves: bool,
 ) -> list[str]:
     common = [
         "--dirpath", f"{url}/{results.name}", "--storage-options", json.dumps(options), "--hidden", str(args.hidden),
         "--layers", str(args.layers), "--every", str(args.every), "--steps", str(args.steps),
-        "--results", str(results), "--train-on", *(["--no-saves"] if args.no_saves else []),
+        "--results", str(results), "--train-on", *(["--no-saves"] if no_saves else []),
     ]  # fmt: skip
     if strategy.startswith("hf-"):
         kind = strategy.removeprefix("hf-")
@@ -88,13 +102,14 @@ def command_of(
 
 
 def run_one(
-    strategy: str, run: int, args: argparse.Namespace, workdir: Path, url: str, options: dict
+    strategy: str, run: int, args: argparse.Namespace, workdir: Path, url: str, options: dict, no_saves: bool
 ) -> list[dict]:
-    results = workdir / f"{strategy}-{run}"
+    name = f"{strategy}-{run}{'-control' if no_saves else ''}"
+    results = workdir / name
     results.mkdir()
-    env = {**os.environ, "SPOT_SCRATCH": str(workdir / f"scratch-{strategy}-{run}"), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "SPOT_SCRATCH": str(workdir / f"scratch-{name}"), "PYTHONUNBUFFERED": "1"}
     env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "1")
-    command = command_of(strategy, args, workdir, url, options, results)
+    command = command_of(strategy, args, workdir, url, options, results, no_saves)
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
         raise SystemExit(f"{strategy} run failed (code {done.returncode}):\n{done.stderr[-4000:]}")
@@ -113,7 +128,17 @@ def stages_bytes(strategy: str, result: dict) -> int:
     return result["shard_bytes"]
 
 
-def row_of(strategy: str, result: dict) -> tuple[list[str], float | None, float | None]:
+def over_control(result: dict, control: dict) -> int:
+    """What the checkpoints add to the peak RSS: the checkpointing run's peak from its first checkpoint
+    to the end (last commit included) less the control's peak over the same steps (through its last
+    step: its one save comes after), the control's staging buffers taken off (allocated after the first
+    step in both: checkpoint memory, counted once, in the checkpointing run's peak)."""
+    return result["peak_rss_bytes"] - (control["train_peak_rss_bytes"] - control["staging_bytes"])
+
+
+def row_of(
+    strategy: str, result: dict, control: dict | None = None
+) -> tuple[list[str], float | None, float | None, float | None]:
     rows = result["rows"]
     stages = stages_bytes(strategy, result)
     extra = result["extra_rss_bytes"]
@@ -126,15 +151,27 @@ def row_of(strategy: str, result: dict) -> tuple[list[str], float | None, float 
         extra_ratio: float | None = extra / stages
     else:
         median, per_checkpoint, extra_ratio = None, "(stages nothing)", None
+    control_cells = ["-", "-", "-", "-"]
+    over_ratio: float | None = None
+    if control is not None:
+        over = over_control(result, control)
+        control_ratio = control["extra_rss_bytes"] / stages if stages else None
+        over_ratio = over / stages if stages else None
+        # The same with each run's own RSS baseline taken off (the two processes' offset at the same step).
+        aligned = over - (result["baseline_rss_bytes"] - control["baseline_rss_bytes"])
+        control_cells = [
+            "-" if control_ratio is None else f"{control_ratio:.2f}x", f"{over / 1e6:.0f} MB",
+            "-" if over_ratio is None else f"{over_ratio:.2f}x", f"{aligned / stages:.2f}x" if stages else "-",
+        ]  # fmt: skip
     waits = [row.get("stage_wait_s", 0.0) for row in rows]
     if max(waits, default=0.0) > 0.05:
         per_checkpoint += f" (waited for the previous write: {max(waits):.2f} s)"
     cells = [
         strategy, str(result["run"]), str(result["rank"]), f"{stages / 1e6:.0f} MB", per_checkpoint,
         "-" if median is None else f"{median:.2f}x", f"{blocked * 1e3:.1f} ms", f"{floor * 1e3:.1f} ms",
-        f"{extra / 1e6:.0f} MB", "-" if extra_ratio is None else f"{extra_ratio:.2f}x",
+        f"{extra / 1e6:.0f} MB", "-" if extra_ratio is None else f"{extra_ratio:.2f}x", *control_cells,
     ]  # fmt: skip
-    return cells, median, extra_ratio
+    return cells, median, extra_ratio, over_ratio
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -153,12 +190,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a control: no checkpoint before the run's end (the extra RSS training shows on its own over the "
         "same window; the staging buffers are still allocated after the first step; the ratios mean nothing)",
     )  # fmt: skip
+    parser.add_argument(
+        "--control", action="store_true",
+        help="run a --no-saves control beside each run (same steps and sampling, interleaved: checkpointing first on "
+        "odd runs, the control first on even ones) and report the peak RSS over the control's per rank",
+    )  # fmt: skip
     add_common_args(parser)
     args = parser.parse_args(argv)
     apply_quick(parser, args, QUICK)
     unknown = set(args.strategies.split(",")) - set(STRATEGIES)
     if unknown:
         parser.error(f"unknown strategies: {sorted(unknown)}")
+    if args.control and args.no_saves:
+        parser.error("--control runs the --no-saves control itself: give one of them")
     return args
 
 
@@ -172,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     table: list[list[str]] = []
     summary: dict[str, tuple[list[float], list[float]]] = {}
+    overs: dict[str, list[float]] = {}
+    baselines: dict[str, list[float]] = {}  # checkpointing run's RSS baseline less the control's, MB
     trims: dict[str, list[float]] = {}
     builds: dict[str, set[int]] = {}
     prepared: dict[str, list[tuple[int, int]]] = {}
@@ -179,15 +225,31 @@ def main(argv: list[str] | None = None) -> int:
         with open_store(args.store, workdir, "strategies") as (url, options):
             for run in range(1, args.runs + 1):
                 for strategy in strategies if run % 2 else reversed(strategies):
-                    for result in run_one(strategy, run, args, workdir, url, options):
+                    controls: dict[int, dict] = {}
+                    if args.control and run % 2 == 0:
+                        controls = {
+                            r["rank"]: r for r in run_one(strategy, run, args, workdir, url, options, True)
+                        }
+                    results = run_one(strategy, run, args, workdir, url, options, args.no_saves)
+                    if args.control and run % 2:
+                        controls = {
+                            r["rank"]: r for r in run_one(strategy, run, args, workdir, url, options, True)
+                        }
+                    for result in results:
                         trims.setdefault(strategy, []).extend(result.get("trims_s", []))
                         prepared.setdefault(strategy, []).append(
                             (result.get("prepared_bytes", 0), result.get("prepared_used", 0))
                         )
                         if "shard_handle_builds" in result:
                             builds.setdefault(strategy, set()).add(result["shard_handle_builds"])
-                        cells, median, extra_ratio = row_of(strategy, result)
+                        control = controls.get(result["rank"])
+                        cells, median, extra_ratio, over_ratio = row_of(strategy, result, control)
                         table.append(cells)
+                        if over_ratio is not None and control is not None:
+                            overs.setdefault(strategy, []).append(over_ratio)
+                            baselines.setdefault(strategy, []).append(
+                                (result["baseline_rss_bytes"] - control["baseline_rss_bytes"]) / 1e6
+                            )
                         if median is not None and extra_ratio is not None:
                             ratios, extras = summary.setdefault(strategy, ([], []))
                             ratios.append(median)
@@ -209,11 +271,20 @@ def main(argv: list[str] | None = None) -> int:
         if not ratios:
             continue
         ratio, extra = statistics.median(ratios), max(extras)
-        verdicts.append(
+        line = (
             f"{strategy}: blocked / floor {ratio:.2f}x (median over ranks and runs of each one's median; target "
-            f"≤ 1.1x: {'met' if ratio <= 1.1 else 'not met'}), extra RSS up to {extra:.2f}x what a rank stages "
-            f"(target ≤ 1.1x: {'met' if extra <= 1.1 else 'not met'})"
+            f"≤ 1.1x: {'met' if ratio <= 1.1 else 'not met'}), extra RSS up to {extra:.2f}x what a rank stages"
         )
+        if strategy in overs:
+            over, gaps = max(overs[strategy]), baselines[strategy]
+            line += (
+                f" (over its own baseline), peak RSS over the control's up to {over:.2f}x (target ≤ 1.1x: "
+                f"{'met' if over <= 1.1 else 'not met'}; the two runs' baselines {min(gaps):+.0f} to "
+                f"{max(gaps):+.0f} MB apart)"
+            )
+        else:
+            line += f" (target ≤ 1.1x: {'met' if extra <= 1.1 else 'not met'})"
+        verdicts.append(line)
     for strategy in strategies:
         seconds = trims.get(strategy, [])
         heap_line = (
@@ -247,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         + f"python benchmarks/strategies.py --strategies {args.strategies} --hidden {args.hidden} --layers {args.layers} "
         f"--every {args.every} --steps {args.steps} --runs {args.runs} --store {args.store}"
         + (" --no-saves" if args.no_saves else "")
+        + (" --control" if args.control else "")
     )
     section = [
         *section_head(
@@ -260,7 +332,12 @@ def main(argv: list[str] | None = None) -> int:
         "outside) less the median at steps without one; *floor*: `copy_` of the rank's local tensors into buffers "
         "allocated once, timed just before each checkpoint's hooks; *extra RSS*: the peak RSS from the first "
         "checkpoint to the end of the run (the last commit included) over the peak of the plain steps before it (the staging buffers allocated in the background after "
-        "the first step taken off the latter: they count in the extra).",
+        "the first step taken off the latter: they count in the extra). *control*: with `--control`, a "
+        "`--no-saves` run of the same strategy beside each run (interleaved), its extra RSS the same way; *over "
+        "control*: the checkpointing run's peak RSS from its first checkpoint to the end less the control's over "
+        "the same steps (through its last step; its staging buffers, allocated in both, taken off it): what the "
+        "checkpoints add to training's own memory; *aligned*: the same less the difference of the two runs' "
+        "baselines (the two processes' offset at the same step).",
         *(f"- {line}" for line in verdicts),
         "",
         *markdown_table(HEADERS, table),
