@@ -7,6 +7,7 @@ import io
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from helpers.counted_writes import CountedWrites
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from spot_callbacks import CheckpointStore
@@ -67,20 +68,6 @@ def test_a_sharded_checkpoint_uploads_with_the_written_digests_and_verifies(one_
     assert info is not None and {".metadata", "__0_0.distcp", "meta.pt"} == set(info.files)
     assert hashed_at_upload == ["meta.pt"]  # DCP's files came with their digests
     assert store.verify(1, deep=True)  # and every recorded checksum is the stored bytes'
-
-
-class CountedWrites:
-    """A file object that records the size of every write it is handed, then passes it on."""
-
-    def __init__(self, raw):
-        self.raw, self.writes = raw, []
-
-    def write(self, data):
-        self.writes.append(memoryview(data).nbytes)
-        return self.raw.write(data)
-
-    def __getattr__(self, name):
-        return getattr(self.raw, name)
 
 
 def test_dcp_files_reach_the_disk_in_writes_of_a_quarter_mib_at_most(tmp_path, monkeypatch):

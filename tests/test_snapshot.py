@@ -10,6 +10,7 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 import torch
+from helpers.counted_writes import CountedWrites
 from helpers.reliability_counts import DAMAGED, record
 
 from spot_callbacks import UnsafeCheckpointError, load_state
@@ -247,20 +248,6 @@ def test_cuda_state_is_staged_into_pinned_buffers_without_blocking():
     staged.wait_copied()
     assert torch.equal(staged.state["weight"], (model.weight - 1.0).cpu())
     staged.release()
-
-
-class CountedWrites:
-    """A file object that records the size of every write it is handed, then passes it on."""
-
-    def __init__(self, raw):
-        self.raw, self.writes = raw, []
-
-    def write(self, data):
-        self.writes.append(memoryview(data).nbytes)
-        return self.raw.write(data)
-
-    def __getattr__(self, name):
-        return getattr(self.raw, name)
 
 
 def test_a_state_reaches_the_disk_in_writes_of_a_quarter_mib_at_most(tmp_path, monkeypatch):
