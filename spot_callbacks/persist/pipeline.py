@@ -331,10 +331,11 @@ class Persister(StepTracker):
         if not self.keep_local_copy:
             self._kept.drop()
             return
+        manifest = self.writer.written_manifest(job.step)  # as committed a moment ago: no read of it back
+        if manifest is None:  # only for a step this writer did not commit (_upload just did): no local copy
+            self._kept.drop()
+            return
         try:
-            manifest = self.writer.written_manifest(job.step)  # as committed: no read of it back
-            if manifest is None:
-                manifest = self.store.fs.cat_file(f"{self.store.step_path(job.step)}/{MANIFEST_NAME}")
             write_local_atomically(job.local_dir / MANIFEST_NAME, manifest)
         except Exception:  # noqa: BLE001 - the local copy is an optimisation only
             self._kept.drop()
