@@ -191,13 +191,11 @@ class _SpotCheckpointHooks:
     def _save(self, trainer: Any, reason: str, fit_ended: bool = False) -> None:
         step, epoch = trainer.global_step, trainer.current_epoch
         self._saving = True  # the dump calls state_dict(): see there
-        sharded = compat.saves_sharded(trainer)
-        self._rank_rng = {} if sharded else None
+        self._rank_rng = {} if compat.saves_sharded(trainer) else None
         try:
             dumped = compat.dump_for_save(trainer, self._shard_handles)
-            rank_rng, self._rank_rng = self._rank_rng, None
         finally:
-            self._saving, self._rank_rng = False, None
+            rank_rng, self._rank_rng, self._saving = self._rank_rng, None, False
         if fit_ended:  # a larger max_steps / max_epochs trains on from here
             epoch = compat.loops_as_fit_left_them(
                 trainer, dumped.state if dumped.meta is None else dumped.meta
