@@ -184,6 +184,11 @@ class ObstoreReader:
         moved: Moved,
     ) -> FileDigest:
         hasher = xxhash.xxh3_64()
+        descriptor = handle.fileno()
+
+        def write_at(offset: int, view: memoryview) -> None:
+            pwrite_all(descriptor, view, offset)
+
         self._take_stream(deadline, what)
         extra = 0
         try:
@@ -192,7 +197,7 @@ class ObstoreReader:
                 extra += 1
             if size is None or extra == 0:
                 got = self._stream(
-                    stores, key, url, (0, size), size, lambda offset, view: pwrite_all(handle.fileno(), view, offset), hasher,
+                    stores, key, url, (0, size), size, write_at, hasher,
                     threading.Event(), [], deadline, what, moved,
                 )  # fmt: skip
                 return FileDigest(got, f"{CHECKSUM_ALGORITHM}:{hasher.hexdigest()}")
@@ -200,7 +205,7 @@ class ObstoreReader:
             while extra > len(spans) - 1:  # fewer spans than streams taken (MiB boundaries)
                 self._streams.release()
                 extra -= 1
-            os.ftruncate(handle.fileno(), size)
+            os.ftruncate(descriptor, size)
             stop, errors = threading.Event(), list[BaseException]()
             threads = []
             for span in spans[1:]:
@@ -213,7 +218,7 @@ class ObstoreReader:
                 threads.append(thread)
             try:
                 self._stream(
-                    stores, key, url, spans[0], size, lambda offset, view: pwrite_all(handle.fileno(), view, offset), hasher,
+                    stores, key, url, spans[0], size, write_at, hasher,
                     stop, errors, deadline, what, moved,
                 )  # fmt: skip
                 reader = os.open(
