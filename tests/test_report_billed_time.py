@@ -85,6 +85,7 @@ class _Measured:
     second_spawned: float
     second_exited: float
     second_steps: dict[int, float]
+    exit_s: float  # from ``fit`` returning to the second process's exit: the interpreter's own exit
 
     @property
     def billed_s(self) -> float:
@@ -97,18 +98,36 @@ class _Measured:
         return first[min(first)] - self.first_spawned + self.second_exited - second[max(second)]
 
 
+def _run_to_exit(child: subprocess.Popen[str]) -> tuple[list[str], float, float]:
+    """``child``'s output lines, when it printed ``done`` (``fit`` returned) and when it exited."""
+    assert child.stdout is not None
+    stopper = threading.Timer(240, child.kill)  # a hung child fails the test, never hangs it
+    stopper.start()
+    try:
+        lines, done_at = [], None
+        for line in child.stdout:
+            lines.append(line)
+            if line.startswith("done"):
+                done_at = time.time()
+        child.wait()
+        exited = time.time()
+    finally:
+        stopper.cancel()
+    assert child.returncode == 0 and done_at is not None, "".join(lines)[-2000:]
+    return lines, done_at, exited
+
+
 def _kill_then_finish(tmp_path: Path, url: str, kill_at: int) -> _Measured:
     first, first_spawned = _spawn(tmp_path, url, "a")
     first_lines, killed_at = _kill_at(first, kill_at)
     second, second_spawned = _spawn(tmp_path, url, "b")
-    out, _ = second.communicate(timeout=240)
-    second_exited = time.time()
-    assert second.returncode == 0 and "done" in out, out[-2000:]
-    second_steps = _steps(out.splitlines())
+    lines, done_at, second_exited = _run_to_exit(second)
+    second_steps = _steps(lines)
     assert max(second_steps) == STEPS
     return _Measured(
-        first_spawned, killed_at, _steps(first_lines), second_spawned, second_exited, second_steps
-    )
+        first_spawned, killed_at, _steps(first_lines), second_spawned, second_exited, second_steps,
+        second_exited - done_at,
+    )  # fmt: skip
 
 
 def _report(
@@ -119,10 +138,11 @@ def _report(
     report = json.loads(capsys.readouterr().out)
     assert report["goodput_basis"] == "attempts"
     assert len(report["attempts"]) == 2, f"not every process is billed: {report['attempts']}"
-    # Not seen by any record: the interpreter's own exit after its last write (1-2 s with torch loaded).
+    # Not seen by any record: the interpreter's own exit after its last write (1-2 s with torch loaded
+    # on a quiet 2-core machine, over 10 s under a load of 10), measured from outside.
     billed_s = measured.billed_s
-    assert abs(report["billed_s"] - billed_s) <= 0.1 * billed_s + 2 * EXIT_S, (
-        report["billed_s"], billed_s, [a["billed_s"] for a in report["attempts"]],
+    assert abs(report["billed_s"] - billed_s) <= 0.1 * billed_s + measured.exit_s + EXIT_S, (
+        report["billed_s"], billed_s, [a["billed_s"] for a in report["attempts"]], measured.exit_s,
     )  # fmt: skip
     assert abs(report["lost_work_s"] - lost_s) <= 0.2 * lost_s + RECORD_S, (
         report["lost_work_s"], lost_s, json.dumps(report["attempts"][0]), max(measured.first_steps),
