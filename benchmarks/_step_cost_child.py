@@ -8,11 +8,15 @@ numbers) it also holds, at those two step markers, the wall time, the main threa
 process's CPU time, its involuntary context switches and minor page faults (``window``), and the garbage collector's
 collections and seconds per generation between them (``gc``). ``STEP_COST_NO_UPLOAD=1`` makes the
 persister discard each written checkpoint instead of uploading it (the snapshot and the write stay).
+In the Hugging Face variants each Trainer event's callbacks (``CallbackHandler.call_event``, all
+callbacks) and each of ``SpotCheckpointCallback``'s hooks are timed in that window too (``hooks``:
+name -> [calls, wall seconds, main thread CPU seconds]).
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import json
 import os
@@ -22,7 +26,9 @@ import sys
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import _replay_child  # prints REPLAY SPAWNED, patches the host name, imports torch
 
@@ -34,6 +40,7 @@ _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 _WINDOW: dict[str, list[float]] = {}
 _GC: dict[str, float] = defaultdict(float)  # per generation: collections and seconds, in the window
 _GC_STARTED: list[float] = []
+_HOOKS: dict[str, list[float]] = {}  # in the window: name -> [calls, wall s, thread CPU s]
 
 
 def _family(name: str) -> str:
@@ -78,7 +85,9 @@ def _write_threads(path: str) -> None:
             name = "native:" + stat[stat.index("(") + 1 : stat.rindex(")")]
         totals[name] = totals.get(name, 0.0) + _task_cpu_s(stat)
     gc_figures = {**_GC, "tracked objects at exit": float(len(gc.get_objects()))}
-    Path(path).write_text(json.dumps({"threads": totals, "window": _WINDOW, "gc": gc_figures}))
+    Path(path).write_text(
+        json.dumps({"threads": totals, "window": _WINDOW, "gc": gc_figures, "hooks": _HOOKS})
+    )
 
 
 def _time_gc(phase: str, info: dict[str, int]) -> None:
@@ -108,6 +117,51 @@ def _patch_marks(skip: int, last: int) -> None:
     _replay_child.mark = mark
 
 
+def _add_time(name: str, wall: float, cpu: float) -> None:
+    """A call that began at ``wall`` (``perf_counter``) and ``cpu`` (``thread_time``), if in the window."""
+    if "from" in _WINDOW and "to" not in _WINDOW:
+        figures = _HOOKS.setdefault(name, [0.0, 0.0, 0.0])
+        figures[0] += 1
+        figures[1] += time.perf_counter() - wall
+        figures[2] += time.thread_time() - cpu
+
+
+def _timed(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function``, its calls inside the steady window added up under ``name`` in ``_HOOKS``."""
+
+    @functools.wraps(function)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        wall, cpu = time.perf_counter(), time.thread_time()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            _add_time(name, wall, cpu)
+
+    return timed
+
+
+def _patch_hf_hooks() -> None:
+    """Time every Trainer event's callbacks (all of them: ``event:NAME``) and the library's hooks (``spot.NAME``)."""
+    from transformers.trainer_callback import CallbackHandler
+
+    from spot_callbacks.hf import SpotCheckpointCallback
+
+    original = CallbackHandler.call_event
+
+    def call_event(self: CallbackHandler, event: str, *args: Any, **kwargs: Any) -> Any:
+        wall, cpu = time.perf_counter(), time.thread_time()
+        try:
+            return original(self, event, *args, **kwargs)
+        finally:
+            _add_time(f"event:{event}", wall, cpu)
+
+    CallbackHandler.call_event = call_event  # type: ignore[method-assign]
+    for hook in ("on_step_begin", "on_step_end", "on_log", "on_epoch_begin", "on_epoch_end", "on_substep_end",
+                 "on_pre_optimizer_step", "on_optimizer_step"):  # fmt: skip
+        if hook in vars(SpotCheckpointCallback):
+            setattr(SpotCheckpointCallback, hook, _timed(f"spot.{hook}", vars(SpotCheckpointCallback)[hook]))
+
+
 def _no_upload() -> None:
     from spot_callbacks.persist.pipeline import Persister
     from spot_callbacks.persist.scratch import discard_folder
@@ -125,6 +179,8 @@ def main() -> int:
     if os.environ.get("STEP_COST_WINDOW"):
         _patch_marks(*(int(n) for n in os.environ["STEP_COST_WINDOW"].split(",")))
         gc.callbacks.append(_time_gc)
+    if os.environ.get("STEP_COST_WINDOW") and _replay_child.parse_args().variant in _replay_child.HF:
+        _patch_hf_hooks()
     if os.environ.get("STEP_COST_THREADS"):
         atexit.register(_write_threads, os.environ["STEP_COST_THREADS"])
     return _replay_child.main()

@@ -16,11 +16,16 @@ and write only; nothing uploaded), ``spot-resumed`` (resumed from the checkpoint
 committed at step 100), ``none-keep-heap``, ``mc-keep-heap``, ``spot-keep-heap`` (glibc told to keep
 its heap: ``MALLOC_TRIM_THRESHOLD_=1 GiB``, ``MALLOC_MMAP_THRESHOLD_=32 MiB``), ``spot-quiet`` (record, heartbeat and trim all off); ``spot-after-kill``, ``mc-after-kill`` (heap kept; the
 run starts 3 s after a machine of the same run was SIGKILLed 9 s after its spawn: the library's replacement
-trains while the dead run's lock goes stale).
+trains while the dead run's lock goes stale). Hugging Face Trainer (the replay's HF path; the heap kept in
+every one, as the HF replays run): ``hf-none``, ``hf-steps`` (the Trainer's ``save_steps`` into a local
+folder), ``hf-spot`` / ``hf-spot-file`` (SpotCheckpointCallback), and ``hf-spot-no-record``,
+``-no-beat``, ``-no-trim``, ``-no-upload``, ``-quiet`` as above; their Trainer events' callbacks and the
+library's hooks are timed per step.
 
     python benchmarks/step_cost.py --quick
     python benchmarks/step_cost.py --variants none,mc,spot,spot-file --rounds 2
     python benchmarks/step_cost.py --base /path/to/main --variants none,spot@base,spot   # before / after
+    python benchmarks/step_cost.py --variants hf-none,hf-steps,hf-spot,hf-spot-no-record --steps 2000
 """
 
 from __future__ import annotations
@@ -75,11 +80,27 @@ VARIANTS: dict[str, tuple[str, str, dict[str, str]]] = {  # name -> (child varia
         "s3",
         {"SPOT_ATTEMPT_RECORD_S": HOUR, "SPOT_LOCK_STALE_S": "4h", "SPOT_TRIM_HEAP": "0"},
     ),
+    # Hugging Face Trainer: the heap kept by default, as in the HF replays (`replay.py --keep-heap`).
+    "hf-none": ("hf-none", "-", KEEP_HEAP),
+    "hf-steps": ("hf-steps", "folder", KEEP_HEAP),
+    "hf-spot-file": ("hf-spot", "file", KEEP_HEAP),
+    "hf-spot": ("hf-spot", "s3", KEEP_HEAP),
+    "hf-spot-no-record": ("hf-spot", "s3", {**KEEP_HEAP, "SPOT_ATTEMPT_RECORD_S": HOUR}),
+    "hf-spot-no-beat": ("hf-spot", "s3", {**KEEP_HEAP, "SPOT_LOCK_STALE_S": "4h"}),
+    "hf-spot-no-trim": ("hf-spot", "s3", {**KEEP_HEAP, "SPOT_TRIM_HEAP": "0"}),
+    "hf-spot-no-upload": ("hf-spot", "s3", {**KEEP_HEAP, "STEP_COST_NO_UPLOAD": "1"}),
+    "hf-spot-quiet": (
+        "hf-spot",
+        "s3",
+        {**KEEP_HEAP, "SPOT_ATTEMPT_RECORD_S": HOUR, "SPOT_LOCK_STALE_S": "4h", "SPOT_TRIM_HEAP": "0"},
+    ),
 }
+SPOT_CHILDREN = ("spot", "hf-spot")
 QUICK = {"steps": 400, "width": 256, "layers": 3, "rounds": 1, "skip": 50, "variants": "none,spot,mc"}
 HEADERS = ["variant", "runs", "median ms/step", "mean ms/step", "median / none", "mean / none",
            "main thread CPU ms/step", "process CPU ms/step", "off-CPU ms/step", "involuntary switches/step",
-           "minor faults/step", "GC ms/step", "full GCs (tracked objects)", "checkpoints", "CPU s per training minute, by thread"]  # fmt: skip
+           "minor faults/step", "GC ms/step", "full GCs (tracked objects)", "Trainer callbacks ms/step",
+           "library hooks ms/step", "checkpoints", "CPU s per training minute, by thread"]  # fmt: skip
 
 
 @dataclass
@@ -94,6 +115,16 @@ class Run:
     window: dict[str, list[float]] = field(default_factory=dict)  # _step_cost_child.py's
     gc: dict[str, float] = field(default_factory=dict)  # _step_cost_child.py's
     server_cpu_s: float = 0.0  # the S3 server's CPU seconds during the run
+    hooks: dict[str, list[float]] = field(default_factory=dict)  # HF: name -> [calls, wall s, CPU s]
+
+    def hook_ms_per_step(self, prefix: str, index: int = 1) -> float | None:
+        """Wall (``index`` 1) or main thread CPU (2) of the hooks named ``prefix...`` per step, in ms."""
+        start, end = self.window.get("from"), self.window.get("to")
+        if not self.hooks or start is None or end is None or end[0] <= start[0]:
+            return None
+        return (
+            sum(v[index] for k, v in self.hooks.items() if k.startswith(prefix)) / (end[0] - start[0]) * 1e3
+        )
 
     def gc_ms_per_step(self) -> float | None:
         start, end = self.window.get("from"), self.window.get("to")
@@ -128,6 +159,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--width", type=int, default=768)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--interval-s", type=float, default=15.0)
+    parser.add_argument(
+        "--save-steps",
+        type=int,
+        default=1000,
+        help="hf-steps: steps between the Trainer's saves (~15 s, as in the replay)",
+    )
     parser.add_argument(
         "--base", help="another checkout of the library: a variant named NAME@base runs NAME with its code"
     )
@@ -224,6 +261,8 @@ def _run_child(
             "--width", str(args.width), "--layers", str(args.layers), "--interval-s", str(args.interval_s),
             "--out", str(machine / "final.pt"), "--dirpath", dirpath, "--storage-options", json.dumps(options),
             "--persist-dir", str(machine / "persistent")]  # fmt: skip
+    if child_variant == "hf-steps":
+        argv += ["--save-steps", str(args.save_steps)]
     log_path = workdir / "logs" / f"{variant}-{index}{tag}.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, cwd=machine / "work", env=env, stdin=subprocess.DEVNULL, stdout=log,
@@ -240,10 +279,13 @@ def _run_child(
     if proc.returncode != 0 or not done:
         raise SystemExit(f"{variant} run {index} failed (exit {proc.returncode}): see {log_path}")
     measured = json.loads(threads_json.read_text()) if threads_json.exists() else {}
-    checkpoints = sum("committed" in line for line in lines) if child_variant == "spot" else 0
+    if child_variant in SPOT_CHILDREN:
+        checkpoints = sum("committed" in line for line in lines)
+    else:  # the Trainer's own: the checkpoint-N folders it wrote (save_total_limit=2 keeps the newest 2)
+        checkpoints = len(list((machine / "persistent").glob("checkpoint-*")))
     shutil.rmtree(machine)
     return Run(variant, steady_step_s(markers, args.skip), markers[-1][1] - markers[0][1], measured.get("threads", {}),
-               checkpoints, measured.get("window", {}), measured.get("gc", {}))  # fmt: skip
+               checkpoints, measured.get("window", {}), measured.get("gc", {}), hooks=measured.get("hooks", {}))  # fmt: skip
 
 
 def cpu_cell(runs: list[Run]) -> str:
@@ -269,12 +311,17 @@ def mean_of(values: list[float | None], spec: str = ".2f") -> str:
     return f"{statistics.mean(known):{spec}} ({', '.join(f'{v:{spec}}' for v in known)})" if known else "-"
 
 
+def baseline_of(variant: str) -> str:
+    """The no-checkpoint variant a variant is compared with: ``hf-none`` for the Trainer's, else ``none``."""
+    return "hf-none" if variant.startswith("hf-") else "none"
+
+
 def summary_rows(runs: list[Run], variants: list[str]) -> list[list[str]]:
-    base = [run for run in runs if run.variant == "none"]
-    base_median = statistics.median([statistics.median(r.step_s) for r in base]) if base else None
-    base_mean = statistics.mean([statistics.mean(r.step_s) for r in base]) if base else None
     rows = []
     for variant in variants:
+        base = [run for run in runs if run.variant == baseline_of(variant)]
+        base_median = statistics.median([statistics.median(r.step_s) for r in base]) if base else None
+        base_mean = statistics.mean([statistics.mean(r.step_s) for r in base]) if base else None
         mine = [run for run in runs if run.variant == variant]
         medians = [statistics.median(run.step_s) * 1e3 for run in mine]
         means = [statistics.mean(run.step_s) * 1e3 for run in mine]
@@ -291,10 +338,34 @@ def summary_rows(runs: list[Run], variants: list[str]) -> list[list[str]]:
             mean_of([run.gc_ms_per_step() for run in mine]),
             ", ".join(f"{run.gc.get('gen2 collections', 0):.0f} ({run.gc.get('tracked objects at exit', 0) / 1e3:.0f}k)"
                       for run in mine),
-            " / ".join(str(run.checkpoints) for run in mine) if VARIANTS[variant.split("@")[0]][0] == "spot" else "-",
+            mean_of([run.hook_ms_per_step("event:") for run in mine], ".3f"),
+            mean_of([run.hook_ms_per_step("spot.") for run in mine], ".3f"),
+            " / ".join(str(run.checkpoints) for run in mine) if VARIANTS[variant.split("@")[0]][0] != "none" else "-",
             cpu_cell(mine),
         ])  # fmt: skip
     return rows
+
+
+def hook_lines(runs: list[Run], variants: list[str]) -> list[str]:
+    """Per variant with timed hooks: each Trainer event's and library hook's wall (CPU) µs per step."""
+    lines = []
+    for variant in variants:
+        mine = [run for run in runs if run.variant == variant and run.hooks]
+        if not mine:
+            continue
+        names = sorted({name for run in mine for name in run.hooks})
+        cells = []
+        for name in names:
+            walls = [_per_step_us(run, name, 1) for run in mine]
+            cpus = [_per_step_us(run, name, 2) for run in mine]
+            cells.append(f"{name} {statistics.mean(walls):.1f} ({statistics.mean(cpus):.1f})")
+        lines.append(f"- {variant}: " + ", ".join(cells))
+    return lines
+
+
+def _per_step_us(run: Run, name: str, index: int) -> float:
+    start, end = run.window["from"], run.window["to"]
+    return run.hooks.get(name, [0.0, 0.0, 0.0])[index] / (end[0] - start[0]) * 1e6
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -326,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
                           f"faults {mean_of([run.count_per_step(5)], '.0f')}, "
                           f"GC {mean_of([run.gc_ms_per_step()])} ms/step {dict(run.gc)}; "
                           f"{cpu_cell([run])}", flush=True)  # fmt: skip
+                    if run.hooks:
+                        print("   ", *hook_lines([run], [variant]), flush=True)
         finally:
             if server is not None:
                 server.__exit__(None, None, None)
@@ -336,7 +409,9 @@ def main(argv: list[str] | None = None) -> int:
     print_rich_table(HEADERS, rows, "step cost", left=["variant", HEADERS[-1]], width=220)
     command = (f"python benchmarks/step_cost.py --variants {','.join(args.variants)} --rounds {args.rounds} "
                f"--steps {args.steps} --skip {args.skip} --width {args.width} --layers {args.layers} "
-               f"--interval-s {args.interval_s:g}" + (f" --base {args.base}" if args.base else ""))  # fmt: skip
+               f"--interval-s {args.interval_s:g}"
+               + (f" --save-steps {args.save_steps}" if any(v.startswith("hf-steps") for v in args.variants) else "")
+               + (f" --base {args.base}" if args.base else ""))  # fmt: skip
     section = [
         "",
         *section_head("Step cost: ms per training step with background checkpoints, interleaved", command,
@@ -352,12 +427,19 @@ def main(argv: list[str] | None = None) -> int:
         "code started; S3 server: the nanio process's CPU (another process on the same cores). main thread CPU / process CPU / off-CPU (wall less the main thread's CPU: waits for the "
         "GIL, for a core, for memory) / involuntary context switches: per step over the same steady window, "
         "measured inside the process at its step markers; minor page faults per step likewise. GC: the garbage collector's time per step in that "
-        "window (`gc.callbacks`), its full collections, and the objects it tracks at exit.",
+        "window (`gc.callbacks`), its full collections, and the objects it tracks at exit. Hugging Face "
+        f"(`hf-*`, the heap kept as in the replays; hf-steps saves every {args.save_steps} steps into a local "
+        "folder, checkpoints = the `checkpoint-N` it kept; / none against `hf-none`): Trainer callbacks = the "
+        "wall time of every Trainer event's callbacks (`CallbackHandler.call_event`, all callbacks), library "
+        "hooks = that of `SpotCheckpointCallback`'s own hooks, per step in the same window; per hook below "
+        "(µs per step, wall and in brackets main thread CPU).",
         "- Load average (1, 5, 15 min) before: " + ", ".join(f"{v:.2f}" for v in load_before)
         + "; after: " + ", ".join(f"{v:.2f}" for v in os.getloadavg()),
         "",
         *markdown_table(HEADERS, rows),
         "",
+        *(["Hooks, µs per step: wall (main thread CPU); `event:` all callbacks of a Trainer event, `spot.` "
+           "the library's own:", "", *hook_lines(runs, args.variants), ""] if any(r.hooks for r in runs) else []),
     ]  # fmt: skip
     record(args, section)
     return 0

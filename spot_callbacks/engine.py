@@ -283,14 +283,15 @@ class SpotEngine:
         self.accounts.time_step(persisting=self.saves.persisting)
         if self.lease.poll():  # the lock watched while training ran is settled: ours, or refused
             self._lock_taken()
-        if self.is_writer:
+        writer = self.is_writer
+        if writer:
             if self._first_boundary:
                 self.attempt.note(lineage=self.accounts.lineage["id"])
             self.attempt.step(step)
             self.watch.observe(
-                self.saves.all_records(), self.saves.persister, self.trigger.interval_s, self.resumed
+                self.saves.records_view(), self.saves.persister, self.trigger.interval_s, self.resumed
             )
-        if self._first_boundary and self.is_writer and self.resumed is None:
+        if self._first_boundary and writer and self.resumed is None:
             say_new_lineage(self.store, step)  # a fresh run in an old dirpath: which lineage `latest` follows
         self._first_boundary = False
         local = self.trigger.due(step)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -461,11 +461,22 @@ class CheckpointWriter:
         return self.persister.new_failures()
 
     def all_records(self) -> list[PersistRecord]:
+        """Every commit of this writer so far, oldest first (a new list)."""
         current = self.persister.records if self.persister is not None else []
         return [*self._earlier_records, *current]
 
+    def records_view(self) -> Sequence[PersistRecord]:
+        """:meth:`all_records` without the copy where one persister made them all (each step boundary
+        reads it: a long run's history is not copied every step). Read only; it may grow while read."""
+        if self.persister is None:
+            return self._earlier_records
+        return self.persister.records if not self._earlier_records else self.all_records()
+
     def new_records(self) -> list[PersistRecord]:
         """Commits not yet returned by this method, those made while :meth:`finish` waited included."""
+        current = self.persister.records if self.persister is not None else []
+        if len(self._earlier_records) + len(current) == self._reported_records:
+            return []  # nothing new: the usual step boundary
         records = self.all_records()[self._reported_records :]
         self._reported_records += len(records)
         return records

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -19,6 +21,8 @@ from spot_callbacks.accounting.staleness import StalenessMonitor
 from spot_callbacks.engine import SpotEngine
 from spot_callbacks.errors import PersistError
 from spot_callbacks.lightning import SpotCheckpoint
+from spot_callbacks.persist import PersistRecord
+from spot_callbacks.store import CheckpointInfo
 
 INTERVAL_S = 60.0
 
@@ -298,3 +302,55 @@ def test_the_lightning_adapter_logs_the_persist_lag_at_each_checkpoint(tmp_path:
         column = header.index("spot/persist_lag_s")
         lags += [float(row[column]) for row in rows if len(row) > column and row[column]]
     assert len(lags) == 3 and all(lag >= 0 for lag in lags)  # steps 2, 4, 6
+
+
+class GrowsWhileRead(list):  # type: ignore[type-arg]
+    """The persister's records, to which its thread appends a commit just after the monitor sliced them."""
+
+    def __init__(self, late: list[PersistRecord]) -> None:
+        super().__init__()
+        self.late = late
+
+    def __getitem__(self, index: Any) -> Any:
+        got = super().__getitem__(index)
+        if isinstance(index, slice) and self.late:
+            self.append(self.late.pop())
+        return got
+
+
+def committed(step: int) -> PersistRecord:
+    info = CheckpointInfo(
+        step, f"memory://run/step-{step}", datetime.now(timezone.utc), "interval", 8, "demo"
+    )
+    return PersistRecord(info, write_s=0.1, upload_s=0.2, bytes=8, queued_s=0.0)
+
+
+def test_a_commit_appended_while_the_monitor_reads_is_seen_at_the_next_step() -> None:
+    """Each step boundary reads the persister's own list (no copy): a commit appended between the
+    monitor's slice and its count is read at the next boundary, not skipped as seen."""
+    clock = Clock()
+    monitor = StalenessMonitor("memory://run", clock=clock)
+    monitor.start()
+    records = GrowsWhileRead([committed(5)])
+    clock.now += 30
+    monitor.observe(records, [], None, INTERVAL_S)  # the commit lands just after the slice
+    assert monitor.lag_s() == 30.0
+    clock.now += 10
+    monitor.observe(records, [], None, INTERVAL_S)
+    assert monitor.lag_s() == 0.0  # seen now: the lag counts from this boundary
+
+
+def test_step_boundaries_read_the_commits_without_copying_them(tmp_path: Path) -> None:
+    engine, _, _ = engine_with_clock(tmp_path)
+    engine.start()
+    assert engine.new_records() == []
+    save(engine, 1)
+    assert engine.wait_for_commit(timeout=30)
+    persister = engine.saves.persister
+    assert persister is not None
+    assert engine.saves.records_view() is persister.records  # one persister: its list itself
+    assert [record.info.step for record in engine.new_records()] == [1]
+    assert engine.new_records() == []  # returned once
+    engine.decide(2)
+    assert engine.persist_lag_s() == 0.0
+    engine.finish()

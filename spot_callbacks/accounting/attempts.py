@@ -244,12 +244,13 @@ class AttemptLog:
             self._fields.update(fields)
 
     def step(self, step: int) -> None:
-        """A step boundary of this process."""
-        now = round(time.time(), 3)
+        """A step boundary of this process (every step: two numbers set; rounded when written)."""
+        now = time.time()
         with self._guard:
-            if self._fields["first_step"] is None:
-                self._fields["first_step"], self._fields["first_step_at"] = step, now
-            self._fields["last_step"], self._fields["last_step_at"] = step, now
+            fields = self._fields
+            if fields["first_step"] is None:
+                fields["first_step"], fields["first_step_at"] = step, round(now, 3)
+            fields["last_step"], fields["last_step_at"] = step, now
 
     def checkpoint_taken(self, step: int) -> None:
         """This process takes a checkpoint of ``step`` now."""
@@ -310,6 +311,8 @@ class AttemptLog:
         with self._guard:
             doc = {**self._fields, "alive_at": round(time.time(), 3)}
             doc["checkpoints"] = list(doc["checkpoints"])
+        if doc["last_step_at"] is not None:
+            doc["last_step_at"] = round(doc["last_step_at"], 3)
         try:
             if is_local_fs(self.store.fs):
                 self.store.fs.makedirs(posixpath.dirname(self.path), exist_ok=True)

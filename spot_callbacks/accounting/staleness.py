@@ -124,7 +124,7 @@ class StalenessMonitor:
         if self._since is None:
             self._since = now
         fresh = records[self._seen_records :]
-        self._seen_records = len(records)
+        self._seen_records += len(fresh)  # not len(records): one appended since the slice comes next time
         self._dropped = dropped
         if fresh:
             self._since = now

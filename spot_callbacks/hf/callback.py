@@ -173,7 +173,8 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
         self._metrics.add_records(self.engine.new_records())
         self._metrics.flush()
         self._submit_staged(control)
-        self._saves.check_dropped(state.global_step, compat.save_strategy(args))
+        if self._saves.pending is not None:  # rare: the save strategy is only read for its warning
+            self._saves.check_dropped(state.global_step, compat.save_strategy(args))
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         step = state.global_step

@@ -50,8 +50,10 @@ class SpotMetrics:
 
     def flush(self) -> None:
         """Log what is pending now, at the Trainer's current step (every rank, as the Trainer logs)."""
+        if not self.pending:
+            return
         trainer = self._trainer()
-        if not self.pending or trainer is None:
+        if trainer is None:
             return
         row, self.pending = self.pending, {}
         self.logging = True
