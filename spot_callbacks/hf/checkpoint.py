@@ -389,9 +389,7 @@ def write_rank_files(
         if sharded:  # DCP shares a rank's write error with every rank
             layouts = pending.layouts or {}
             for name, key in ((fsdp.FSDP_MODEL_DIR, "model"), (fsdp.FSDP_OPTIMIZER_DIR, "optimizer")):
-                names.update(
-                    dict.fromkeys(fsdp.write_dcp_folder(name, key, state[key], layouts, partial, group.group))
-                )
+                names.update(fsdp.write_dcp_folder(name, key, state[key], layouts, partial, group.group))
         group.agree(
             lambda: names.update(
                 _write_own_files(trainer, state, trainer_state, partial, set(names), sharded, peft)
