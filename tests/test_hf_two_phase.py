@@ -298,3 +298,26 @@ def test_a_hashed_torch_save_reaches_the_disk_in_quarter_mib_writes_with_its_dig
     assert digest == digest_local_file(tmp_path / "optimizer.pt")
     assert sum(writes) == digest.size and max(writes) <= WRITE_PIECE_BYTES
     assert_same_objects(torch.load(tmp_path / "optimizer.pt"), state)
+
+
+def test_a_full_disk_while_the_optimizer_state_is_written_names_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    import spot_callbacks.hf.checkpoint as checkpoint
+
+    class FullDisk:
+        def __init__(self, raw: Any) -> None:
+            pass
+
+        def write(self, data: Any) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def flush(self) -> None:
+            pass
+
+    monkeypatch.setattr(checkpoint, "ChecksumWriter", FullDisk)
+    with pytest.raises(OSError) as raised:
+        checkpoint._save_hashed({"w": torch.ones(4)}, tmp_path / "optimizer.pt")
+    assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(tmp_path / "optimizer.pt")

@@ -488,14 +488,19 @@ def _write_files(
 def _save_hashed(obj: Any, path: Path) -> FileDigest:
     """``torch.save(obj)`` into ``path`` through the hashing writer: the file's digest, no second pass
     over its bytes, which reach the disk in :data:`~spot_callbacks.store.checksums.WRITE_PIECE_BYTES`
-    writes.
+    writes. An ``OSError`` names ``path`` (a full disk too).
 
     The file differs from the Trainer's ``torch.save(obj, path)`` in its zip records' names only:
     torch names them ``archive/...`` when it writes to a file object, after the file when it writes
     to a path (``optimizer/...``); ``torch.load`` reads both alike. So only the bulk (the optimizer
     state) is written this way; the files of a few KB keep the Trainer's bytes exactly.
     """
-    with open(path, "wb") as raw:
-        writer = ChecksumWriter(raw)
-        torch.save(obj, cast(IO[bytes], writer))  # a write-only file object
+    try:
+        with open(path, "wb") as raw:
+            writer = ChecksumWriter(raw)
+            torch.save(obj, cast(IO[bytes], writer))  # a write-only file object
+    except OSError as err:
+        if err.errno is not None and err.filename is None:  # a full disk: name the file being written
+            raise OSError(err.errno, os.strerror(err.errno), os.fspath(path)) from err
+        raise
     return writer.digest()
