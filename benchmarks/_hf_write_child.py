@@ -28,6 +28,10 @@ def cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def sys_s() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_stime
+
+
 class Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
     def __init__(self, vocab: int) -> None:
         self.vocab = vocab
@@ -78,11 +82,12 @@ def main() -> None:
     folder = args.workdir / "out" / f"checkpoint-{args.step}"
 
     time.sleep(2)  # the training step's threads and allocations settle before the timed phases
-    wall, cpu, thread = time.perf_counter(), cpu_s(), time.thread_time()
+    wall, cpu, system, thread = time.perf_counter(), cpu_s(), sys_s(), time.thread_time()
     digests: Any = checkpoint.write_checkpoint_folder(trainer, staged, trainer.state, folder)
     write = {
         "wall_s": time.perf_counter() - wall,
         "cpu_s": cpu_s() - cpu,
+        "sys_s": sys_s() - system,
         "thread_cpu_s": time.thread_time() - thread,
     }
     staged.release()
@@ -90,9 +95,9 @@ def main() -> None:
     store = CheckpointStore(args.store_url, storage_options=json.loads(args.storage_options))
     names = local_payload_names(folder)
     handed = dict(digests or {})
-    wall, cpu = time.perf_counter(), cpu_s()
+    wall, cpu, system = time.perf_counter(), cpu_s(), sys_s()
     uploaded = CommitWriter(store).upload(args.step, folder, names, handed)
-    upload = {"wall_s": time.perf_counter() - wall, "cpu_s": cpu_s() - cpu}
+    upload = {"wall_s": time.perf_counter() - wall, "cpu_s": cpu_s() - cpu, "sys_s": sys_s() - system}
     assert set(uploaded) == set(names)
     size = sum((folder / name).stat().st_size for name in names)
     print(
