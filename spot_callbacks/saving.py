@@ -409,8 +409,8 @@ class CheckpointWriter:
         Call it on every rank with the same steps (``write`` is this rank's: ``write(folder, group)``
         runs on every rank's writer thread at once, may run collectives on the gloo ``group``, and
         returns the names it wrote under ``folder``, each with its digest where it was hashed as
-        written, else ``None``; ``on_written`` follows it, also when nothing is
-        persisted). ``folder`` may be node-local or shared. False: the step is checkpointed already.
+        written, else ``None``; ``on_written`` follows it, also when nothing is persisted).
+        ``folder`` may be node-local or shared. False: the step is checkpointed already.
         """
         if not rules.needs_checkpoint(step, self.last_saved_step) or self._refused(step):
             if on_written is not None:

@@ -108,8 +108,9 @@ class NodeFolderPersister(RankGroupPersister[FolderJob]):
         Without ``write`` the folder is written already and the ``lists_folder`` ranks upload what
         they list. With it, every rank's writer thread calls ``write(folder, group)`` (every rank
         at once: it may run collectives on ``group``), then ``on_written``, and uploads the files
-        ``write`` returned (their digests, where given, are not computed again). ``owns_folder``: the folder is the run's to delete; only the newest
-        committed one is kept, as :class:`~spot_callbacks.persist.Persister` does.
+        ``write`` returned (the digests it gave are not computed again). ``owns_folder``: the
+        folder is the run's to delete; only the newest committed one is kept, as
+        :class:`~spot_callbacks.persist.Persister` does.
         """
         return FolderJob(
             step=step,
