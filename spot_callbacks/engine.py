@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -396,7 +396,7 @@ class SpotEngine:
         epoch: int | None,
         folder: Path,
         reason: str,
-        write: Callable[[Path, Any], list[str]],
+        write: Callable[[Path, Any], Mapping[str, FileDigest | None]],
         *,
         stall_s: float = 0.0,
         owns_folder: bool = False,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -397,7 +397,7 @@ class CheckpointWriter:
         epoch: int | None,
         folder: Path,
         reason: str,
-        write: Callable[[Path, Any], list[str]],
+        write: Callable[[Path, Any], Mapping[str, FileDigest | None]],
         *,
         stall_s: float = 0.0,
         owns_folder: bool = False,
@@ -408,8 +408,9 @@ class CheckpointWriter:
 
         Call it on every rank with the same steps (``write`` is this rank's: ``write(folder, group)``
         runs on every rank's writer thread at once, may run collectives on the gloo ``group``, and
-        returns the names it wrote under ``folder``; ``on_written`` follows it, also when nothing is
-        persisted). ``folder`` may be node-local or shared. False: the step is checkpointed already.
+        returns the names it wrote under ``folder``, each with its digest where it was hashed as
+        written, else ``None``; ``on_written`` follows it, also when nothing is persisted).
+        ``folder`` may be node-local or shared. False: the step is checkpointed already.
         """
         if not rules.needs_checkpoint(step, self.last_saved_step) or self._refused(step):
             if on_written is not None:

@@ -115,3 +115,31 @@ def test_the_ranks_flos_are_added_as_store_flos_sums_them(sharded: Any) -> None:
     expected = 1000.0 + distributed_broadcast_scalars([current], device=torch.device("cpu")).sum().item()
     assert state.total_flos == expected
     assert state.total_flos != 1000.0 + current  # float32, as store_flos sums them
+
+
+def test_the_dcp_folders_are_the_savers_bytes_and_come_with_their_files_digests(
+    sharded: Any, tmp_path: Path
+) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    from spot_callbacks.store.checksums import digest_local_file
+
+    model, optimizer, layouts = as_savers_take_it(sharded)
+    staged = {"model": copy.deepcopy(model), "optimizer": copy.deepcopy(optimizer)}
+    for key in ("model", "optimizer"):
+        written = fsdp.write_dcp_folder(key, key, staged[key], layouts, tmp_path / "ours", dist.group.WORLD)
+        files = {p.relative_to(tmp_path / "ours").as_posix() for p in (tmp_path / "ours" / key).iterdir()}
+        assert set(written) == files and f"{key}/.metadata" in files
+        for name, digest in written.items():
+            assert digest == digest_local_file(tmp_path / "ours" / name), name  # hashed as written
+    # accelerate's saver, dcp.save through a plain FileSystemWriter: the same shard bytes
+    live_model, live_optimizer = fsdp.model_and_optimizer_shards(sharded)
+    for key, state in (("model", live_model), ("optimizer", live_optimizer)):
+        dcp.save(
+            {key: state},
+            storage_writer=dcp.FileSystemWriter(tmp_path / "savers" / key),
+            planner=DefaultSavePlanner(),
+        )
+        shard = f"{key}/__0_0.distcp"
+        assert (tmp_path / "ours" / shard).read_bytes() == (tmp_path / "savers" / shard).read_bytes()

@@ -250,3 +250,74 @@ def test_two_processes_stage_their_own_rng_files_and_resume_bit_identically(tmp_
     for rank in (0, 1):
         second = torch.load(tmp_path / f"second{rank}.pt")
         assert_same_weights(second, torch.load(tmp_path / f"plain{rank}.pt"))
+
+
+def test_the_optimizer_state_is_hashed_as_written_and_not_again_at_upload(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer thread hands over optimizer.pt's digest (it holds most of the bytes): the upload
+    hashes only the files ``save_pretrained`` and the few-KB ``torch.save`` calls wrote."""
+    from spot_callbacks.store import transfer
+    from spot_callbacks.store.checksums import digest_local_file
+
+    hashed_at_upload: list[str] = []
+    real = transfer.digest_mapped
+    monkeypatch.setattr(
+        transfer, "digest_mapped", lambda path: hashed_at_upload.append(Path(path).name) or real(path)
+    )
+    ckpt = spot(tmp_path / "store", every_n_steps=5)
+    make_trainer(tmp_path / "staged", [ckpt], max_steps=5).train()
+    info = ckpt.store.latest()
+    assert (info.step, info.extra["hf_save"]) == (5, "staged")
+    assert sorted(hashed_at_upload) == sorted(TRAINER_FILES - {"optimizer.pt"})
+    staged = tmp_path / "staged" / "checkpoint-5"  # the kept local copy: the bytes that were uploaded
+    assert info.files["optimizer.pt"] == digest_local_file(staged / "optimizer.pt")
+    assert ckpt.store.verify(5, deep=True)  # every recorded checksum is the stored bytes'
+
+
+def test_a_hashed_torch_save_reaches_the_disk_in_quarter_mib_writes_with_its_digest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from helpers.counted_writes import CountedWrites
+
+    import spot_callbacks.hf.checkpoint as checkpoint
+    from spot_callbacks.store.checksums import WRITE_PIECE_BYTES, ChecksumWriter, digest_local_file
+
+    counted: list[CountedWrites] = []
+    monkeypatch.setattr(
+        checkpoint,
+        "ChecksumWriter",
+        lambda raw: ChecksumWriter(counted.append(CountedWrites(raw)) or counted[-1]),
+    )
+    state = {
+        "state": {0: {"exp_avg": torch.arange(3 * 1024 * 1024 // 4 + 5, dtype=torch.float32)}},
+        "lr": 0.1,
+    }
+    digest = checkpoint._save_hashed(state, tmp_path / "optimizer.pt")
+    writes = counted[0].writes
+    assert digest == digest_local_file(tmp_path / "optimizer.pt")
+    assert sum(writes) == digest.size and max(writes) <= WRITE_PIECE_BYTES
+    assert_same_objects(torch.load(tmp_path / "optimizer.pt"), state)
+
+
+def test_a_full_disk_while_the_optimizer_state_is_written_names_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    import spot_callbacks.hf.checkpoint as checkpoint
+
+    class FullDisk:
+        def __init__(self, raw: Any) -> None:
+            pass
+
+        def write(self, data: Any) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def flush(self) -> None:
+            pass
+
+    monkeypatch.setattr(checkpoint, "ChecksumWriter", FullDisk)
+    with pytest.raises(OSError) as raised:
+        checkpoint._save_hashed({"w": torch.ones(4)}, tmp_path / "optimizer.pt")
+    assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(tmp_path / "optimizer.pt")

@@ -134,3 +134,33 @@ def test_every_node_uploads_its_folder_and_a_failing_node_is_named(backend, requ
     for rank in range(WORLD_SIZE):
         assert not node_folder(tmp_path, rank, 5).exists() and node_folder(tmp_path, rank, 8).is_dir()
     assert (node_folder(tmp_path, 1, 6) / "rng_state_1.pth").exists()
+
+
+def test_the_digests_a_writer_hands_over_are_not_hashed_again_at_upload(one_rank, tmp_path, monkeypatch):
+    from spot_callbacks.store import transfer
+    from spot_callbacks.store.checksums import digest_local_file
+
+    hashed_at_upload: list[str] = []
+    real = transfer.digest_mapped
+    monkeypatch.setattr(
+        transfer, "digest_mapped", lambda path: hashed_at_upload.append(Path(path).name) or real(path)
+    )
+
+    def write(folder: Path, group: Any) -> dict[str, Any]:
+        folder.mkdir(parents=True)
+        (folder / "optimizer.pt").write_bytes(bytes(range(256)) * 4096)
+        (folder / SHARED_NAME).write_text("{}")
+        return {"optimizer.pt": digest_local_file(folder / "optimizer.pt"), SHARED_NAME: None}
+
+    store = CheckpointStore((tmp_path / "store").as_uri(), retry=FAST_RETRY)
+    persister = NodeFolderPersister(store, keep_last=0)
+    try:
+        folder = tmp_path / "checkpoint-3"
+        persister.submit(persister.job(3, "steps", "hf", folder, lists_folder=True, write=write))
+        assert persister.wait_for_step(3, timeout=60)
+    finally:
+        assert persister.close(timeout=60)
+    info = store.latest()
+    assert info is not None and sorted(info.files) == ["optimizer.pt", SHARED_NAME]
+    assert hashed_at_upload == [SHARED_NAME]  # the written one came with its digest
+    assert store.verify(3, deep=True)

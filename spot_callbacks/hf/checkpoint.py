@@ -34,7 +34,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import IO, TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 import transformers
@@ -45,7 +45,7 @@ import spot_callbacks.hf.fsdp as fsdp
 import spot_callbacks.settings as settings
 from spot_callbacks._dist import is_writer
 from spot_callbacks.staging import StagedState, StagingArea
-from spot_callbacks.store.checksums import FileDigest
+from spot_callbacks.store.checksums import ChecksumWriter, FileDigest
 
 if TYPE_CHECKING:
     from spot_callbacks.engine import SpotEngine
@@ -256,13 +256,13 @@ class StagedSaves:
         def write(target: Path) -> dict[str, FileDigest]:
             if pending.staged is None:
                 raise RuntimeError("spot_callbacks: this rank staged nothing to write")
-            write_checkpoint_folder(trainer, pending.staged, trainer_state, target, self.adapters)
-            return {}  # the pipeline checksums the folder as it uploads it
+            # The files hashed as they were written; the pipeline hashes the others as it uploads them.
+            return write_checkpoint_folder(trainer, pending.staged, trainer_state, target, self.adapters)
 
         on_written = pending.staged.release if pending.staged is not None else None
         if self.every_rank:
 
-            def write_own(target: Path, group: Any) -> list[str]:
+            def write_own(target: Path, group: Any) -> dict[str, FileDigest | None]:
                 if flos is not None:
                     compat.add_ranks_flos(trainer_state, flos, group.group)
                 return write_rank_files(
@@ -294,19 +294,23 @@ def write_checkpoint_folder(
     trainer_state: Any,
     folder: Path,
     peft: adapters.AdapterSnapshot | None = None,
-) -> None:
-    """Write the staged checkpoint as ``Trainer._save_checkpoint`` lays it out, then rename it to ``folder``."""
+) -> dict[str, FileDigest]:
+    """Write the staged checkpoint as ``Trainer._save_checkpoint`` lays it out, then rename it to ``folder``.
+
+    Returns the digests of the files hashed as they were written (see :func:`_write_files`).
+    """
     staged.wait_copied()
     partial = partial_folder(folder)
     partial.mkdir(parents=True, exist_ok=True)
     try:
-        _write_files(trainer, staged.state, trainer_state, partial, peft=peft)
+        digests = _write_files(trainer, staged.state, trainer_state, partial, peft=peft)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)  # a failed write must not keep the disk full
         raise
     if folder.exists():  # a leftover of an earlier run at this step, never committed
         shutil.rmtree(folder)
     os.replace(partial, folder)
+    return digests
 
 
 def rank_state(
@@ -364,8 +368,9 @@ def write_rank_files(
     group: Any,
     sharded: bool,
     peft: adapters.AdapterSnapshot | None = None,
-) -> list[str]:
-    """This rank's files of ``checkpoint-N``, written from its staged state (every rank at once); their names.
+) -> dict[str, FileDigest | None]:
+    """This rank's files of ``checkpoint-N``, written from its staged state (every rank at once): their
+    names, each with its digest where it was hashed as written (else ``None``).
 
     Collective on ``group`` (a :class:`~spot_callbacks.persist.rank_group.RankGroup`): each step is
     agreed on, so a rank that fails fails the checkpoint on all. Each node's main process clears a
@@ -378,15 +383,15 @@ def write_rank_files(
     partial = partial_folder(folder)
     node_main = trainer.args.local_process_index == 0
     group.agree(lambda: _clear_leftovers(folder) if node_main else None, "clear a leftover", folder, step)
-    names: list[str] = []
+    names: dict[str, FileDigest | None] = {}
     try:
         group.agree(lambda: partial.mkdir(parents=True, exist_ok=True), "create", partial, step)
         if sharded:  # DCP shares a rank's write error with every rank
             layouts = pending.layouts or {}
             for name, key in ((fsdp.FSDP_MODEL_DIR, "model"), (fsdp.FSDP_OPTIMIZER_DIR, "optimizer")):
-                names += fsdp.write_dcp_folder(name, key, state[key], layouts, partial, group.group)
+                names.update(fsdp.write_dcp_folder(name, key, state[key], layouts, partial, group.group))
         group.agree(
-            lambda: names.extend(
+            lambda: names.update(
                 _write_own_files(trainer, state, trainer_state, partial, set(names), sharded, peft)
             ),
             "write its files", partial, step,
@@ -423,21 +428,22 @@ def _write_own_files(
     written: set[str],
     sharded: bool,
     peft: adapters.AdapterSnapshot | None = None,
-) -> list[str]:
-    """Write this rank's non-DCP files into ``partial``; the names of the files this rank wrote there."""
+) -> dict[str, FileDigest | None]:
+    """Write this rank's non-DCP files into ``partial``: the files this rank wrote there, each with its
+    digest where it was hashed as written."""
     args = trainer.args
     if "rng" in state:
         torch.save(state["rng"], partial / compat.rng_state_name(args))
     if not args.should_save:
-        return [compat.rng_state_name(args)] if "rng" in state else []
-    _write_files(trainer, {**state, "rng": None}, trainer_state, partial, sharded, peft)
+        return {compat.rng_state_name(args): None} if "rng" in state else {}
+    digests = _write_files(trainer, {**state, "rng": None}, trainer_state, partial, sharded, peft)
     rank = str(args.process_index)
-    own = []
+    own: dict[str, FileDigest | None] = {}
     for path in sorted(partial.rglob("*")):
         name = path.relative_to(partial).as_posix()
         other_rank = (match := _PER_RANK.match(path.name)) is not None and match.group(1) != rank
         if path.is_file() and name not in written and not other_rank:
-            own.append(name)
+            own[name] = digests.get(name)
     return own
 
 
@@ -448,10 +454,15 @@ def _write_files(
     partial: Path,
     sharded: bool = False,
     peft: adapters.AdapterSnapshot | None = None,
-) -> None:
+) -> dict[str, FileDigest]:
     """The files ``Trainer._save_checkpoint`` writes from the staged ``state`` (its absent or ``None``
     entries are not written: ``save_only_model``). ``sharded``: FSDP's ``save_model`` writes nothing,
-    the model and optimizer are the DCP folders; ``peft``: the model is its staged adapters."""
+    the model and optimizer are the DCP folders; ``peft``: the model is its staged adapters.
+
+    Returns the digests of the files hashed as they were written: ``optimizer.pt`` (see
+    :func:`_save_hashed`); the others are hashed as they upload.
+    """
+    digests: dict[str, FileDigest] = {}
     if not sharded:
         if peft is not None:
             peft.write(state["model"], partial)
@@ -462,7 +473,8 @@ def _write_files(
             processing_class.save_pretrained(partial)
         torch.save(trainer.args, partial / transformers.trainer.TRAINING_ARGS_NAME)
         if state.get("optimizer") is not None:
-            torch.save(state["optimizer"], partial / transformers.trainer.OPTIMIZER_NAME)
+            name = transformers.trainer.OPTIMIZER_NAME
+            digests[name] = _save_hashed(state["optimizer"], partial / name)
     if state.get("scheduler") is not None:
         torch.save(state["scheduler"], partial / transformers.trainer.SCHEDULER_NAME)
     if state.get("scaler") is not None:
@@ -470,3 +482,25 @@ def _write_files(
     if state.get("rng") is not None:
         torch.save(state["rng"], partial / compat.rng_state_name(trainer.args))
     trainer_state.save_to_json(os.fspath(partial / transformers.trainer.TRAINER_STATE_NAME))
+    return digests
+
+
+def _save_hashed(obj: Any, path: Path) -> FileDigest:
+    """``torch.save(obj)`` into ``path`` through the hashing writer: the file's digest, no second pass
+    over its bytes, which reach the disk in :data:`~spot_callbacks.store.checksums.WRITE_PIECE_BYTES`
+    writes. An ``OSError`` names ``path`` (a full disk too).
+
+    The file differs from the Trainer's ``torch.save(obj, path)`` in its zip records' names only:
+    torch names them ``archive/...`` when it writes to a file object, after the file when it writes
+    to a path (``optimizer/...``); ``torch.load`` reads both alike. So only the bulk (the optimizer
+    state) is written this way; the files of a few KB keep the Trainer's bytes exactly.
+    """
+    try:
+        with open(path, "wb") as raw:
+            writer = ChecksumWriter(raw)
+            torch.save(obj, cast(IO[bytes], writer))  # a write-only file object
+    except OSError as err:
+        if err.errno is not None and err.filename is None:  # a full disk: name the file being written
+            raise OSError(err.errno, os.strerror(err.errno), os.fspath(path)) from err
+        raise
+    return writer.digest()

@@ -34,12 +34,14 @@ from pathlib import Path
 from typing import Any
 
 from spot_callbacks.persist import handles
+from spot_callbacks.persist.dcp_digests import digesting_writer, written_digests
 from spot_callbacks.persist.shards import (  # the shard helpers, here where the HF path names them
     ShardedTensorLayout,
     ShardLayout,
     as_global,
     local_shards,
 )
+from spot_callbacks.store.checksums import FileDigest
 from spot_callbacks.store.layout import DCP_METADATA_FILE
 
 __all__ = [
@@ -153,8 +155,9 @@ def is_fsdp2(trainer: Any) -> bool:
 
 def write_dcp_folder(
     name: str, key: str, state: Any, layouts: dict[tuple[Any, ...], ShardLayout], folder: Path, group: Any
-) -> list[str]:
-    """``dcp.save({key: state})`` into ``folder/name`` as accelerate's saver does; return this rank's files.
+) -> dict[str, FileDigest | None]:
+    """``dcp.save({key: state})`` into ``folder/name`` as accelerate's saver does (the same bytes, hashed
+    as they are written); return this rank's files, each with its digest (``None``: hash it at upload).
 
     Collective on ``group`` (every rank at once). ``layouts`` are those :func:`local_shards` recorded
     for ``state`` under the top-level ``key``. The names are relative to ``folder``.
@@ -165,14 +168,16 @@ def write_dcp_folder(
 
     target = folder / name
     target.mkdir(parents=True, exist_ok=True)
+    writer = digesting_writer(target)  # accelerate's dcp.FileSystemWriter(target), its files hashed
     dcp.save(
         {key: as_global(state, layouts, (key,))},
-        storage_writer=dcp.FileSystemWriter(target),
+        storage_writer=writer,
         planner=DefaultSavePlanner(),
         process_group=group,
     )
+    digests = written_digests(writer)
     rank = dist.get_rank(group)
     own = [entry for entry in os.listdir(target) if entry.startswith(f"__{rank}_")]
     if rank == 0:
         own.append(DCP_METADATA)
-    return [f"{name}/{entry}" for entry in sorted(own)]
+    return {f"{name}/{entry}": digests.get(entry) for entry in sorted(own)}

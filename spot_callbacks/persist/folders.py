@@ -8,8 +8,9 @@ Two kinds of job, the same round (:mod:`spot_callbacks.persist.rank_group`):
   sees) goes to the lowest rank that lists it, so it is uploaded once.
 - *written here* (``write``): every rank's writer thread writes its own files of the folder from a
   staged snapshot (``write(folder, group)``, with a gloo :class:`RankGroup` of the writer's own for
-  collectives such as ``dcp.save`` and for agreeing on local steps), names them, and uploads just
-  those: every rank its own files, in parallel, wherever its node's folder is.
+  collectives such as ``dcp.save`` and for agreeing on local steps), names them (with the digests
+  of those hashed as they were written), and uploads just those: every rank its own files, in
+  parallel, wherever its node's folder is.
 
 Rank 0 commits once every rank's files are durable; a rank that cannot write, list or upload its
 files is named, and nothing commits.
@@ -19,8 +20,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from spot_callbacks.persist.rank_group import RankGroup, RankGroupPersister
 from spot_callbacks.persist.scratch import NewestCommittedFolder
 from spot_callbacks.persist.tracking import CheckpointJob
 from spot_callbacks.store import CheckpointStore
+from spot_callbacks.store.checksums import FileDigest
 
 
 @dataclass
@@ -40,10 +42,12 @@ class FolderJob(CheckpointJob):
     """
 
     lists_folder: bool = True  # this rank uploads files of local_dir (each node's local main process)
-    # Written here: this rank's writer makes its files of local_dir and returns their names.
-    write: Callable[[Path, RankGroup], list[str]] | None = None
+    # Written here: this rank's writer makes its files of local_dir and returns them, each with its
+    # digest where it was hashed as written (None: hashed as it uploads).
+    write: Callable[[Path, RankGroup], Mapping[str, FileDigest | None]] | None = None
     on_written: Callable[[], None] | None = None  # after write, whether it worked or not
     names: list[str] | None = None  # what write returned: the files this rank uploads
+    digests: dict[str, FileDigest] = field(default_factory=dict)  # of those, known from writing them
 
 
 class NodeFolderPersister(RankGroupPersister[FolderJob]):
@@ -96,16 +100,17 @@ class NodeFolderPersister(RankGroupPersister[FolderJob]):
         metrics: dict[str, Any] | None = None,
         extra: dict[str, Any] | None = None,
         deadline: float | None = None,
-        write: Callable[[Path, RankGroup], list[str]] | None = None,
+        write: Callable[[Path, RankGroup], Mapping[str, FileDigest | None]] | None = None,
         on_written: Callable[[], None] | None = None,
     ) -> FolderJob:
         """The job of a folder, on every rank; ``lists_folder`` on one process per node.
 
         Without ``write`` the folder is written already and the ``lists_folder`` ranks upload what
         they list. With it, every rank's writer thread calls ``write(folder, group)`` (every rank
-        at once: it may run collectives on ``group``), then ``on_written``, and uploads the names
-        ``write`` returned. ``owns_folder``: the folder is the run's to delete; only the newest
-        committed one is kept, as :class:`~spot_callbacks.persist.Persister` does.
+        at once: it may run collectives on ``group``), then ``on_written``, and uploads the files
+        ``write`` returned (the digests it gave are not computed again). ``owns_folder``: the
+        folder is the run's to delete; only the newest committed one is kept, as
+        :class:`~spot_callbacks.persist.Persister` does.
         """
         return FolderJob(
             step=step,
@@ -152,7 +157,9 @@ class NodeFolderPersister(RankGroupPersister[FolderJob]):
             try:
                 if self._broken is not None:
                     raise RuntimeError("the upload group is broken (a rank is gone)") from self._broken
-                job.names = list(job.write(job.local_dir, self._writes))
+                written_files = job.write(job.local_dir, self._writes)
+                job.names = list(written_files)
+                job.digests = {name: digest for name, digest in written_files.items() if digest is not None}
                 written = True
             except BaseException as err:  # noqa: BLE001 - reported, never raised in a worker
                 written = False
@@ -179,6 +186,9 @@ class NodeFolderPersister(RankGroupPersister[FolderJob]):
         listings = self._uploads.all_gather(names)
         claimed = set().union(*listings[: self.rank])
         return [name for name in names if name not in claimed], error
+
+    def _written_digests(self, job: FolderJob) -> dict[str, FileDigest]:
+        return job.digests
 
     def _after_round(self, job: FolderJob, committed: bool) -> None:
         # A folder that failed stays, as the Persister leaves it: the error names the local copy.
