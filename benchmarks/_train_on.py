@@ -10,10 +10,14 @@
   plain training steps before the first checkpoint (a step's own activations and gradients come
   and go: the RSS at a step boundary is not the training's peak); *extra* is the peak from the
   first checkpoint to the end of the run (the writes and uploads included) over that baseline.
+  The same sampler follows glibc's *heap in use* (:func:`heap_in_use_bytes`: bytes malloc handed out
+  and not yet freed) over the same windows: the checkpoint's own memory inside the process, without
+  the freed-but-kept heap (fragmentation, trims) that makes RSS differ between two runs.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import statistics
@@ -21,7 +25,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -33,41 +37,81 @@ def rss_bytes() -> int:
         return int(handle.read().split()[1]) * PAGE
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+    ]  # fmt: skip
+
+
+def _mallinfo2() -> Callable[[], _MallInfo2] | None:
+    try:
+        function = ctypes.CDLL("libc.so.6").mallinfo2  # glibc 2.33+
+    except (OSError, AttributeError):
+        return None
+    function.restype = _MallInfo2
+    return cast(Callable[[], _MallInfo2], function)
+
+
+_MALLINFO2 = _mallinfo2()
+
+
+def heap_in_use_bytes() -> int | None:
+    """Bytes glibc's malloc has handed out and not had back, every thread's arena and mmapped block
+    (``mallinfo2``: ``uordblks + hblkhd``); ``None`` off glibc. Every CPU tensor's storage is in it
+    (torch allocates them with ``posix_memalign``), and so is every buffer a writer or an upload
+    holds; memory freed but kept by malloc (fragmentation, a heap not trimmed) is not, so training's
+    own figure repeats from one step to the next, where its RSS drifts."""
+    if _MALLINFO2 is None:
+        return None
+    info = _MALLINFO2()
+    return int(info.uordblks + info.hblkhd)
+
+
 class RssWindow:
-    """The peak RSS since the last :meth:`cut`, sampled by a daemon thread.
+    """The peak RSS since the last :meth:`cut`, sampled by a daemon thread, and beside it the peak
+    heap in use (:func:`heap_in_use_bytes`; :attr:`heap_peak`, :attr:`cut_heap`) over the same windows.
 
     :attr:`discount` (until a :meth:`cut` with ``end_discount``): bytes taken off each sample, such as
     the staging buffers the callback allocates in the background after the first step, which belong
     to the checkpoints, not to the plain steps' baseline (read after the RSS: a buffer added in
-    between lowers the sample, so the baseline errs low and the extra high).
+    between lowers the sample, so the baseline errs low and the extra high; in the heap figure a
+    buffer is in use from its allocation, counted a moment later: one buffer either way at most).
     """
 
     def __init__(self) -> None:
         self.peak = rss_bytes()
+        self.heap_peak = heap_in_use_bytes()
+        self.cut_heap: int | None = None  # the heap peak of the window the last cut() ended
         self.discount: Callable[[], int] | None = None
         self._lock = threading.Lock()
         threading.Thread(target=self._run, daemon=True).start()
 
     def _run(self) -> None:
         while True:
-            value = rss_bytes()
+            value, heap = rss_bytes(), heap_in_use_bytes()
             with self._lock:
                 if self.discount is not None:
-                    value -= self.discount()
+                    discount = self.discount()
+                    value -= discount
+                    heap = None if heap is None else heap - discount
                 self.peak = max(self.peak, value)
+                if heap is not None and self.heap_peak is not None:
+                    self.heap_peak = max(self.heap_peak, heap)
             time.sleep(0.002)  # a sampling period, not synchronisation
 
     def reset(self) -> int:
         """Start a new window now; the RSS it starts from."""
         with self._lock:
-            self.peak = rss_bytes()
+            self.peak, self.heap_peak = rss_bytes(), heap_in_use_bytes()
             return self.peak
 
     def cut(self, end_discount: bool = False) -> int:
-        """The peak of the window that ends now; a new window starts (without :attr:`discount`
-        where ``end_discount``)."""
+        """The peak RSS of the window that ends now (its peak heap in use: :attr:`cut_heap`); a new
+        window starts (without :attr:`discount` where ``end_discount``)."""
         with self._lock:
             peak, self.peak = self.peak, rss_bytes()
+            self.cut_heap, self.heap_peak = self.heap_peak, heap_in_use_bytes()
             if end_discount:
                 self.discount = None
             return peak

@@ -66,7 +66,7 @@ SINGLE = ("hf-single", "lightning-single")  # one process
 QUICK = {"hidden": 256, "layers": 2, "every": 3, "steps": 10, "runs": 1}
 HEADERS = [
     "strategy", "run", "rank", "stages", "blocked / floor per checkpoint", "median", "blocked (median)",
-    "floor (median)", "extra RSS", "extra / stages", "control: extra / stages", "over control", "over control / stages",
+    "floor (median)", "extra RSS", "extra / stages", "heap in use: extra", "heap / stages", "control: extra / stages", "over control", "over control / stages",
     "aligned / stages",
 ]  # fmt: skip
 
@@ -138,10 +138,12 @@ def over_control(result: dict, control: dict) -> int:
 
 def row_of(
     strategy: str, result: dict, control: dict | None = None
-) -> tuple[list[str], float | None, float | None, float | None]:
+) -> tuple[list[str], float | None, float | None, float | None, float | None]:
     rows = result["rows"]
     stages = stages_bytes(strategy, result)
     extra = result["extra_rss_bytes"]
+    heap = result.get("extra_heap_bytes")  # None: not glibc
+    heap_ratio = heap / stages if heap is not None and stages else None
     blocked = statistics.median(row["blocked_s"] for row in rows)
     floor = statistics.median(row["floor_s"] for row in rows)
     if stages:
@@ -169,9 +171,11 @@ def row_of(
     cells = [
         strategy, str(result["run"]), str(result["rank"]), f"{stages / 1e6:.0f} MB", per_checkpoint,
         "-" if median is None else f"{median:.2f}x", f"{blocked * 1e3:.1f} ms", f"{floor * 1e3:.1f} ms",
-        f"{extra / 1e6:.0f} MB", "-" if extra_ratio is None else f"{extra_ratio:.2f}x", *control_cells,
+        f"{extra / 1e6:.0f} MB", "-" if extra_ratio is None else f"{extra_ratio:.2f}x",
+        "-" if heap is None else f"{heap / 1e6:.0f} MB", "-" if heap_ratio is None else f"{heap_ratio:.2f}x",
+        *control_cells,
     ]  # fmt: skip
-    return cells, median, extra_ratio, over_ratio
+    return cells, median, extra_ratio, over_ratio, heap_ratio
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -217,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     table: list[list[str]] = []
     summary: dict[str, tuple[list[float], list[float]]] = {}
     overs: dict[str, list[float]] = {}
+    heaps: dict[str, list[float]] = {}  # heap in use over the plain steps', per rank and run, in shards
     baselines: dict[str, list[float]] = {}  # checkpointing run's RSS baseline less the control's, MB
     trims: dict[str, list[float]] = {}
     builds: dict[str, set[int]] = {}
@@ -243,8 +248,10 @@ def main(argv: list[str] | None = None) -> int:
                         if "shard_handle_builds" in result:
                             builds.setdefault(strategy, set()).add(result["shard_handle_builds"])
                         control = controls.get(result["rank"])
-                        cells, median, extra_ratio, over_ratio = row_of(strategy, result, control)
+                        cells, median, extra_ratio, over_ratio, heap_ratio = row_of(strategy, result, control)
                         table.append(cells)
+                        if heap_ratio is not None:
+                            heaps.setdefault(strategy, []).append(heap_ratio)
                         if over_ratio is not None and control is not None:
                             overs.setdefault(strategy, []).append(over_ratio)
                             baselines.setdefault(strategy, []).append(
@@ -284,6 +291,12 @@ def main(argv: list[str] | None = None) -> int:
             )
         else:
             line += f" (target ≤ 1.1x: {'met' if extra <= 1.1 else 'not met'})"
+        if heaps.get(strategy):
+            top = max(heaps[strategy])
+            line += (
+                f"; in-process heap in use over the plain steps' {statistics.median(heaps[strategy]):.2f}x "
+                f"(median), up to {top:.2f}x what a rank stages (target ≤ 1.1x: {'met' if top <= 1.1 else 'not met'})"
+            )
         verdicts.append(line)
     for strategy in strategies:
         seconds = trims.get(strategy, [])
@@ -337,7 +350,11 @@ def main(argv: list[str] | None = None) -> int:
         "control*: the checkpointing run's peak RSS from its first checkpoint to the end less the control's over "
         "the same steps (through its last step; its staging buffers, allocated in both, taken off it): what the "
         "checkpoints add to training's own memory; *aligned*: the same less the difference of the two runs' "
-        "baselines (the two processes' offset at the same step).",
+        "baselines (the two processes' offset at the same step). *heap in use*: the same window as *extra RSS*, "
+        "in glibc's bytes allocated and not freed (`mallinfo2`: every arena and mmapped block, sampled with the "
+        "RSS; the staging buffers taken off the plain steps' peak likewise): the checkpoint's own memory inside "
+        "the process (its staging buffers, what its writer and uploads hold), without the freed heap malloc keeps "
+        "(fragmentation, trims), which is what makes the RSS figures differ between two runs.",
         *(f"- {line}" for line in verdicts),
         "",
         *markdown_table(HEADERS, table),
