@@ -16,6 +16,11 @@ uploads (nothing waits for a commit until the end of the run). On every rank (``
   buffers the callback allocates in the background after the first step are taken off the plain
   steps' samples (they are the checkpoints' memory, and count in the extra). Training's own heap
   grows over the same window, so this figure is not what the checkpoints add: for that,
+- *heap in use*: the same windows in glibc's bytes allocated and not freed (``mallinfo2``, sampled
+  with the RSS; ``_train_on.heap_in_use_bytes``), in units of the rank's shard: the checkpoint's own
+  memory inside the process (its staging buffers, what its writer and uploads hold at their peak),
+  where training's own figure repeats step after step; the heap malloc keeps after frees
+  (fragmentation, trims), which drifts and differs between two processes, is not in it. Or,
 - *over control* (``--control``): a ``--no-saves`` run of the same strategy beside each run
   (interleaved: the checkpointing run first on odd runs, the control first on even ones); the
   checkpointing run's peak RSS from its first checkpoint to the end less the control's over the same
