@@ -123,6 +123,8 @@ class HookClock:
     def __init__(self, profile_every: int | None = None) -> None:
         self.step: int | None = None
         self.seconds: dict[int, float] = defaultdict(float)
+        # The calling thread's CPU time in the same hooks: what another process's load does not stretch.
+        self.cpu_seconds: dict[int, float] = defaultdict(float)
         # SPOT_BENCH_PROFILE=path: cProfile the hooks of every ``profile_every``-th step into path.
         self.profile_path = os.environ.get("SPOT_BENCH_PROFILE")
         self.profile_every = profile_every
@@ -142,7 +144,7 @@ class HookClock:
 
             @functools.wraps(hook)
             def timed(*args: Any, __hook: Any = hook, **kwargs: Any) -> Any:
-                started = time.perf_counter()
+                started, cpu_started = time.perf_counter(), time.thread_time()
                 profiled = (
                     self.profiler is not None
                     and self.step is not None
@@ -155,6 +157,7 @@ class HookClock:
                 finally:
                     if self.step is not None:
                         self.seconds[self.step] += time.perf_counter() - started
+                        self.cpu_seconds[self.step] += time.thread_time() - cpu_started
 
             setattr(callback, name, timed)
 
@@ -167,13 +170,15 @@ class Floor:
         self.buffers = [torch.zeros_like(tensor, device="cpu") for tensor in tensors]
         self.nbytes = sum(buffer.numel() * buffer.element_size() for buffer in self.buffers)
         self.seconds: dict[int, float] = {}
+        self.cpu_seconds: dict[int, float] = {}  # the thread's CPU time in the same copies
 
     def time(self, step: int, tensors: list[torch.Tensor]) -> None:
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.thread_time()
         with torch.no_grad():
             for buffer, tensor in zip(self.buffers, tensors, strict=True):
                 buffer.copy_(tensor)
         self.seconds[step] = time.perf_counter() - started
+        self.cpu_seconds[step] = time.thread_time() - cpu_started
 
 
 def dump_heap(label: str) -> None:
@@ -224,13 +229,25 @@ def checkpoint_rows(
     clock: HookClock, floor: Floor, every: int, last_step: int
 ) -> tuple[float, list[dict[str, float]]]:
     """The median hook time of plain steps, and one row per checkpoint (not the last step's, whose
-    hooks also wait for the final commit)."""
-    plain = [s for step, s in clock.seconds.items() if step % every and 1 < step < last_step]
-    plain_s = statistics.median(plain) if plain else 0.0
+    hooks also wait for the final commit); each row also in the main thread's CPU time (``cpu_ratio``:
+    blocked / floor in CPU seconds, which a loaded machine's other processes do not stretch, nor
+    does a wait in a collective or for the GIL)."""
+
+    def plain_median(seconds: dict[int, float]) -> float:
+        plain = [s for step, s in seconds.items() if step % every and 1 < step < last_step]
+        return statistics.median(plain) if plain else 0.0
+
+    plain_s, plain_cpu_s = plain_median(clock.seconds), plain_median(clock.cpu_seconds)
     rows = []
     for step, floor_s in sorted(floor.seconds.items()):
         if step >= last_step or step not in clock.seconds:
             continue
         blocked_s = max(clock.seconds[step] - plain_s, 0.0)
-        rows.append({"step": step, "blocked_s": blocked_s, "floor_s": floor_s, "ratio": blocked_s / floor_s})
+        blocked_cpu_s = max(clock.cpu_seconds[step] - plain_cpu_s, 0.0)
+        floor_cpu_s = floor.cpu_seconds[step]
+        rows.append({
+            "step": step, "blocked_s": blocked_s, "floor_s": floor_s, "ratio": blocked_s / floor_s,
+            "blocked_cpu_s": blocked_cpu_s, "floor_cpu_s": floor_cpu_s,
+            "cpu_ratio": blocked_cpu_s / floor_cpu_s if floor_cpu_s > 0 else None,
+        })  # fmt: skip
     return plain_s, rows

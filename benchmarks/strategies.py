@@ -10,7 +10,9 @@ uploads (nothing waits for a commit until the end of the run). On every rank (``
   ``on_train_batch_end``) less the median of the same at steps without a checkpoint;
 - *floor*: ``copy_`` of the rank's local tensors (parameters and optimizer state: what it stages)
   into buffers allocated once, timed just before each checkpoint's hooks; *ratio*: blocked / floor
-  of each checkpoint, and their median;
+  of each checkpoint, and their median; *CPU*: the same median in the training thread's CPU time
+  (``time.thread_time``), which other processes' load on a shared machine does not stretch (nor a
+  wait in a collective or for the GIL, which the wall-clock ratio, the target's, does count);
 - *extra RSS*: the peak RSS from the first checkpoint to the end of the run (last commit included)
   over the peak of the plain training steps before it, in units of the rank's shard. The staging
   buffers the callback allocates in the background after the first step are taken off the plain
@@ -71,7 +73,7 @@ SINGLE = ("hf-single", "lightning-single")  # one process
 QUICK = {"hidden": 256, "layers": 2, "every": 3, "steps": 10, "runs": 1}
 HEADERS = [
     "strategy", "run", "rank", "stages", "blocked / floor per checkpoint", "median", "blocked (median)",
-    "floor (median)", "extra RSS", "extra / stages", "heap in use: extra", "heap / stages", "control: extra / stages", "over control", "over control / stages",
+    "floor (median)", "CPU: blocked / floor (median)", "extra RSS", "extra / stages", "heap in use: extra", "heap / stages", "control: extra / stages", "over control", "over control / stages",
     "aligned / stages",
 ]  # fmt: skip
 
@@ -143,7 +145,7 @@ def over_control(result: dict, control: dict) -> int:
 
 def row_of(
     strategy: str, result: dict, control: dict | None = None
-) -> tuple[list[str], float | None, float | None, float | None, float | None]:
+) -> tuple[list[str], float | None, float | None, float | None, float | None, float | None]:
     rows = result["rows"]
     stages = stages_bytes(strategy, result)
     extra = result["extra_rss_bytes"]
@@ -156,8 +158,10 @@ def row_of(
         median: float | None = statistics.median(ratios)
         per_checkpoint = ", ".join(f"{ratio:.2f}" for ratio in ratios)
         extra_ratio: float | None = extra / stages
+        cpu_ratios = [row["cpu_ratio"] for row in rows if row.get("cpu_ratio") is not None]
+        cpu_median = statistics.median(cpu_ratios) if cpu_ratios else None
     else:
-        median, per_checkpoint, extra_ratio = None, "(stages nothing)", None
+        median, per_checkpoint, extra_ratio, cpu_median = None, "(stages nothing)", None, None
     control_cells = ["-", "-", "-", "-"]
     over_ratio: float | None = None
     if control is not None:
@@ -176,11 +180,12 @@ def row_of(
     cells = [
         strategy, str(result["run"]), str(result["rank"]), f"{stages / 1e6:.0f} MB", per_checkpoint,
         "-" if median is None else f"{median:.2f}x", f"{blocked * 1e3:.1f} ms", f"{floor * 1e3:.1f} ms",
+        "-" if cpu_median is None else f"{cpu_median:.2f}x",
         f"{extra / 1e6:.0f} MB", "-" if extra_ratio is None else f"{extra_ratio:.2f}x",
         "-" if heap is None else f"{heap / 1e6:.0f} MB", "-" if heap_ratio is None else f"{heap_ratio:.2f}x",
         *control_cells,
     ]  # fmt: skip
-    return cells, median, extra_ratio, over_ratio, heap_ratio
+    return cells, median, extra_ratio, over_ratio, heap_ratio, cpu_median
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -226,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     table: list[list[str]] = []
     summary: dict[str, tuple[list[float], list[float]]] = {}
     overs: dict[str, list[float]] = {}
+    cpus: dict[str, list[float]] = {}  # each rank-run's median blocked / floor in CPU time
     heaps: dict[str, list[float]] = {}  # heap in use over the plain steps', per rank and run, in shards
     baselines: dict[str, list[float]] = {}  # checkpointing run's RSS baseline less the control's, MB
     trims: dict[str, list[float]] = {}
@@ -253,8 +259,12 @@ def main(argv: list[str] | None = None) -> int:
                         if "shard_handle_builds" in result:
                             builds.setdefault(strategy, set()).add(result["shard_handle_builds"])
                         control = controls.get(result["rank"])
-                        cells, median, extra_ratio, over_ratio, heap_ratio = row_of(strategy, result, control)
+                        cells, median, extra_ratio, over_ratio, heap_ratio, cpu_median = row_of(
+                            strategy, result, control
+                        )
                         table.append(cells)
+                        if cpu_median is not None:
+                            cpus.setdefault(strategy, []).append(cpu_median)
                         if heap_ratio is not None:
                             heaps.setdefault(strategy, []).append(heap_ratio)
                         if over_ratio is not None and control is not None:
@@ -285,7 +295,9 @@ def main(argv: list[str] | None = None) -> int:
         ratio, extra = statistics.median(ratios), max(extras)
         line = (
             f"{strategy}: blocked / floor {ratio:.2f}x (median over ranks and runs of each one's median; target "
-            f"≤ 1.1x: {'met' if ratio <= 1.1 else 'not met'}), extra RSS up to {extra:.2f}x what a rank stages"
+            f"≤ 1.1x: {'met' if ratio <= 1.1 else 'not met'}"
+            + (f"; in CPU time {statistics.median(cpus[strategy]):.2f}x" if cpus.get(strategy) else "")
+            + f"), extra RSS up to {extra:.2f}x what a rank stages"
         )
         if strategy in overs:
             over, gaps = max(overs[strategy]), baselines[strategy]
@@ -348,7 +360,9 @@ def main(argv: list[str] | None = None) -> int:
         f"- Load average (1/5/15 min) at start: {load_start}; at end: {load_end}.",
         f"- {title}. *blocked*: the time in the checkpoint callback's hooks at a checkpoint step (wrapped from "
         "outside) less the median at steps without one; *floor*: `copy_` of the rank's local tensors into buffers "
-        "allocated once, timed just before each checkpoint's hooks; *extra RSS*: the peak RSS from the first "
+        "allocated once, timed just before each checkpoint's hooks; *CPU*: the same two in the training thread's "
+        "CPU time (`time.thread_time`), which other processes' load does not stretch (nor does a wait in a collective "
+        "or for the GIL: the wall-clock ratio is the one the target is about); *extra RSS*: the peak RSS from the first "
         "checkpoint to the end of the run (the last commit included) over the peak of the plain steps before it (the staging buffers allocated in the background after "
         "the first step taken off the latter: they count in the extra). *control*: with `--control`, a "
         "`--no-saves` run of the same strategy beside each run (interleaved), its extra RSS the same way; *over "
