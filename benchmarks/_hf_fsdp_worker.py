@@ -175,6 +175,7 @@ class TrainOn(transformers.TrainerCallback):
         self.spot, self.clock, self.rss = spot, clock, rss
         self.floor: _train_on.Floor | None = None
         self.baseline = 0  # peak RSS over plain steps before the first checkpoint
+        self.heap_baseline: int | None = None  # peak heap in use over the same steps
         self.prepared_bytes = 0  # staging buffers allocated before the first checkpoint
         self.waits: dict[int, float] = {}
         self.train_peak = 0  # peak RSS from the first checkpoint through the last step (before the run's end)
@@ -197,6 +198,7 @@ class TrainOn(transformers.TrainerCallback):
             _train_on.dump_heap(f"before checkpoint {step}")
             if not self.floor.seconds:
                 self.baseline = self.rss.cut(end_discount=True)
+                self.heap_baseline = self.rss.cut_heap
                 self.prepared_bytes = self.spot.engine.staging.buffer_bytes
             self.floor.time(step, tensors)
             _train_on.line_up()
@@ -244,6 +246,8 @@ def main_train_on() -> None:
     )  # fmt: skip
     trainer.train()  # on_train_end waits for the last commit: inside the RSS window
     extra = rss.cut() - train_on.baseline
+    heap_peak, heap_baseline = rss.cut_heap, train_on.heap_baseline
+    heap_extra = None if heap_peak is None or heap_baseline is None else heap_peak - heap_baseline
     _train_on.dump_heap("after train")
     clock.dump_profile(training_args.process_index)
     assert train_on.floor is not None
@@ -253,7 +257,7 @@ def main_train_on() -> None:
     rank = training_args.process_index
     result = {
         "rank": rank, "mode": f"hf-{args.parallel}", "fsdp": trainer.is_fsdp_enabled, "shard_bytes": train_on.floor.nbytes,
-        "plain_hooks_s": plain_s, "rows": rows, "extra_rss_bytes": extra,
+        "plain_hooks_s": plain_s, "rows": rows, "extra_rss_bytes": extra, "extra_heap_bytes": heap_extra,
         "baseline_rss_bytes": train_on.baseline, "peak_rss_bytes": train_on.baseline + extra,
         "train_peak_rss_bytes": train_on.train_peak, "staging_bytes": train_on.staging_bytes,
         "prepared_bytes": train_on.prepared_bytes, "prepared_used": getattr(spot.engine.staging, "prepared_buffers_used", 0),

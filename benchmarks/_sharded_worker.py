@@ -173,6 +173,7 @@ class TrainOn(pl.Callback):
         self.spot, self.clock, self.rss = spot, clock, rss
         self.floor: _train_on.Floor | None = None
         self.baseline = 0  # peak RSS over plain steps before the first checkpoint
+        self.heap_baseline: int | None = None  # peak heap in use over the same steps
         self.prepared_bytes = 0  # staging buffers allocated before the first checkpoint
         self.waits: dict[int, float] = {}
         self.train_peak = 0  # peak RSS from the first checkpoint through the last step (before the run's end)
@@ -194,6 +195,7 @@ class TrainOn(pl.Callback):
         if step % args.every == 0 and step < args.steps:
             if not self.floor.seconds:
                 self.baseline = self.rss.cut(end_discount=True)
+                self.heap_baseline = self.rss.cut_heap
                 self.prepared_bytes = self.spot.engine.staging.buffer_bytes
             self.floor.time(step, tensors)
             _train_on.line_up()
@@ -233,6 +235,8 @@ def main_train_on() -> None:
     model = Net()
     trainer.fit(model, DataLoader(data, batch_size=4))  # on_train_end waits for the last commit
     extra = rss.cut() - train_on.baseline
+    heap_peak, heap_baseline = rss.cut_heap, train_on.heap_baseline
+    heap_extra = None if heap_peak is None or heap_baseline is None else heap_peak - heap_baseline
     clock.dump_profile(trainer.global_rank)
     assert train_on.floor is not None
     plain_s, rows = _train_on.checkpoint_rows(clock, train_on.floor, args.every, args.steps)
@@ -240,7 +244,7 @@ def main_train_on() -> None:
         row["stage_wait_s"] = train_on.waits.get(row["step"], 0.0)
     result = {
         "rank": trainer.global_rank, "mode": f"lightning-{args.strategy}", "shard_bytes": train_on.floor.nbytes,
-        "plain_hooks_s": plain_s, "rows": rows, "extra_rss_bytes": extra,
+        "plain_hooks_s": plain_s, "rows": rows, "extra_rss_bytes": extra, "extra_heap_bytes": heap_extra,
         "baseline_rss_bytes": train_on.baseline, "peak_rss_bytes": train_on.baseline + extra,
         "train_peak_rss_bytes": train_on.train_peak, "staging_bytes": train_on.staging_bytes,
         "prepared_bytes": train_on.prepared_bytes, "prepared_used": getattr(spot.engine.staging, "prepared_buffers_used", 0),

@@ -10,10 +10,14 @@
   plain training steps before the first checkpoint (a step's own activations and gradients come
   and go: the RSS at a step boundary is not the training's peak); *extra* is the peak from the
   first checkpoint to the end of the run (the writes and uploads included) over that baseline.
+  The same sampler follows glibc's *heap in use* (:func:`heap_in_use_bytes`: bytes malloc handed out
+  and not yet freed) over the same windows: the checkpoint's own memory inside the process, without
+  the freed-but-kept heap (fragmentation, trims) that makes RSS differ between two runs.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import statistics
@@ -21,7 +25,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -33,41 +37,81 @@ def rss_bytes() -> int:
         return int(handle.read().split()[1]) * PAGE
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+    ]  # fmt: skip
+
+
+def _mallinfo2() -> Callable[[], _MallInfo2] | None:
+    try:
+        function = ctypes.CDLL("libc.so.6").mallinfo2  # glibc 2.33+
+    except (OSError, AttributeError):
+        return None
+    function.restype = _MallInfo2
+    return cast(Callable[[], _MallInfo2], function)
+
+
+_MALLINFO2 = _mallinfo2()
+
+
+def heap_in_use_bytes() -> int | None:
+    """Bytes glibc's malloc has handed out and not had back, every thread's arena and mmapped block
+    (``mallinfo2``: ``uordblks + hblkhd``); ``None`` off glibc. Every CPU tensor's storage is in it
+    (torch allocates them with ``posix_memalign``), and so is every buffer a writer or an upload
+    holds; memory freed but kept by malloc (fragmentation, a heap not trimmed) is not, so training's
+    own figure repeats from one step to the next, where its RSS drifts."""
+    if _MALLINFO2 is None:
+        return None
+    info = _MALLINFO2()
+    return int(info.uordblks + info.hblkhd)
+
+
 class RssWindow:
-    """The peak RSS since the last :meth:`cut`, sampled by a daemon thread.
+    """The peak RSS since the last :meth:`cut`, sampled by a daemon thread, and beside it the peak
+    heap in use (:func:`heap_in_use_bytes`; :attr:`heap_peak`, :attr:`cut_heap`) over the same windows.
 
     :attr:`discount` (until a :meth:`cut` with ``end_discount``): bytes taken off each sample, such as
     the staging buffers the callback allocates in the background after the first step, which belong
     to the checkpoints, not to the plain steps' baseline (read after the RSS: a buffer added in
-    between lowers the sample, so the baseline errs low and the extra high).
+    between lowers the sample, so the baseline errs low and the extra high; in the heap figure a
+    buffer is in use from its allocation, counted a moment later: one buffer either way at most).
     """
 
     def __init__(self) -> None:
         self.peak = rss_bytes()
+        self.heap_peak = heap_in_use_bytes()
+        self.cut_heap: int | None = None  # the heap peak of the window the last cut() ended
         self.discount: Callable[[], int] | None = None
         self._lock = threading.Lock()
         threading.Thread(target=self._run, daemon=True).start()
 
     def _run(self) -> None:
         while True:
-            value = rss_bytes()
+            value, heap = rss_bytes(), heap_in_use_bytes()
             with self._lock:
                 if self.discount is not None:
-                    value -= self.discount()
+                    discount = self.discount()
+                    value -= discount
+                    heap = None if heap is None else heap - discount
                 self.peak = max(self.peak, value)
+                if heap is not None and self.heap_peak is not None:
+                    self.heap_peak = max(self.heap_peak, heap)
             time.sleep(0.002)  # a sampling period, not synchronisation
 
     def reset(self) -> int:
         """Start a new window now; the RSS it starts from."""
         with self._lock:
-            self.peak = rss_bytes()
+            self.peak, self.heap_peak = rss_bytes(), heap_in_use_bytes()
             return self.peak
 
     def cut(self, end_discount: bool = False) -> int:
-        """The peak of the window that ends now; a new window starts (without :attr:`discount`
-        where ``end_discount``)."""
+        """The peak RSS of the window that ends now (its peak heap in use: :attr:`cut_heap`); a new
+        window starts (without :attr:`discount` where ``end_discount``)."""
         with self._lock:
             peak, self.peak = self.peak, rss_bytes()
+            self.cut_heap, self.heap_peak = self.heap_peak, heap_in_use_bytes()
             if end_discount:
                 self.discount = None
             return peak
@@ -79,6 +123,8 @@ class HookClock:
     def __init__(self, profile_every: int | None = None) -> None:
         self.step: int | None = None
         self.seconds: dict[int, float] = defaultdict(float)
+        # The calling thread's CPU time in the same hooks: what another process's load does not stretch.
+        self.cpu_seconds: dict[int, float] = defaultdict(float)
         # SPOT_BENCH_PROFILE=path: cProfile the hooks of every ``profile_every``-th step into path.
         self.profile_path = os.environ.get("SPOT_BENCH_PROFILE")
         self.profile_every = profile_every
@@ -98,7 +144,7 @@ class HookClock:
 
             @functools.wraps(hook)
             def timed(*args: Any, __hook: Any = hook, **kwargs: Any) -> Any:
-                started = time.perf_counter()
+                started, cpu_started = time.perf_counter(), time.thread_time()
                 profiled = (
                     self.profiler is not None
                     and self.step is not None
@@ -111,6 +157,7 @@ class HookClock:
                 finally:
                     if self.step is not None:
                         self.seconds[self.step] += time.perf_counter() - started
+                        self.cpu_seconds[self.step] += time.thread_time() - cpu_started
 
             setattr(callback, name, timed)
 
@@ -123,13 +170,15 @@ class Floor:
         self.buffers = [torch.zeros_like(tensor, device="cpu") for tensor in tensors]
         self.nbytes = sum(buffer.numel() * buffer.element_size() for buffer in self.buffers)
         self.seconds: dict[int, float] = {}
+        self.cpu_seconds: dict[int, float] = {}  # the thread's CPU time in the same copies
 
     def time(self, step: int, tensors: list[torch.Tensor]) -> None:
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.thread_time()
         with torch.no_grad():
             for buffer, tensor in zip(self.buffers, tensors, strict=True):
                 buffer.copy_(tensor)
         self.seconds[step] = time.perf_counter() - started
+        self.cpu_seconds[step] = time.thread_time() - cpu_started
 
 
 def dump_heap(label: str) -> None:
@@ -180,13 +229,25 @@ def checkpoint_rows(
     clock: HookClock, floor: Floor, every: int, last_step: int
 ) -> tuple[float, list[dict[str, float]]]:
     """The median hook time of plain steps, and one row per checkpoint (not the last step's, whose
-    hooks also wait for the final commit)."""
-    plain = [s for step, s in clock.seconds.items() if step % every and 1 < step < last_step]
-    plain_s = statistics.median(plain) if plain else 0.0
+    hooks also wait for the final commit); each row also in the main thread's CPU time (``cpu_ratio``:
+    blocked / floor in CPU seconds, which a loaded machine's other processes do not stretch, nor
+    does a wait in a collective or for the GIL)."""
+
+    def plain_median(seconds: dict[int, float]) -> float:
+        plain = [s for step, s in seconds.items() if step % every and 1 < step < last_step]
+        return statistics.median(plain) if plain else 0.0
+
+    plain_s, plain_cpu_s = plain_median(clock.seconds), plain_median(clock.cpu_seconds)
     rows = []
     for step, floor_s in sorted(floor.seconds.items()):
         if step >= last_step or step not in clock.seconds:
             continue
         blocked_s = max(clock.seconds[step] - plain_s, 0.0)
-        rows.append({"step": step, "blocked_s": blocked_s, "floor_s": floor_s, "ratio": blocked_s / floor_s})
+        blocked_cpu_s = max(clock.cpu_seconds[step] - plain_cpu_s, 0.0)
+        floor_cpu_s = floor.cpu_seconds[step]
+        rows.append({
+            "step": step, "blocked_s": blocked_s, "floor_s": floor_s, "ratio": blocked_s / floor_s,
+            "blocked_cpu_s": blocked_cpu_s, "floor_cpu_s": floor_cpu_s,
+            "cpu_ratio": blocked_cpu_s / floor_cpu_s if floor_cpu_s > 0 else None,
+        })  # fmt: skip
     return plain_s, rows

@@ -10,12 +10,19 @@ uploads (nothing waits for a commit until the end of the run). On every rank (``
   ``on_train_batch_end``) less the median of the same at steps without a checkpoint;
 - *floor*: ``copy_`` of the rank's local tensors (parameters and optimizer state: what it stages)
   into buffers allocated once, timed just before each checkpoint's hooks; *ratio*: blocked / floor
-  of each checkpoint, and their median;
+  of each checkpoint, and their median; *CPU*: the same median in the training thread's CPU time
+  (``time.thread_time``), which other processes' load on a shared machine does not stretch (nor a
+  wait in a collective or for the GIL, which the wall-clock ratio, the target's, does count);
 - *extra RSS*: the peak RSS from the first checkpoint to the end of the run (last commit included)
   over the peak of the plain training steps before it, in units of the rank's shard. The staging
   buffers the callback allocates in the background after the first step are taken off the plain
   steps' samples (they are the checkpoints' memory, and count in the extra). Training's own heap
   grows over the same window, so this figure is not what the checkpoints add: for that,
+- *heap in use*: the same windows in glibc's bytes allocated and not freed (``mallinfo2``, sampled
+  with the RSS; ``_train_on.heap_in_use_bytes``), in units of the rank's shard: the checkpoint's own
+  memory inside the process (its staging buffers, what its writer and uploads hold at their peak),
+  where training's own figure repeats step after step; the heap malloc keeps after frees
+  (fragmentation, trims), which drifts and differs between two processes, is not in it. Or,
 - *over control* (``--control``): a ``--no-saves`` run of the same strategy beside each run
   (interleaved: the checkpointing run first on odd runs, the control first on even ones); the
   checkpointing run's peak RSS from its first checkpoint to the end less the control's over the same
@@ -66,7 +73,7 @@ SINGLE = ("hf-single", "lightning-single")  # one process
 QUICK = {"hidden": 256, "layers": 2, "every": 3, "steps": 10, "runs": 1}
 HEADERS = [
     "strategy", "run", "rank", "stages", "blocked / floor per checkpoint", "median", "blocked (median)",
-    "floor (median)", "extra RSS", "extra / stages", "control: extra / stages", "over control", "over control / stages",
+    "floor (median)", "CPU: blocked / floor (median)", "extra RSS", "extra / stages", "heap in use: extra", "heap / stages", "control: extra / stages", "over control", "over control / stages",
     "aligned / stages",
 ]  # fmt: skip
 
@@ -138,10 +145,12 @@ def over_control(result: dict, control: dict) -> int:
 
 def row_of(
     strategy: str, result: dict, control: dict | None = None
-) -> tuple[list[str], float | None, float | None, float | None]:
+) -> tuple[list[str], float | None, float | None, float | None, float | None, float | None]:
     rows = result["rows"]
     stages = stages_bytes(strategy, result)
     extra = result["extra_rss_bytes"]
+    heap = result.get("extra_heap_bytes")  # None: not glibc
+    heap_ratio = heap / stages if heap is not None and stages else None
     blocked = statistics.median(row["blocked_s"] for row in rows)
     floor = statistics.median(row["floor_s"] for row in rows)
     if stages:
@@ -149,8 +158,10 @@ def row_of(
         median: float | None = statistics.median(ratios)
         per_checkpoint = ", ".join(f"{ratio:.2f}" for ratio in ratios)
         extra_ratio: float | None = extra / stages
+        cpu_ratios = [row["cpu_ratio"] for row in rows if row.get("cpu_ratio") is not None]
+        cpu_median = statistics.median(cpu_ratios) if cpu_ratios else None
     else:
-        median, per_checkpoint, extra_ratio = None, "(stages nothing)", None
+        median, per_checkpoint, extra_ratio, cpu_median = None, "(stages nothing)", None, None
     control_cells = ["-", "-", "-", "-"]
     over_ratio: float | None = None
     if control is not None:
@@ -169,9 +180,12 @@ def row_of(
     cells = [
         strategy, str(result["run"]), str(result["rank"]), f"{stages / 1e6:.0f} MB", per_checkpoint,
         "-" if median is None else f"{median:.2f}x", f"{blocked * 1e3:.1f} ms", f"{floor * 1e3:.1f} ms",
-        f"{extra / 1e6:.0f} MB", "-" if extra_ratio is None else f"{extra_ratio:.2f}x", *control_cells,
+        "-" if cpu_median is None else f"{cpu_median:.2f}x",
+        f"{extra / 1e6:.0f} MB", "-" if extra_ratio is None else f"{extra_ratio:.2f}x",
+        "-" if heap is None else f"{heap / 1e6:.0f} MB", "-" if heap_ratio is None else f"{heap_ratio:.2f}x",
+        *control_cells,
     ]  # fmt: skip
-    return cells, median, extra_ratio, over_ratio
+    return cells, median, extra_ratio, over_ratio, heap_ratio, cpu_median
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -217,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     table: list[list[str]] = []
     summary: dict[str, tuple[list[float], list[float]]] = {}
     overs: dict[str, list[float]] = {}
+    cpus: dict[str, list[float]] = {}  # each rank-run's median blocked / floor in CPU time
+    heaps: dict[str, list[float]] = {}  # heap in use over the plain steps', per rank and run, in shards
     baselines: dict[str, list[float]] = {}  # checkpointing run's RSS baseline less the control's, MB
     trims: dict[str, list[float]] = {}
     builds: dict[str, set[int]] = {}
@@ -243,8 +259,14 @@ def main(argv: list[str] | None = None) -> int:
                         if "shard_handle_builds" in result:
                             builds.setdefault(strategy, set()).add(result["shard_handle_builds"])
                         control = controls.get(result["rank"])
-                        cells, median, extra_ratio, over_ratio = row_of(strategy, result, control)
+                        cells, median, extra_ratio, over_ratio, heap_ratio, cpu_median = row_of(
+                            strategy, result, control
+                        )
                         table.append(cells)
+                        if cpu_median is not None:
+                            cpus.setdefault(strategy, []).append(cpu_median)
+                        if heap_ratio is not None:
+                            heaps.setdefault(strategy, []).append(heap_ratio)
                         if over_ratio is not None and control is not None:
                             overs.setdefault(strategy, []).append(over_ratio)
                             baselines.setdefault(strategy, []).append(
@@ -273,7 +295,9 @@ def main(argv: list[str] | None = None) -> int:
         ratio, extra = statistics.median(ratios), max(extras)
         line = (
             f"{strategy}: blocked / floor {ratio:.2f}x (median over ranks and runs of each one's median; target "
-            f"≤ 1.1x: {'met' if ratio <= 1.1 else 'not met'}), extra RSS up to {extra:.2f}x what a rank stages"
+            f"≤ 1.1x: {'met' if ratio <= 1.1 else 'not met'}"
+            + (f"; in CPU time {statistics.median(cpus[strategy]):.2f}x" if cpus.get(strategy) else "")
+            + f"), extra RSS up to {extra:.2f}x what a rank stages"
         )
         if strategy in overs:
             over, gaps = max(overs[strategy]), baselines[strategy]
@@ -284,6 +308,12 @@ def main(argv: list[str] | None = None) -> int:
             )
         else:
             line += f" (target ≤ 1.1x: {'met' if extra <= 1.1 else 'not met'})"
+        if heaps.get(strategy):
+            top = max(heaps[strategy])
+            line += (
+                f"; in-process heap in use over the plain steps' {statistics.median(heaps[strategy]):.2f}x "
+                f"(median), up to {top:.2f}x what a rank stages (target ≤ 1.1x: {'met' if top <= 1.1 else 'not met'})"
+            )
         verdicts.append(line)
     for strategy in strategies:
         seconds = trims.get(strategy, [])
@@ -330,14 +360,20 @@ def main(argv: list[str] | None = None) -> int:
         f"- Load average (1/5/15 min) at start: {load_start}; at end: {load_end}.",
         f"- {title}. *blocked*: the time in the checkpoint callback's hooks at a checkpoint step (wrapped from "
         "outside) less the median at steps without one; *floor*: `copy_` of the rank's local tensors into buffers "
-        "allocated once, timed just before each checkpoint's hooks; *extra RSS*: the peak RSS from the first "
+        "allocated once, timed just before each checkpoint's hooks; *CPU*: the same two in the training thread's "
+        "CPU time (`time.thread_time`), which other processes' load does not stretch (nor does a wait in a collective "
+        "or for the GIL: the wall-clock ratio is the one the target is about); *extra RSS*: the peak RSS from the first "
         "checkpoint to the end of the run (the last commit included) over the peak of the plain steps before it (the staging buffers allocated in the background after "
         "the first step taken off the latter: they count in the extra). *control*: with `--control`, a "
         "`--no-saves` run of the same strategy beside each run (interleaved), its extra RSS the same way; *over "
         "control*: the checkpointing run's peak RSS from its first checkpoint to the end less the control's over "
         "the same steps (through its last step; its staging buffers, allocated in both, taken off it): what the "
         "checkpoints add to training's own memory; *aligned*: the same less the difference of the two runs' "
-        "baselines (the two processes' offset at the same step).",
+        "baselines (the two processes' offset at the same step). *heap in use*: the same window as *extra RSS*, "
+        "in glibc's bytes allocated and not freed (`mallinfo2`: every arena and mmapped block, sampled with the "
+        "RSS; the staging buffers taken off the plain steps' peak likewise): the checkpoint's own memory inside "
+        "the process (its staging buffers, what its writer and uploads hold), without the freed heap malloc keeps "
+        "(fragmentation, trims), which is what makes the RSS figures differ between two runs.",
         *(f"- {line}" for line in verdicts),
         "",
         *markdown_table(HEADERS, table),

@@ -369,6 +369,11 @@ class SpotEngine:
         """Make the sharded persister ahead of the first checkpoint (see :meth:`CheckpointWriter.prepare_sharded`)."""
         self.saves.prepare_sharded()
 
+    def prepare_state_file(self) -> None:
+        """Make the writer's state-file persister ahead of the first checkpoint (see
+        :meth:`CheckpointWriter.prepare_state_file`)."""
+        self.saves.prepare_state_file()
+
     def save_folder(
         self,
         step: int,

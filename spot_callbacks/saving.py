@@ -270,6 +270,12 @@ class CheckpointWriter:
         if self.refused_reason is None:
             self.persister_for(SHARDED_LAYOUT)
 
+    def prepare_state_file(self) -> None:
+        """Make the writer's state-file persister (:meth:`save_state`'s) now, before the first checkpoint,
+        which then does not start its threads in the loop. Not collective: the other ranks do nothing."""
+        if self.refused_reason is None and is_writer():
+            self.persister_for(STATE_LAYOUT)
+
     def save_state(
         self, step: int, epoch: int | None, state: Any, reason: str, extra: dict[str, Any] | None = None
     ) -> float:

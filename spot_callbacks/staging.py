@@ -253,7 +253,11 @@ def _fault_in(buffer: torch.Tensor) -> None:
     """Write one byte of every page of a new buffer, so the copy into it finds them resident."""
     if buffer.numel() and not buffer.is_pinned():  # pinned memory is resident already
         with torch.no_grad():
-            buffer.view(-1).view(torch.uint8)[::_PAGE].zero_()
+            data = buffer.view(-1).view(torch.uint8)
+            data[::_PAGE].zero_()
+            # The data rarely starts on a page boundary (malloc's header comes first): its last page
+            # is one past those the stride reaches.
+            data[-1:].zero_()
 
 
 class _Preparing:

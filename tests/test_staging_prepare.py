@@ -119,10 +119,17 @@ def test_hf_trainer_allocates_the_buffers_after_its_first_step_and_stages_into_t
 
 def test_lightning_allocates_the_buffers_after_its_first_step_and_stages_into_them(tmp_path: Path) -> None:
     spot = SpotCheckpoint(dirpath=str(tmp_path / "run"), interval=None, every_n_steps=3, preemption=[])
+    before_first_checkpoint: list[bool] = []
 
     class Wait(pl.Callback):
-        def on_train_batch_end(self, *args: Any) -> None:
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
             assert spot.engine.staging.wait_prepared(timeout=60)
+            # Before SpotCheckpoint's hook (Lightning runs Checkpoint callbacks last): after the first
+            # step boundary, before the first checkpoint, the writer's persister (its threads) is made.
+            if trainer.global_step == 2:
+                before_first_checkpoint.append(
+                    spot.engine.last_saved_step is None and spot.engine.saves.persister is not None
+                )
 
     model = BoringModel()
     trainer = pl.Trainer(callbacks=[spot, Wait()], max_steps=7, logger=False, enable_progress_bar=False,
@@ -134,6 +141,18 @@ def test_lightning_allocates_the_buffers_after_its_first_step_and_stages_into_th
     assert area.prepared_buffers_used == params  # BoringModel's SGD keeps no state: the weights
     [info, *_] = spot.store.committed()
     assert info.step == 3
+    assert before_first_checkpoint == [True]
+
+
+def test_the_background_allocation_touches_every_page_of_a_buffer_the_last_one_included() -> None:
+    whole = torch.empty(6 * 4096, dtype=torch.uint8)
+    start = -whole.data_ptr() % 4096 + 100  # three pages' bytes from 100 bytes into a page: four pages
+    buffer = whole[start : start + 3 * 4096]
+    buffer.fill_(0xFF)
+    staging._fault_in(buffer)
+    first_page = buffer.data_ptr() // 4096
+    touched = {(buffer.data_ptr() + int(i)) // 4096 - first_page for i in (buffer == 0).nonzero().flatten()}
+    assert touched == set(range((buffer.data_ptr() + buffer.numel() - 1) // 4096 - first_page + 1))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (pinned staging path)")

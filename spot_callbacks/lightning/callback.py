@@ -185,8 +185,11 @@ class _SpotCheckpointHooks:
             state = compat.tensors_to_stage(trainer, self._shard_handles)
             if state is not None:
                 self.engine.staging.prepare(state)
-            if compat.saves_sharded(trainer):  # its process groups are made here, not at the first checkpoint
+            # The persister's process groups or threads are made here, not at the first checkpoint.
+            if compat.saves_sharded(trainer):
                 self.engine.prepare_sharded()
+            else:
+                self.engine.prepare_state_file()
 
     def _save(self, trainer: Any, reason: str, fit_ended: bool = False) -> None:
         step, epoch = trainer.global_step, trainer.current_epoch

@@ -202,6 +202,9 @@ class ShardedPersister(RankGroupPersister[ShardedJob]):
                 use_non_blocking_copy=cuda,
             )
         )
+        # torch.save's first call in a process imports its config (~4 ms, 10 on a loaded box): paid here,
+        # where the persister is made ahead of the first checkpoint, not by that checkpoint's meta.pt.
+        serialize_meta({"warm-up": torch.zeros(1)})
         self._writer = threading.Thread(target=self._write_loop, name="spot-shard-writer", daemon=True)
         self._writer.start()
         self._uploader.start()
