@@ -6,7 +6,9 @@ import logging
 import posixpath
 import threading
 import time
+import uuid
 
+import pytest
 import torch
 from helpers.faultfs import FaultyFileSystem
 from helpers.reliability_counts import DAMAGED, record
@@ -130,3 +132,61 @@ def test_the_end_of_a_preemption_with_nothing_else_in_flight_says_nothing_about_
     messages = [r.getMessage() for r in caplog.records]
     assert any("emergency checkpoint committed" in m for m in messages)
     assert not any("not waiting for" in m for m in messages)
+
+
+def _s3_engine(s3_server, run: str, scratch) -> SpotEngine:
+    config = SpotConfig(
+        dirpath=f"s3://{s3_server.bucket}/{run}", storage_options=dict(s3_server.storage_options),
+        scratch_dir=str(scratch), preemption=[], interval=None,
+    )  # fmt: skip
+    return SpotEngine(config, framework="test")
+
+
+def _counting(monkeypatch, fs, name: str, calls: list[str], root: str, fail_first: bool = False) -> None:
+    """Count ``fs.<name>`` calls on the run folder ``root`` itself (not on a step folder under it)."""
+    real = getattr(fs, name)
+
+    def counted(path, *args, **kwargs):
+        if path.rstrip("/") != root:
+            return real(path, *args, **kwargs)
+        calls.append(name)
+        if fail_first and calls.count(name) == 1:
+            raise ConnectionResetError("the side listing's connection was reset")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(fs, name, counted)
+
+
+@pytest.mark.parametrize("side_listing_fails", [False, True], ids=["side-listing", "side-listing-fails"])
+def test_a_resume_before_the_start_lists_the_run_folder_once_with_its_probe(
+    s3_server, tmp_path, monkeypatch, side_listing_fails
+):
+    """Issue 28: HF's latest() probes the store, then resumes. The probe's listing of the run folder, and
+    the listing of its objects taken beside it, are the resume's: one LIST of each, where a probe and the
+    resume's own listings took two round trips. When the side listing fails, the resume takes it itself."""
+    run = uuid.uuid4().hex
+    writer = _s3_engine(s3_server, run, tmp_path / "a")
+    writer.start()
+    for step in (10, 20):
+        writer.save_state(step, 0, {"w": torch.full((8,), float(step))}, reason="steps")
+        writer.wait_for_commit()
+    writer.finish()
+
+    fresh = _s3_engine(s3_server, run, tmp_path / "b")
+    calls: list[str] = []
+    _counting(monkeypatch, fresh.store.fs, "ls", calls, fresh.store.root)
+    _counting(monkeypatch, fresh.store.fs, "find", calls, fresh.store.root, fail_first=side_listing_fails)
+    local = fresh.pull_latest()
+    assert local is not None and local.name == "step-000000020"
+    assert torch.load(local / STATE_FILE, weights_only=True)["w"][0].item() == 20.0
+    assert calls.count("ls") == 1
+    assert calls.count("find") == (2 if side_listing_fails else 1)
+
+
+def test_a_fresh_store_probed_before_the_start_is_not_listed_again(s3_server, tmp_path, monkeypatch):
+    fresh = _s3_engine(s3_server, uuid.uuid4().hex, tmp_path / "s")
+    calls: list[str] = []
+    _counting(monkeypatch, fresh.store.fs, "ls", calls, fresh.store.root)
+    _counting(monkeypatch, fresh.store.fs, "find", calls, fresh.store.root)
+    assert fresh.pull_latest() is None
+    assert calls == ["ls", "find"] or calls == ["find", "ls"]  # the probe's two, at once

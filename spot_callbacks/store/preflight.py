@@ -20,12 +20,13 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 import spot_callbacks.settings as settings
 from spot_callbacks.errors import AttemptTimeoutError, SpotError, StoreUnavailableError
 from spot_callbacks.store.backends import backend_of, fs_protocols
+from spot_callbacks.store.checkpoint_store import RunListing
 from spot_callbacks.store.diagnosis import Diagnosis, causes, diagnose
 from spot_callbacks.store.layout import list_folder, missing_root_reason, remove_file
 from spot_callbacks.store.retry import call_with_timeout
@@ -111,12 +112,57 @@ def probe_readable(store: CheckpointStore, budget_s: float | None = None) -> lis
     probe = _Probe(store, preflight_budget_s() if budget_s is None else budget_s, reading=True)
     entries = probe.attempt(probe.listing, "list dirpath")
     if not entries:
-        missing = probe.attempt(lambda: missing_root_reason(store.fs, store.root), "find dirpath's bucket")
-        # A missing local folder is as empty as a prefix with nothing under it: not an error here.
-        if missing is not None and not missing.startswith("no such folder"):
-            found = Diagnosis(True, missing, "create it first, or correct its name in dirpath")
-            raise probe.error("list dirpath", found, FileNotFoundError(missing))
+        _refuse_a_missing_bucket(probe)
     return entries
+
+
+def probe_listings(store: CheckpointStore, budget_s: float | None = None) -> RunListing:
+    """:func:`probe_readable` for a resume: its listing of the run folder, and every object under it
+    with its details listed at the same time (what orders the lineages: ``checkpoint_store.stored_times``),
+    handed to the resume (``resume.pull_latest``), which lists neither again: one round trip where a
+    probe and then the resume's own listings took two.
+
+    Only the probe's listing is bounded and diagnosed; the other one, on a thread beside it (object
+    stores; the local disk needs none), is taken as it comes: when it fails (or the probe does) the
+    resume lists the objects itself, as without a probe.
+
+    Example:
+        >>> from spot_callbacks.store import CheckpointStore
+        >>> probe_listings(CheckpointStore("memory://doc-probe/nothing-there"), budget_s=10)
+        RunListing(entries=[], objects={})
+    """
+    objects: list[dict[str, Any]] = []
+    lister = None
+    if not store._is_local:
+        lister = threading.Thread(target=_list_objects, args=(store, objects), name="spot-list", daemon=True)
+        lister.start()
+    entries = probe_readable(store, budget_s)  # raises for a store that cannot be read: nothing waits then
+    if lister is not None:
+        lister.join(settings.STORE_TIMEOUT_S.value())  # as one attempt of the resume's own listing may take
+    return RunListing(entries, objects[0] if objects else None)
+
+
+def _list_objects(store: CheckpointStore, into: list[dict[str, Any]]) -> None:
+    """Every object under ``store``'s run folder with its details, appended to ``into`` (nothing when
+    the listing fails: the caller lists again, with the store's retries)."""
+    try:
+        into.append(store.fs.find(store.root, withdirs=False, detail=True))
+    except FileNotFoundError:
+        into.append({})
+    except Exception:  # noqa: BLE001 - the resume lists again, and says what fails then
+        log.debug(
+            "spot_callbacks: listing the objects of %s beside the probe failed", store.url, exc_info=True
+        )
+
+
+def _refuse_a_missing_bucket(probe: _Probe) -> None:
+    """An empty listing: raise when the bucket itself is missing (a listing of it is just as empty)."""
+    store = probe.store
+    missing = probe.attempt(lambda: missing_root_reason(store.fs, store.root), "find dirpath's bucket")
+    # A missing local folder is as empty as a prefix with nothing under it: not an error here.
+    if missing is not None and not missing.startswith("no such folder"):
+        found = Diagnosis(True, missing, "create it first, or correct its name in dirpath")
+        raise probe.error("list dirpath", found, FileNotFoundError(missing))
 
 
 def preflight_enabled(enabled: bool | None = None) -> bool:
