@@ -17,11 +17,11 @@ from pathlib import Path
 
 from spot_callbacks._dist import barrier, broadcast_object
 from spot_callbacks.accounting.throughput import log_slow_pull
-from spot_callbacks.persist.dcp_safety import check_sharded_folder
 from spot_callbacks.progress import showing_progress
 from spot_callbacks.store import CheckpointInfo, CheckpointStore
 from spot_callbacks.store.checkpoint_store import RunListing, walk_down
 from spot_callbacks.store.commit import DAMAGE_ERRORS, lineage_of
+from spot_callbacks.store.layout import holds_dcp_index
 from spot_callbacks.store.meter import TransferMeter
 
 log = logging.getLogger("spot_callbacks")
@@ -167,6 +167,16 @@ def pull_latest(
         info.url, info.step, info.reason, resumed.pull_s,
     )  # fmt: skip
     return resumed
+
+
+def check_sharded_folder(folder: Path) -> None:
+    """:func:`spot_callbacks.persist.dcp_safety.check_sharded_folder` of a pulled checkpoint; DCP's modules
+    are imported only for a folder that holds a DCP index (a plain checkpoint's resume does without them,
+    and the check finds nothing to read there either)."""
+    if holds_dcp_index(folder):
+        from spot_callbacks.persist.dcp_safety import check_sharded_folder as check_dcp_pickles
+
+        check_dcp_pickles(folder)
 
 
 def pull_showing_progress(store: CheckpointStore, info: CheckpointInfo, folder: Path) -> Path:
