@@ -190,3 +190,38 @@ def test_a_fresh_store_probed_before_the_start_is_not_listed_again(s3_server, tm
     _counting(monkeypatch, fresh.store.fs, "find", calls, fresh.store.root)
     assert fresh.pull_latest() is None
     assert calls == ["ls", "find"] or calls == ["find", "ls"]  # the probe's two, at once
+
+
+def test_small_objects_are_read_in_one_request_each(s3_server, tmp_path, monkeypatch):
+    """Issue 28: s3fs given a max_concurrency over 1 (set for uploads) asks an object's size (a HEAD)
+    before reading it whole; a manifest, the preflight's probe and the run lock are read by one GET."""
+    import s3fs.core
+
+    run = uuid.uuid4().hex
+    writer = _s3_engine(s3_server, run, tmp_path / "a")
+    writer.start()
+    writer.save_state(10, 0, {"w": torch.ones(8)}, reason="steps")
+    writer.wait_for_commit()
+    requests: list[tuple[str, str]] = []
+    call_s3 = s3fs.core.S3FileSystem._call_s3
+
+    async def recorded(self, method, *args, **kwargs):
+        requests.append((getattr(method, "__name__", method), kwargs.get("Key", "")))
+        return await call_s3(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.core.S3FileSystem, "_call_s3", recorded)
+    assert writer.lease.lock is not None and writer.lease.lock.holder() is not None  # the live lock, read
+    writer.finish()
+    fresh = _s3_engine(s3_server, run, tmp_path / "b")
+    assert fresh.pull_latest() is not None
+    fresh.start()
+    fresh.finish()
+    gets = [key for method, key in requests if method == "get_object"]
+    heads = [key for method, key in requests if method == "head_object"]
+    assert any(key.endswith("/manifest.json") for key in gets)
+    assert any("/.spot-preflight-" in key for key in gets)
+    assert any(key.endswith("/.spot-lock.json") for key in gets)
+    assert not [key for key in heads if key.endswith("/manifest.json") or "/.spot-preflight-" in key]
+    on_lock = [method for method, key in requests if key.endswith("/.spot-lock.json")]
+    triples = list(zip(on_lock, on_lock[1:], on_lock[2:], strict=False))
+    assert ("head_object", "head_object", "get_object") not in triples  # its ETag's HEAD, then one GET

@@ -196,7 +196,7 @@ class CheckpointStore:
         limits = ManifestLimits.from_env()
         try:
             self._refuse_foreign(step)
-            raw = self.retry.call(lambda: self.fs.cat_file(path), f"read {self.url_of(path)}")
+            raw = self.retry.call(lambda: transfer.get_bytes(self.fs, path), f"read {self.url_of(path)}")
         except (FileNotFoundError, ForeignCheckpointError) as err:
             why = (
                 f"no {MANIFEST_NAME} in {self.step_url(step)}" if isinstance(err, FileNotFoundError) else err

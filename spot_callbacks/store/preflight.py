@@ -30,7 +30,7 @@ from spot_callbacks.store.checkpoint_store import RunListing
 from spot_callbacks.store.diagnosis import Diagnosis, causes, diagnose
 from spot_callbacks.store.layout import list_folder, missing_root_reason, remove_file
 from spot_callbacks.store.retry import call_with_timeout
-from spot_callbacks.store.transfer import put_bytes
+from spot_callbacks.store.transfer import get_bytes, put_bytes
 
 if TYPE_CHECKING:
     from spot_callbacks.store.checkpoint_store import CheckpointStore
@@ -245,7 +245,7 @@ class _Probe:
     def read_back(self) -> None:
         if hasattr(self.store.fs, "invalidate_cache"):
             self.store.fs.invalidate_cache(self.path)
-        raw = self.store.fs.cat_file(self.path)
+        raw = get_bytes(self.store.fs, self.path)
         if raw != self.payload:
             raise _ProbeMismatch(f"read {len(raw)} bytes back from {self.path}, wrote {len(self.payload)}")
 

@@ -72,7 +72,7 @@ from spot_callbacks.store.backends import conditional_writes, fs_protocols
 from spot_callbacks.store.checkpoint_store import CheckpointStore
 from spot_callbacks.store.layout import is_local_fs
 from spot_callbacks.store.manifest_limits import load_bounded_json
-from spot_callbacks.store.transfer import put_bytes
+from spot_callbacks.store.transfer import get_bytes, put_bytes
 
 log = logging.getLogger("spot_callbacks")
 
@@ -214,7 +214,7 @@ class RunLock:
                 size = self.store.retry.call(lambda: self.store.fs.size(self.path), f"check {self.url}")
             if size is not None and size > MAX_LOCK_BYTES:
                 return {"unreadable": f"{size} bytes, more than a lock's {MAX_LOCK_BYTES}"}
-            raw = self.store.retry.call(lambda: self.store.fs.cat_file(self.path), f"read {self.url}")
+            raw = self.store.retry.call(lambda: get_bytes(self.store.fs, self.path), f"read {self.url}")
         except FileNotFoundError:
             return None
         try:
