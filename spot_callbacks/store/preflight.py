@@ -60,8 +60,9 @@ def preflight(
     budget_s: float | None = None,
     enabled: bool | None = None,
     on_writable: Callable[[], None] | None = None,
-) -> None:
-    """Prove that ``store`` can hold checkpoints, or raise :class:`StoreUnavailableError` within ``budget_s``.
+) -> set[str] | None:
+    """Prove that ``store`` can hold checkpoints, or raise :class:`StoreUnavailableError` within ``budget_s``;
+    return the names its listing found directly in the run folder (``None``: not checked).
 
     ``budget_s`` defaults to ``$SPOT_PREFLIGHT_TIMEOUT_S`` (60 s); ``enabled`` to ``$SPOT_PREFLIGHT``
     (``0`` skips the check, with a warning). The error is logged as one line; each failed attempt's
@@ -72,8 +73,8 @@ def preflight(
     Example:
         >>> from spot_callbacks.store import CheckpointStore
         >>> store = CheckpointStore("memory://doc-preflight/run")
-        >>> preflight(store, budget_s=10); store.fs.exists(store.root)
-        False
+        >>> sorted(preflight(store, budget_s=10)), store.fs.exists(store.root)
+        ([], False)
     """
     if not preflight_enabled(enabled):
         log.warning(
@@ -84,7 +85,7 @@ def preflight(
         )  # fmt: skip
         if on_writable is not None:
             on_writable()
-        return
+        return None
     budget_s = preflight_budget_s() if budget_s is None else budget_s
     probe = _Probe(store, budget_s, on_writable=on_writable)
     try:
@@ -93,6 +94,7 @@ def preflight(
         log.error("spot_callbacks: %s", err)
         err.said_in_log = True
         raise
+    return probe.listed - {posixpath.basename(probe.path)}
 
 
 def probe_readable(store: CheckpointStore, budget_s: float | None = None) -> list[str]:
@@ -217,6 +219,7 @@ class _Probe:
         self.answered = False
         self.deadline = self.started + budget_s
         self.path = posixpath.join(store.root, f"{PROBE_PREFIX}{uuid.uuid4().hex[:12]}")
+        self.listed: set[str] = set()  # the names in the run folder, as the check's listing found them
         self.payload = f"spot_callbacks preflight of {store.url}\n".encode()
         self.protocol = fs_protocols(store.fs)[0]
         self.bucket = store.root if backend_of(self.protocol).local else store.root.lstrip("/").split("/")[0]
@@ -255,6 +258,7 @@ class _Probe:
         }
         if posixpath.basename(self.path) not in names:
             raise _ProbeNotListed(f"{self.path} is not listed under {self.store.root} yet")
+        self.listed = names
 
     def attempt(self, step: Callable[[], T], what: str) -> T:
         """``step`` until it succeeds (its value), fails permanently, or the budget is spent (then raise)."""

@@ -185,6 +185,9 @@ class RunLock:
         self._store_offset_s: float | None = None  # store clock minus this host's clock
         self._store_clock_probed = False
         self._cancel = threading.Event()  # ends a watch whose caller no longer wants the lock
+        # A listing of the run folder just taken (the preflight's) showed no lock: acquire() first tries
+        # to create it where writes are conditional, without reading it (a HEAD, and s3fs's LIST after a 404).
+        self.listed_absent = False
 
     @property
     def lost(self) -> bool:
@@ -376,7 +379,16 @@ class RunLock:
         thread, may start training meanwhile, writing nothing into the store until this returns.
         """
         self._cancel.clear()
-        for _ in range(CLAIM_ATTEMPTS):
+        for attempt in range(CLAIM_ATTEMPTS):
+            if attempt == 0 and self.listed_absent and self._conditional:
+                # No lock, by a listing just taken, as by holder() below: created only where none is
+                # (If-None-Match); refused, another run created it since (what holder() returning
+                # None and then a refused create means below too).
+                if self._claim():
+                    break
+                if (winner := self.holder()) is not None:
+                    raise self._lost_race_error(winner)
+                continue
             doc = self.holder()
             if doc is None:
                 if self._claim():
