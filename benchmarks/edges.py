@@ -99,6 +99,11 @@ def cpu_s(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
+def has_exited(pid: int) -> bool:
+    """True once the child ``pid`` has exited, left unreaped (:func:`reap` collects its status and rusage)."""
+    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+
+
 def reap(pid: int, timeout_s: float | None) -> tuple[int, float, float] | None:
     """Wait up to ``timeout_s`` for ``pid`` to exit: (return code, exit time, its CPU seconds), or None."""
     got: list[tuple[int, float, float]] = []
@@ -146,8 +151,8 @@ def one_machine(
     reader.start()
     if end == "term":
         enough.wait(timeout=300)
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
+        if not has_exited(proc.pid):  # not proc.poll(): it would reap the child, and reap() could not
+            os.kill(proc.pid, signal.SIGTERM)
     reaped = reap(proc.pid, args.grace_s if end == "term" else 600)
     if reaped is None:
         proc.kill()
