@@ -535,7 +535,7 @@ class SpotEngine:
                     # Before the start (HF's latest()): the preflight's bounds and one-line diagnosis,
                     # not a listing's retries ending in the backend's own error 25 s later; its
                     # listings are the resume's (one round trip, not a probe's and then the resume's).
-                    taken = probe_listings(self.store)
+                    taken = probe_listings(self.store, objects=rank() == 0)  # rank 0 picks the checkpoint
                 resumed = pull_latest(
                     self.store, dest or in_scratch, rank(), local_rank(), check, self._own_lineage(), taken
                 )

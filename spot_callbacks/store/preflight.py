@@ -118,7 +118,7 @@ def probe_readable(store: CheckpointStore, budget_s: float | None = None) -> lis
     return entries
 
 
-def probe_listings(store: CheckpointStore, budget_s: float | None = None) -> RunListing:
+def probe_listings(store: CheckpointStore, budget_s: float | None = None, objects: bool = True) -> RunListing:
     """:func:`probe_readable` for a resume: its listing of the run folder, and every object under it
     with its details listed at the same time (what orders the lineages: ``checkpoint_store.stored_times``),
     handed to the resume (``resume.pull_latest``), which lists neither again: one round trip where a
@@ -126,22 +126,23 @@ def probe_listings(store: CheckpointStore, budget_s: float | None = None) -> Run
 
     Only the probe's listing is bounded and diagnosed; the other one, on a thread beside it (object
     stores; the local disk needs none), is taken as it comes: when it fails (or the probe does) the
-    resume lists the objects itself, as without a probe.
+    resume lists the objects itself, as without a probe. ``objects=False``: the probe's listing only
+    (a rank that does not pick the checkpoint: one recursive listing per run, not one per rank).
 
     Example:
         >>> from spot_callbacks.store import CheckpointStore
         >>> probe_listings(CheckpointStore("memory://doc-probe/nothing-there"), budget_s=10)
         RunListing(entries=[], objects={})
     """
-    objects: list[dict[str, Any]] = []
+    found: list[dict[str, Any]] = []
     lister = None
-    if not store._is_local:
-        lister = threading.Thread(target=_list_objects, args=(store, objects), name="spot-list", daemon=True)
+    if objects and not store._is_local:
+        lister = threading.Thread(target=_list_objects, args=(store, found), name="spot-list", daemon=True)
         lister.start()
     entries = probe_readable(store, budget_s)  # raises for a store that cannot be read: nothing waits then
     if lister is not None:
         lister.join(settings.STORE_TIMEOUT_S.value())  # as one attempt of the resume's own listing may take
-    return RunListing(entries, objects[0] if objects else None)
+    return RunListing(entries, found[0] if found else None)
 
 
 def _list_objects(store: CheckpointStore, into: list[dict[str, Any]]) -> None:
