@@ -49,7 +49,7 @@ from _common import (
 )
 from _replay_outcome import parse_markers, ready_at
 from _servers import make_bucket, s3_options
-from replay import Replay, s3_server
+from replay import Replay, byte_compile_library, s3_server
 
 VARIANTS = ("hf-spot", "spot", "spot-auto", "hf-steps", "mc")
 ENDS = ("term", "normal")
@@ -99,6 +99,11 @@ def cpu_s(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
+def has_exited(pid: int) -> bool:
+    """True once the child ``pid`` has exited, left unreaped (:func:`reap` collects its status and rusage)."""
+    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+
+
 def reap(pid: int, timeout_s: float | None) -> tuple[int, float, float] | None:
     """Wait up to ``timeout_s`` for ``pid`` to exit: (return code, exit time, its CPU seconds), or None."""
     got: list[tuple[int, float, float]] = []
@@ -146,8 +151,8 @@ def one_machine(
     reader.start()
     if end == "term":
         enough.wait(timeout=300)
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
+        if not has_exited(proc.pid):  # not proc.poll(): it would reap the child, and reap() could not
+            os.kill(proc.pid, signal.SIGTERM)
     reaped = reap(proc.pid, args.grace_s if end == "term" else 600)
     if reaped is None:
         proc.kill()
@@ -174,6 +179,8 @@ def one_machine(
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     trees = [str(Path(tree).resolve()) for tree in args.trees.split(",")]
+    for tree in trees:
+        byte_compile_library(tree)
     variants = args.variants
     workdir = Path(tempfile.mkdtemp(prefix="spot-edges-"))
     (workdir / "logs").mkdir()
@@ -229,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         f"- Each machine: the replay's child (MLP {args.layers}×{args.width}, heap kept) on a fresh machine; "
         f"term: SIGTERM after {args.steps_before_term} steps; normal: {args.normal_steps} steps and the end of "
         "training; a fresh store, then a resume from it; trees and variants interleaved, their order alternating "
-        "per round. CPU s: the child's user + system seconds (all threads) from spawn to the first step's "
+        "per round; each tree's library byte-compiled first, as installed from its wheel. CPU s: the child's user + system seconds (all threads) from spawn to the first step's "
         "marker, and from the last step's marker to its exit (`/proc`, then the kernel's rusage at exit).",
         f"- Load average (1, 5, 15 min): before {load_before}; after {load_average()}",
         "",

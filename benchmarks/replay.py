@@ -24,6 +24,7 @@ variant alike; the section then gives each variant's mean over the rounds beside
 from __future__ import annotations
 
 import argparse
+import compileall
 import contextlib
 import json
 import os
@@ -462,9 +463,20 @@ def command_line(args: argparse.Namespace) -> str:
     return " ".join(parts)
 
 
+def byte_compile_library(tree: str | Path) -> None:
+    """Byte-compile the library in ``tree`` (its ``__pycache__``), as pip does when it installs the wheel.
+
+    The frameworks' modules come compiled from their wheels; the library's, imported from a checkout by
+    a machine started with ``PYTHONDONTWRITEBYTECODE=1`` (this box sets it), would be compiled from
+    source at every spawn: ~0.1 s of CPU (100-170 modules) that no installed library pays.
+    """
+    compileall.compile_dir(str(Path(tree) / "spot_callbacks"), quiet=1)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the child, moto and the folder go
+    byte_compile_library(REPO_ROOT)
     workdir = Path(tempfile.mkdtemp(prefix="spot-replay-"))
     load_before = os.getloadavg()
     started = time.monotonic()
@@ -510,7 +522,8 @@ def main(argv: list[str] | None = None) -> int:
         f"- `uname -a`: `{uname}`; nproc {os.cpu_count()}",
         f"- Job: MLP {args.layers}×{args.width} on CPU (1 thread), {args.steps} steps; interval {args.interval_s:g} s, "
         f"SPOT_SIGNAL_GRACE_S={args.grace_s:g}; restart {args.restart_gap_s:g} s after the previous machine "
-        f"ended, each a new machine (empty cwd, HOME, TMPDIR, SPOT_SCRATCH; own host name); one {args.store} S3 store"
+        f"ended, each a new machine (empty cwd, HOME, TMPDIR, SPOT_SCRATCH; own host name; the library byte-compiled "
+        f"first, as installed from its wheel); one {args.store} S3 store"
         + (
             f"; every machine with {' '.join(f'{k}={v}' for k, v in KEEP_HEAP.items())}."
             if args.keep_heap

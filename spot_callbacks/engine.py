@@ -51,7 +51,7 @@ from spot_callbacks.staging import StagingArea
 from spot_callbacks.store import CheckpointStore, step_dirname
 from spot_callbacks.store.checksums import FileDigest
 from spot_callbacks.store.layout import STATE_FILE
-from spot_callbacks.store.preflight import preflight_enabled, probe_readable
+from spot_callbacks.store.preflight import preflight_enabled, probe_listings
 from spot_callbacks.store.runlock import RELEASE_TIMEOUT_S
 from spot_callbacks.trigger import CheckpointTrigger, rules
 
@@ -536,12 +536,14 @@ class SpotEngine:
         self._claim_scratch()
         try:
             with exit_on_notice(self.watcher.sources, "pulling the checkpoint to resume from"):
+                taken = None
                 if not self.running and preflight_enabled():
                     # Before the start (HF's latest()): the preflight's bounds and one-line diagnosis,
-                    # not a listing's retries ending in the backend's own error 25 s later.
-                    probe_readable(self.store)
+                    # not a listing's retries ending in the backend's own error 25 s later; its
+                    # listings are the resume's (one round trip, not a probe's and then the resume's).
+                    taken = probe_listings(self.store, objects=rank() == 0)  # rank 0 picks the checkpoint
                 resumed = pull_latest(
-                    self.store, dest or in_scratch, rank(), local_rank(), check, self._own_lineage()
+                    self.store, dest or in_scratch, rank(), local_rank(), check, self._own_lineage(), taken
                 )
         except SystemExit:
             self.attempt.close("preempted")

@@ -17,11 +17,11 @@ from pathlib import Path
 
 from spot_callbacks._dist import barrier, broadcast_object
 from spot_callbacks.accounting.throughput import log_slow_pull
-from spot_callbacks.persist.dcp_safety import check_sharded_folder
 from spot_callbacks.progress import showing_progress
 from spot_callbacks.store import CheckpointInfo, CheckpointStore
-from spot_callbacks.store.checkpoint_store import walk_down
+from spot_callbacks.store.checkpoint_store import RunListing, walk_down
 from spot_callbacks.store.commit import DAMAGE_ERRORS, lineage_of
+from spot_callbacks.store.layout import holds_dcp_index
 from spot_callbacks.store.meter import TransferMeter
 
 log = logging.getLogger("spot_callbacks")
@@ -42,11 +42,13 @@ def pull_newest_valid(
     folder_for: Callable[[int], Path],
     check: Callable[[Path, CheckpointInfo], None] | None = None,
     own: str | None = None,
+    taken: RunListing | None = None,
 ) -> CheckpointInfo | None:
     """Pull the newest checkpoint that downloads intact; a damaged one is skipped for the previous.
 
     ``own``: the lineage of a run that resumes again while it runs (it committed or resumed): its
     checkpoints come first, whatever another lineage wrote since (``commit.current_lineage``).
+    ``taken``: the run folder's listings taken just before (the preflight's probe), not taken again.
 
     ``check(folder, info)``, the framework's, raises :class:`~spot_callbacks.errors.CorruptCheckpointError`
     for a payload it cannot load (a truncated file behind a matching manifest, another kind of
@@ -74,7 +76,7 @@ def pull_newest_valid(
                 problem = str(err) or type(err).__name__
         return problem
 
-    found, seen = walk_down(store, problem_of, own)
+    found, seen = walk_down(store, problem_of, own, taken)
     if found is not None:
         say_lineage(store, found, seen)
     return found
@@ -136,16 +138,17 @@ def pull_latest(
     local_rank: int,
     check: Callable[[Path, CheckpointInfo], None] | None = None,
     own: str | None = None,
+    taken: RunListing | None = None,
 ) -> ResumeInfo | None:
     """The newest valid checkpoint, pulled on every node into ``folder_for(step)`` (collective).
 
-    Every rank gets the same answer (rank 0 decides); ``None`` when nothing is committed. ``own``:
-    see :func:`pull_newest_valid`.
+    Every rank gets the same answer (rank 0 decides); ``None`` when nothing is committed. ``own``,
+    ``taken`` (rank 0's): see :func:`pull_newest_valid`.
     """
     started = time.perf_counter()
     if local_rank == 0:
         store.warm_data_plane()  # while the manifests are read
-    info = pull_newest_valid(store, folder_for, check, own) if rank == 0 else None
+    info = pull_newest_valid(store, folder_for, check, own, taken) if rank == 0 else None
     info = broadcast_object(info)
     say = log.info if rank == 0 else log.debug  # once per run, not once per rank
     if info is None:
@@ -164,6 +167,16 @@ def pull_latest(
         info.url, info.step, info.reason, resumed.pull_s,
     )  # fmt: skip
     return resumed
+
+
+def check_sharded_folder(folder: Path) -> None:
+    """:func:`spot_callbacks.persist.dcp_safety.check_sharded_folder` of a pulled checkpoint; DCP's modules
+    are imported only for a folder that holds a DCP index (a plain checkpoint's resume does without them,
+    and the check finds nothing to read there either)."""
+    if holds_dcp_index(folder):
+        from spot_callbacks.persist.dcp_safety import check_sharded_folder as check_dcp_pickles
+
+        check_dcp_pickles(folder)
 
 
 def pull_showing_progress(store: CheckpointStore, info: CheckpointInfo, folder: Path) -> Path:

@@ -6,7 +6,9 @@ import logging
 import posixpath
 import threading
 import time
+import uuid
 
+import pytest
 import torch
 from helpers.faultfs import FaultyFileSystem
 from helpers.reliability_counts import DAMAGED, record
@@ -130,3 +132,96 @@ def test_the_end_of_a_preemption_with_nothing_else_in_flight_says_nothing_about_
     messages = [r.getMessage() for r in caplog.records]
     assert any("emergency checkpoint committed" in m for m in messages)
     assert not any("not waiting for" in m for m in messages)
+
+
+def _s3_engine(s3_server, run: str, scratch) -> SpotEngine:
+    config = SpotConfig(
+        dirpath=f"s3://{s3_server.bucket}/{run}", storage_options=dict(s3_server.storage_options),
+        scratch_dir=str(scratch), preemption=[], interval=None,
+    )  # fmt: skip
+    return SpotEngine(config, framework="test")
+
+
+def _counting(monkeypatch, fs, name: str, calls: list[str], root: str, fail_first: bool = False) -> None:
+    """Count ``fs.<name>`` calls on the run folder ``root`` itself (not on a step folder under it)."""
+    real = getattr(fs, name)
+
+    def counted(path, *args, **kwargs):
+        if path.rstrip("/") != root:
+            return real(path, *args, **kwargs)
+        calls.append(name)
+        if fail_first and calls.count(name) == 1:
+            raise ConnectionResetError("the side listing's connection was reset")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(fs, name, counted)
+
+
+@pytest.mark.parametrize("side_listing_fails", [False, True], ids=["side-listing", "side-listing-fails"])
+def test_a_resume_before_the_start_lists_the_run_folder_once_with_its_probe(
+    s3_server, tmp_path, monkeypatch, side_listing_fails
+):
+    """Issue 28: HF's latest() probes the store, then resumes. The probe's listing of the run folder, and
+    the listing of its objects taken beside it, are the resume's: one LIST of each, where a probe and the
+    resume's own listings took two round trips. When the side listing fails, the resume takes it itself."""
+    run = uuid.uuid4().hex
+    writer = _s3_engine(s3_server, run, tmp_path / "a")
+    writer.start()
+    for step in (10, 20):
+        writer.save_state(step, 0, {"w": torch.full((8,), float(step))}, reason="steps")
+        writer.wait_for_commit()
+    writer.finish()
+
+    fresh = _s3_engine(s3_server, run, tmp_path / "b")
+    calls: list[str] = []
+    _counting(monkeypatch, fresh.store.fs, "ls", calls, fresh.store.root)
+    _counting(monkeypatch, fresh.store.fs, "find", calls, fresh.store.root, fail_first=side_listing_fails)
+    local = fresh.pull_latest()
+    assert local is not None and local.name == "step-000000020"
+    assert torch.load(local / STATE_FILE, weights_only=True)["w"][0].item() == 20.0
+    assert calls.count("ls") == 1
+    assert calls.count("find") == (2 if side_listing_fails else 1)
+
+
+def test_a_fresh_store_probed_before_the_start_is_not_listed_again(s3_server, tmp_path, monkeypatch):
+    fresh = _s3_engine(s3_server, uuid.uuid4().hex, tmp_path / "s")
+    calls: list[str] = []
+    _counting(monkeypatch, fresh.store.fs, "ls", calls, fresh.store.root)
+    _counting(monkeypatch, fresh.store.fs, "find", calls, fresh.store.root)
+    assert fresh.pull_latest() is None
+    assert calls == ["ls", "find"] or calls == ["find", "ls"]  # the probe's two, at once
+
+
+def test_small_objects_are_read_in_one_request_each(s3_server, tmp_path, monkeypatch):
+    """Issue 28: s3fs given a max_concurrency over 1 (set for uploads) asks an object's size (a HEAD)
+    before reading it whole; a manifest, the preflight's probe and the run lock are read by one GET."""
+    import s3fs.core
+
+    run = uuid.uuid4().hex
+    writer = _s3_engine(s3_server, run, tmp_path / "a")
+    writer.start()
+    writer.save_state(10, 0, {"w": torch.ones(8)}, reason="steps")
+    writer.wait_for_commit()
+    requests: list[tuple[str, str]] = []
+    call_s3 = s3fs.core.S3FileSystem._call_s3
+
+    async def recorded(self, method, *args, **kwargs):
+        requests.append((getattr(method, "__name__", method), kwargs.get("Key", "")))
+        return await call_s3(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.core.S3FileSystem, "_call_s3", recorded)
+    assert writer.lease.lock is not None and writer.lease.lock.holder() is not None  # the live lock, read
+    writer.finish()
+    fresh = _s3_engine(s3_server, run, tmp_path / "b")
+    assert fresh.pull_latest() is not None
+    fresh.start()
+    fresh.finish()
+    gets = [key for method, key in requests if method == "get_object"]
+    heads = [key for method, key in requests if method == "head_object"]
+    assert any(key.endswith("/manifest.json") for key in gets)
+    assert any("/.spot-preflight-" in key for key in gets)
+    assert any(key.endswith("/.spot-lock.json") for key in gets)
+    assert not [key for key in heads if key.endswith("/manifest.json") or "/.spot-preflight-" in key]
+    on_lock = [method for method, key in requests if key.endswith("/.spot-lock.json")]
+    triples = list(zip(on_lock, on_lock[1:], on_lock[2:], strict=False))
+    assert ("head_object", "head_object", "get_object") not in triples  # its ETag's HEAD, then one GET

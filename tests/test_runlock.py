@@ -236,3 +236,47 @@ def test_a_lightning_fit_refused_by_a_live_lock_writes_nothing_into_its_dirpath(
     )
     assert after == before  # the lock aside (rewritten in place), not one object more
     assert json.loads(store.fs.cat_file(f"{store.root}/{LOCK_NAME}"))["run_id"] == "f" * 32
+
+
+def test_a_start_whose_preflight_listed_no_lock_creates_it_without_reading_it_first(
+    s3_server, tmp_path
+) -> None:
+    """Issue 28: the preflight's listing of the run folder, just taken, showed no lock: the lock is created
+    by a conditional write straight away (no HEAD of a missing lock, no s3fs LIST after its 404)."""
+    import s3fs.core
+
+    url, options = f"s3://{s3_server.bucket}/lock-{tmp_path.name}", dict(s3_server.storage_options)
+    engine = _engine(url, options)
+    on_lock: list[str] = []
+    call_s3 = s3fs.core.S3FileSystem._call_s3
+
+    async def recorded(self, method, *args, **kwargs):
+        name = getattr(method, "__name__", method)
+        if kwargs.get("Key", "").endswith(LOCK_NAME) or kwargs.get("Prefix", "").startswith(
+            f"lock-{tmp_path.name}/{LOCK_NAME}"
+        ):
+            on_lock.append(name)
+        return await call_s3(self, method, *args, **kwargs)
+
+    s3fs.core.S3FileSystem._call_s3 = recorded
+    try:
+        engine.start()
+    finally:
+        s3fs.core.S3FileSystem._call_s3 = call_s3
+    try:
+        assert on_lock == ["put_object"]
+        assert RunLock(engine.store).holder()["run_id"] == engine.lease.lock.run_id
+    finally:
+        engine.finish()
+
+
+def test_a_lock_created_after_the_listing_that_showed_none_refuses_the_late_run(s3_server, tmp_path) -> None:
+    """The listing said no lock, but another run created one since: the conditional create is refused and
+    the late run raises, naming the winner (as when holder() read none and the create was refused)."""
+    url, options = f"s3://{s3_server.bucket}/lock-{tmp_path.name}", dict(s3_server.storage_options)
+    _write_foreign_lock(url, options)  # the winner, after the late run's listing
+    late = RunLock(CheckpointStore(url, storage_options=options))
+    late.listed_absent = True
+    with pytest.raises(RunLockedError, match="another run took the run lock first.*other-host"):
+        late.acquire()
+    assert RunLock(CheckpointStore(url, storage_options=options)).holder()["run_id"] == "f" * 32

@@ -22,12 +22,13 @@ from helpers.faultfs import FaultyFileSystem
 from helpers.reliability_counts import FAULTS, record
 from lightning.pytorch.demos.boring_classes import BoringModel
 
+import spot_callbacks.persist.scratch_folders as scratch_folders
 from spot_callbacks import CheckpointStore, ConfigError, SpotConfig
 from spot_callbacks.cli import main
 from spot_callbacks.engine import SpotEngine
 from spot_callbacks.lightning import SpotCheckpoint
 from spot_callbacks.persist.scratch import default_scratch_root
-from spot_callbacks.persist.scratch_folders import RECORD_NAME, ScratchClaim, list_scratch
+from spot_callbacks.persist.scratch_folders import RECORD_NAME, ScratchClaim, list_scratch, wait_for_sweeps
 from spot_callbacks.store import MANIFEST_NAME, parse_step_dirname, transfer
 from spot_callbacks.store.retry import RetryPolicy
 
@@ -399,8 +400,57 @@ def test_a_new_run_deletes_other_dirpaths_folders_past_the_keep_time(
         SpotConfig(dirpath=str(tmp_path / "store"), interval=None, preemption=[], scratch_dir=str(base)),
         "demo",
     )
+    assert wait_for_sweeps(timeout_s=60)
     assert not old.exists()
     assert recent.is_dir() and holder.is_dir() and stranger.is_dir()  # newer than 7 days; held by a live run
+
+
+def test_the_start_does_not_wait_for_the_sweep_of_old_folders(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 28: on a machine reused for many runs, sizing and deleting old folders is not paid before
+    the first step: the engine is made (its folder recorded and held) while the sweep is still blocked."""
+    base = tmp_path / "base"
+    old = make_folder(base, "s3://bucket/old", age_s=8 * DAY_S)
+    release, sweeping = threading.Event(), threading.Event()
+    sweep = scratch_folders.sweep_scratch
+
+    def blocked_sweep(*args, **kwargs):
+        sweeping.set()
+        assert release.wait(timeout=60)
+        return sweep(*args, **kwargs)
+
+    monkeypatch.setattr(scratch_folders, "sweep_scratch", blocked_sweep)
+    try:
+        engine = SpotEngine(
+            SpotConfig(dirpath=str(tmp_path / "store"), interval=None, preemption=[], scratch_dir=str(base)),
+            "demo",
+        )
+        assert sweeping.wait(timeout=60)
+        held = {folder.path: folder.held_by for folder in list_scratch(base)}
+        assert held == {engine.scratch_root: f"pid {os.getpid()}", old: None}  # made, held; nothing swept yet
+        assert not wait_for_sweeps(timeout_s=0)  # the sweep still runs
+    finally:
+        release.set()
+    with caplog.at_level("INFO", logger="spot_callbacks"):
+        assert wait_for_sweeps(timeout_s=60)
+    assert not old.exists() and engine.scratch_root.is_dir()
+    assert any("deleted 1 folder of other dirpaths" in r.getMessage() for r in caplog.records)
+
+
+def test_a_sweep_reads_only_the_records_of_folders_used_within_the_keep_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sweep sizes (walks) only the folders whose record is older than the keep time."""
+    base = tmp_path / "base"
+    old = make_folder(base, "s3://bucket/old", age_s=8 * DAY_S)
+    recents = [make_folder(base, f"s3://bucket/recent-{i}", age_s=DAY_S) for i in range(3)]
+    walked: list[Path] = []
+    walk = scratch_folders._walk
+    monkeypatch.setattr(scratch_folders, "_walk", lambda folder: walked.append(folder) or walk(folder))
+    deleted = scratch_folders.sweep_scratch(base, older_than_s=7 * DAY_S)
+    assert [folder.path for folder in deleted] == [old] and walked == [old]
+    assert all(folder.is_dir() for folder in recents)
 
 
 def test_the_keep_time_is_a_knob(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -410,11 +460,13 @@ def test_the_keep_time_is_a_knob(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     SpotEngine(
         SpotConfig(dirpath=str(tmp_path / "a"), interval=None, preemption=[], scratch_dir=str(base)), "demo"
     )
+    assert wait_for_sweeps(timeout_s=60)
     assert old.is_dir()
     monkeypatch.setenv("SPOT_SCRATCH_KEEP_S", "1h")
     SpotEngine(
         SpotConfig(dirpath=str(tmp_path / "b"), interval=None, preemption=[], scratch_dir=str(base)), "demo"
     )
+    assert wait_for_sweeps(timeout_s=60)
     assert not old.exists()
 
 

@@ -51,10 +51,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from spot_callbacks.errors import CorruptCheckpointError, UnsafeCheckpointError
-from spot_callbacks.store.layout import DCP_METADATA_FILE
+from spot_callbacks.store.layout import DCP_METADATA_FILE, is_dcp_index
 
 METADATA_NAME = DCP_METADATA_FILE
-_RANK_METADATA = re.compile(r"__\d+\.metadata")  # DCP's rank-local index (use_collectives=False)
 
 
 def _torch_constants() -> dict[tuple[str, str], Any]:
@@ -221,7 +220,7 @@ def is_metadata_file(path: Path) -> bool:
         >>> [is_metadata_file(Path(n)) for n in (".metadata", "__3.metadata", "meta.pt")]
         [True, True, False]
     """
-    return path.name == METADATA_NAME or _RANK_METADATA.fullmatch(path.name) is not None
+    return is_dcp_index(path.name)
 
 
 def check_dcp_folder(folder: str | os.PathLike[str]) -> int:

@@ -10,7 +10,8 @@ checked from here), is *held*, and nothing deletes it.
 
 The policy (:func:`claim_scratch`, called once when an engine is made): the run records its own
 folder, then deletes the other dirpaths' folders of the same base not used for longer than
-``$SPOT_SCRATCH_KEEP_S`` (7 days) that no live run holds. ``spot-callbacks scratch`` lists them all
+``$SPOT_SCRATCH_KEEP_S`` (7 days) that no live run holds, on a thread of its own (``spot-scratch-sweep``):
+a machine reused for many runs does not wait for it before its first step. ``spot-callbacks scratch`` lists them all
 and ``--clean`` deletes what no live run holds. Nothing outside the base is deleted, nothing through
 a link, and in a base the user chose (``scratch_dir=``, ``$SPOT_SCRATCH``) only folders with a record.
 """
@@ -26,6 +27,7 @@ import re
 import shutil
 import socket
 import stat
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -220,25 +222,30 @@ def list_scratch(base: Path | None = None) -> list[ScratchFolder]:
         False
     """
     base = scratch_base() if base is None else Path(base)
+    found = [_scan(path, _read_json(path / RECORD_NAME)) for path in _scratch_paths(base)]
+    return sorted((folder for folder in found if folder is not None), key=lambda folder: folder.last_used)
+
+
+def _scratch_paths(base: Path) -> list[Path]:
+    """The scratch folders of ``base`` (:func:`_is_scratch_folder`), by name."""
     base_is_ours = base == per_user_base()
-    found = []
-    for path in sorted(base.iterdir()) if base.is_dir() and not base.is_symlink() else ():
-        if not _is_scratch_folder(path, base_is_ours):
-            continue
-        record = _read_json(path / RECORD_NAME)
-        dirpath = record.get("dirpath")
-        recorded = record.get("last_used")
-        try:
-            size, newest = _walk(path)
-        except OSError:
-            continue
-        recorded_s = _recorded_time(recorded)
-        last_used = newest if recorded_s is None else max(newest, recorded_s)
-        held_by = _live_holder(path)
-        found.append(
-            ScratchFolder(path, dirpath if isinstance(dirpath, str) else None, size, last_used, held_by)
-        )
-    return sorted(found, key=lambda folder: folder.last_used)
+    paths = sorted(base.iterdir()) if base.is_dir() and not base.is_symlink() else []
+    return [path for path in paths if _is_scratch_folder(path, base_is_ours)]
+
+
+def _scan(path: Path, record: dict[str, object]) -> ScratchFolder | None:
+    """The folder ``path`` with its ``record`` read: sized, its last use and its holder found (``None``:
+    it went away)."""
+    dirpath = record.get("dirpath")
+    try:
+        size, newest = _walk(path)
+    except OSError:
+        return None
+    recorded_s = _recorded_time(record.get("last_used"))
+    last_used = newest if recorded_s is None else max(newest, recorded_s)
+    return ScratchFolder(
+        path, dirpath if isinstance(dirpath, str) else None, size, last_used, _live_holder(path)
+    )
 
 
 def delete_scratch_folder(folder: ScratchFolder, base: Path) -> bool:
@@ -246,7 +253,18 @@ def delete_scratch_folder(folder: ScratchFolder, base: Path) -> bool:
     path = folder.path
     if path.parent != Path(base) or os.path.islink(path) or _live_holder(path) is not None:
         return False
-    shutil.rmtree(path, ignore_errors=True)  # rmtree never follows a link inside the folder
+    # The record goes last: a deletion cut short (the process exits while a sweep runs) leaves a folder
+    # that is still recognised, in a base the user chose too, and is deleted by a later sweep.
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(path):
+            if entry.name == RECORD_NAME:
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)  # rmtree never follows a link inside
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+    shutil.rmtree(path, ignore_errors=True)
     return not os.path.lexists(path)
 
 
@@ -344,23 +362,74 @@ def drop_unused_scratch_root(root: Path) -> bool:
 
 def claim_scratch(root: Path, store_url: str) -> ScratchClaim:
     """Record and hold ``root`` for ``store_url``; delete the other dirpaths' folders of its base that
-    no live run holds and nobody used for ``$SPOT_SCRATCH_KEEP_S`` (``off``: keep them all)."""
+    no live run holds and nobody used for ``$SPOT_SCRATCH_KEEP_S`` (``off``: keep them all), on a
+    daemon thread (:func:`wait_for_sweeps`): the hold is taken when this returns, the sweep may go on."""
     claim = ScratchClaim(root, store_url)
     keep_s = settings.SCRATCH_KEEP_S.value()
     if keep_s is not None:
-        sweep_scratch(Path(root).parent, older_than_s=keep_s, keep=Path(root))
+        sweep = threading.Thread(
+            target=_sweep_quietly, args=(Path(root).parent, keep_s, Path(root)), name="spot-scratch-sweep",
+            daemon=True,
+        )  # fmt: skip
+        with _SWEEPS_LOCK:
+            _SWEEPS.append(sweep)
+        sweep.start()
     return claim
+
+
+_SWEEPS: list[threading.Thread] = []  # the sweeps this process started (claim_scratch)
+_SWEEPS_LOCK = threading.Lock()
+
+
+def wait_for_sweeps(timeout_s: float | None = None) -> bool:
+    """Wait for the sweeps :func:`claim_scratch` started in this process; False if one still runs
+    after ``timeout_s``.
+
+    Example:
+        >>> wait_for_sweeps(timeout_s=10)
+        True
+    """
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    with _SWEEPS_LOCK:
+        sweeps = list(_SWEEPS)
+    for sweep in sweeps:
+        sweep.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    with _SWEEPS_LOCK:
+        _SWEEPS[:] = [sweep for sweep in _SWEEPS if sweep.is_alive()]
+        return not _SWEEPS
+
+
+def _sweep_quietly(base: Path, older_than_s: float, keep: Path) -> None:
+    """:func:`sweep_scratch` on the sweep's thread: what fails there is said, and training goes on."""
+    try:
+        sweep_scratch(base, older_than_s=older_than_s, keep=keep)
+    except Exception:  # noqa: BLE001 - a folder left for the next sweep is no reason to stop a run
+        log.warning("spot_callbacks: scratch %s: the sweep of old folders failed", base, exc_info=True)
 
 
 def sweep_scratch(
     base: Path, older_than_s: float | None = None, keep: Path | None = None
 ) -> list[ScratchFolder]:
     """Delete the folders of ``base`` that no live run holds (``older_than_s``: only those not used for
-    that long; ``keep``: never this one). Returns what was deleted."""
+    that long; ``keep``: never this one). Returns what was deleted.
+
+    A folder whose record says it was used within ``older_than_s`` is kept without walking its files
+    (its last use is never older than its record's): only the candidates are sized.
+    """
     now = time.time()
     deleted = []
-    for folder in list_scratch(base):
-        if folder.held or folder.path == keep:
+    candidates = []
+    for path in _scratch_paths(base):
+        if path == keep:
+            continue
+        record = _read_json(path / RECORD_NAME)
+        recorded_s = _recorded_time(record.get("last_used"))
+        if older_than_s is not None and recorded_s is not None and now - recorded_s < older_than_s:
+            continue
+        if (folder := _scan(path, record)) is not None:
+            candidates.append(folder)
+    for folder in sorted(candidates, key=lambda folder: folder.last_used):
+        if folder.held:
             continue
         if older_than_s is not None and now - folder.last_used < older_than_s:
             continue

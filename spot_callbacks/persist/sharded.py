@@ -36,7 +36,6 @@ import torch.distributed as dist
 
 from spot_callbacks._dist import gather_states_to_first
 from spot_callbacks.persist.dcp_digests import digesting_writer, written_digests
-from spot_callbacks.persist.dcp_safety import SafeFileSystemReader, SafeLoadPlanner, check_dcp_folder
 from spot_callbacks.persist.rank_group import RankGroup, RankGroupPersister
 from spot_callbacks.persist.scratch import discard_folder, discard_leftover_step_folders
 from spot_callbacks.persist.shards import as_global
@@ -88,6 +87,9 @@ def load_sharded_state(folder: str | os.PathLike[str], state: dict[str, Any]) ->
         tensor([0., 1., 2.])
     """
     import torch.distributed.checkpoint as dcp
+
+    # Here, not at the top: torch.distributed.checkpoint is imported only where a sharded checkpoint is.
+    from spot_callbacks.persist.dcp_safety import SafeFileSystemReader, SafeLoadPlanner, check_dcp_folder
 
     folder = Path(folder)
     check_dcp_folder(folder)  # the clear error; the reader and planner below refuse the same on their own

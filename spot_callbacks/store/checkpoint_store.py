@@ -16,6 +16,7 @@ import os
 import posixpath
 import threading
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -123,17 +124,19 @@ class CheckpointStore:
         return self._warming
 
     # ---------------------------------------------------------------- reading
-    def step_folders(self) -> dict[int, str]:
-        """Every ``step-N`` folder of this run, committed or not (one listing).
+    def step_folders(self, entries: list[str] | None = None) -> dict[int, str]:
+        """Every ``step-N`` folder of this run, committed or not (one listing; ``entries``: the run
+        folder's listing taken just before, e.g. by the preflight's probe).
 
         A step folder that is a symbolic link (another run's checkpoint linked in) is not this
         run's: it is left out with a warning, so nothing here reads it as ours or deletes through it.
         So is a local entry named so that is no readable folder (a file, fifo, socket: ``layout.local_stray``).
         """
-        try:
-            entries = self.retry.call(lambda: layout.list_folder(self.fs, self.root), f"list {self.url}")
-        except FileNotFoundError:
-            return {}
+        if entries is None:
+            try:
+                entries = self.retry.call(lambda: layout.list_folder(self.fs, self.root), f"list {self.url}")
+            except FileNotFoundError:
+                return {}
         folders = {}
         for entry in entries:
             step = layout.parse_step_dirname(posixpath.basename(entry.rstrip("/")))
@@ -193,7 +196,7 @@ class CheckpointStore:
         limits = ManifestLimits.from_env()
         try:
             self._refuse_foreign(step)
-            raw = self.retry.call(lambda: self.fs.cat_file(path), f"read {self.url_of(path)}")
+            raw = self.retry.call(lambda: transfer.get_bytes(self.fs, path), f"read {self.url_of(path)}")
         except (FileNotFoundError, ForeignCheckpointError) as err:
             why = (
                 f"no {MANIFEST_NAME} in {self.step_url(step)}" if isinstance(err, FileNotFoundError) else err
@@ -507,10 +510,26 @@ def _root_listing(store: CheckpointStore) -> dict[str, Any]:
         return {}
 
 
-def folders_and_times(store: CheckpointStore) -> tuple[dict[int, str], dict[int, float]]:
+@dataclass(frozen=True)
+class RunListing:
+    """The run folder's listings taken ahead of a resume (``preflight.probe_listings``): its entries,
+    and every object under it with its details (``objects``; ``None``: not taken, or that listing failed)."""
+
+    entries: list[str]
+    objects: dict[str, Any] | None = None
+
+
+def folders_and_times(
+    store: CheckpointStore, taken: RunListing | None = None
+) -> tuple[dict[int, str], dict[int, float]]:
     """:meth:`CheckpointStore.step_folders` and :func:`stored_times` of them. On an object store the
     two listings go out at once (one round trip, not two: 25 ms less per resume on a cloud link);
-    neither depends on the other's answer, and both come before any manifest is read."""
+    neither depends on the other's answer, and both come before any manifest is read. ``taken``: the
+    listings the preflight's probe took just before (what it lacks is listed here; with no step folder
+    there is no time to list)."""
+    if taken is not None:
+        folders = store.step_folders(taken.entries)
+        return folders, stored_times(store, folders, taken.objects) if folders else {}
     if store._is_local:
         folders = store.step_folders()
         return folders, stored_times(store, folders)
@@ -547,7 +566,10 @@ NEWEST_STORED_FIRST = 4
 
 
 def walk_down(
-    store: CheckpointStore, problem_of: Callable[[CheckpointInfo], str | None], own: str | None = None
+    store: CheckpointStore,
+    problem_of: Callable[[CheckpointInfo], str | None],
+    own: str | None = None,
+    taken: RunListing | None = None,
 ) -> tuple[CheckpointInfo | None, list[CheckpointInfo]]:
     """The newest checkpoint ``problem_of`` finds nothing wrong with (``None``: a problem, said once
     as damage), and the checkpoints read on the way, oldest first.
@@ -557,9 +579,10 @@ def walk_down(
     lineage (``commit.current_lineage``: of the manifest the store wrote last) is tried from its
     highest step down, and only when none of it is valid another lineage's, highest first
     (``commit.resume_order``; ``own``: the asking run's lineage, while it runs). Each checkpoint is
-    judged once, so a resume that pulls each candidate to judge it pulls none twice.
+    judged once, so a resume that pulls each candidate to judge it pulls none twice. ``taken``: the
+    listings taken just before (:class:`RunListing`), not taken again.
     """
-    folders, stored_at = folders_and_times(store)
+    folders, stored_at = folders_and_times(store, taken)
     newest_stored = sorted(stored_at, key=lambda step: (stored_at[step], step))[-NEWEST_STORED_FIRST:]
     order = [*reversed(newest_stored), *(s for s in sorted(folders, reverse=True) if s not in newest_stored)]
     by_step: dict[int, CheckpointInfo] = {}

@@ -28,6 +28,7 @@ MANIFEST_NAME = "manifest.json"  # written last: the commit
 STATE_FILE = "state.ckpt"  # the one payload file of a single-writer checkpoint (Lightning, the engine)
 # torch.distributed.checkpoint's index of every shard: a hidden name, yet payload.
 DCP_METADATA_FILE = ".metadata"
+_DCP_RANK_METADATA = re.compile(r"__\d+\.metadata")  # DCP's rank-local index (use_collectives=False)
 HF_TRAINER_STATE_FILE = "trainer_state.json"  # the HF Trainer reads it first on every resume
 SHARDED_META_FILE = "meta.pt"  # a sharded checkpoint's non-tensor rest (Lightning's _METADATA_FILENAME)
 DCP_SHARD_FILE = "__{rank}_0.distcp"  # DCP's FileSystemWriter: one per rank
@@ -327,3 +328,18 @@ def is_temporary_name(name: str) -> bool:
     return any(part.startswith(".") for part in folders) or (
         base.startswith(".") and base != DCP_METADATA_FILE
     )
+
+
+def is_dcp_index(name: str) -> bool:
+    """True for the file name of a DCP index: ``.metadata`` or a rank's ``__N.metadata``.
+
+    Example:
+        >>> [is_dcp_index(n) for n in (".metadata", "__3.metadata", "meta.pt")]
+        [True, True, False]
+    """
+    return name == DCP_METADATA_FILE or _DCP_RANK_METADATA.fullmatch(name) is not None
+
+
+def holds_dcp_index(folder: Path) -> bool:
+    """True when a file under the local ``folder`` (at any depth) is a DCP index (:func:`is_dcp_index`)."""
+    return any(path.is_file() and is_dcp_index(path.name) for path in Path(folder).rglob("*"))

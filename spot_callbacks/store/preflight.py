@@ -20,16 +20,17 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 import spot_callbacks.settings as settings
 from spot_callbacks.errors import AttemptTimeoutError, SpotError, StoreUnavailableError
 from spot_callbacks.store.backends import backend_of, fs_protocols
+from spot_callbacks.store.checkpoint_store import RunListing
 from spot_callbacks.store.diagnosis import Diagnosis, causes, diagnose
 from spot_callbacks.store.layout import list_folder, missing_root_reason, remove_file
 from spot_callbacks.store.retry import call_with_timeout
-from spot_callbacks.store.transfer import put_bytes
+from spot_callbacks.store.transfer import get_bytes, put_bytes
 
 if TYPE_CHECKING:
     from spot_callbacks.store.checkpoint_store import CheckpointStore
@@ -59,8 +60,9 @@ def preflight(
     budget_s: float | None = None,
     enabled: bool | None = None,
     on_writable: Callable[[], None] | None = None,
-) -> None:
-    """Prove that ``store`` can hold checkpoints, or raise :class:`StoreUnavailableError` within ``budget_s``.
+) -> set[str] | None:
+    """Prove that ``store`` can hold checkpoints, or raise :class:`StoreUnavailableError` within ``budget_s``;
+    return the names its listing found directly in the run folder (``None``: not checked).
 
     ``budget_s`` defaults to ``$SPOT_PREFLIGHT_TIMEOUT_S`` (60 s); ``enabled`` to ``$SPOT_PREFLIGHT``
     (``0`` skips the check, with a warning). The error is logged as one line; each failed attempt's
@@ -71,8 +73,8 @@ def preflight(
     Example:
         >>> from spot_callbacks.store import CheckpointStore
         >>> store = CheckpointStore("memory://doc-preflight/run")
-        >>> preflight(store, budget_s=10); store.fs.exists(store.root)
-        False
+        >>> sorted(preflight(store, budget_s=10)), store.fs.exists(store.root)
+        ([], False)
     """
     if not preflight_enabled(enabled):
         log.warning(
@@ -83,7 +85,7 @@ def preflight(
         )  # fmt: skip
         if on_writable is not None:
             on_writable()
-        return
+        return None
     budget_s = preflight_budget_s() if budget_s is None else budget_s
     probe = _Probe(store, budget_s, on_writable=on_writable)
     try:
@@ -92,6 +94,7 @@ def preflight(
         log.error("spot_callbacks: %s", err)
         err.said_in_log = True
         raise
+    return probe.listed - {posixpath.basename(probe.path)}
 
 
 def probe_readable(store: CheckpointStore, budget_s: float | None = None) -> list[str]:
@@ -111,12 +114,58 @@ def probe_readable(store: CheckpointStore, budget_s: float | None = None) -> lis
     probe = _Probe(store, preflight_budget_s() if budget_s is None else budget_s, reading=True)
     entries = probe.attempt(probe.listing, "list dirpath")
     if not entries:
-        missing = probe.attempt(lambda: missing_root_reason(store.fs, store.root), "find dirpath's bucket")
-        # A missing local folder is as empty as a prefix with nothing under it: not an error here.
-        if missing is not None and not missing.startswith("no such folder"):
-            found = Diagnosis(True, missing, "create it first, or correct its name in dirpath")
-            raise probe.error("list dirpath", found, FileNotFoundError(missing))
+        _refuse_a_missing_bucket(probe)
     return entries
+
+
+def probe_listings(store: CheckpointStore, budget_s: float | None = None, objects: bool = True) -> RunListing:
+    """:func:`probe_readable` for a resume: its listing of the run folder, and every object under it
+    with its details listed at the same time (what orders the lineages: ``checkpoint_store.stored_times``),
+    handed to the resume (``resume.pull_latest``), which lists neither again: one round trip where a
+    probe and then the resume's own listings took two.
+
+    Only the probe's listing is bounded and diagnosed; the other one, on a thread beside it (object
+    stores; the local disk needs none), is taken as it comes: when it fails (or the probe does) the
+    resume lists the objects itself, as without a probe. ``objects=False``: the probe's listing only
+    (a rank that does not pick the checkpoint: one recursive listing per run, not one per rank).
+
+    Example:
+        >>> from spot_callbacks.store import CheckpointStore
+        >>> probe_listings(CheckpointStore("memory://doc-probe/nothing-there"), budget_s=10)
+        RunListing(entries=[], objects={})
+    """
+    found: list[dict[str, Any]] = []
+    lister = None
+    if objects and not store._is_local:
+        lister = threading.Thread(target=_list_objects, args=(store, found), name="spot-list", daemon=True)
+        lister.start()
+    entries = probe_readable(store, budget_s)  # raises for a store that cannot be read: nothing waits then
+    if lister is not None:
+        lister.join(settings.STORE_TIMEOUT_S.value())  # as one attempt of the resume's own listing may take
+    return RunListing(entries, found[0] if found else None)
+
+
+def _list_objects(store: CheckpointStore, into: list[dict[str, Any]]) -> None:
+    """Every object under ``store``'s run folder with its details, appended to ``into`` (nothing when
+    the listing fails: the caller lists again, with the store's retries)."""
+    try:
+        into.append(store.fs.find(store.root, withdirs=False, detail=True))
+    except FileNotFoundError:
+        into.append({})
+    except Exception:  # noqa: BLE001 - the resume lists again, and says what fails then
+        log.debug(
+            "spot_callbacks: listing the objects of %s beside the probe failed", store.url, exc_info=True
+        )
+
+
+def _refuse_a_missing_bucket(probe: _Probe) -> None:
+    """An empty listing: raise when the bucket itself is missing (a listing of it is just as empty)."""
+    store = probe.store
+    missing = probe.attempt(lambda: missing_root_reason(store.fs, store.root), "find dirpath's bucket")
+    # A missing local folder is as empty as a prefix with nothing under it: not an error here.
+    if missing is not None and not missing.startswith("no such folder"):
+        found = Diagnosis(True, missing, "create it first, or correct its name in dirpath")
+        raise probe.error("list dirpath", found, FileNotFoundError(missing))
 
 
 def preflight_enabled(enabled: bool | None = None) -> bool:
@@ -171,6 +220,7 @@ class _Probe:
         self.answered = False
         self.deadline = self.started + budget_s
         self.path = posixpath.join(store.root, f"{PROBE_PREFIX}{uuid.uuid4().hex[:12]}")
+        self.listed: set[str] = set()  # the names in the run folder, as the check's listing found them
         self.payload = f"spot_callbacks preflight of {store.url}\n".encode()
         self.protocol = fs_protocols(store.fs)[0]
         self.bucket = store.root if backend_of(self.protocol).local else store.root.lstrip("/").split("/")[0]
@@ -199,7 +249,7 @@ class _Probe:
     def read_back(self) -> None:
         if hasattr(self.store.fs, "invalidate_cache"):
             self.store.fs.invalidate_cache(self.path)
-        raw = self.store.fs.cat_file(self.path)
+        raw = get_bytes(self.store.fs, self.path)
         if raw != self.payload:
             raise _ProbeMismatch(f"read {len(raw)} bytes back from {self.path}, wrote {len(self.payload)}")
 
@@ -209,6 +259,7 @@ class _Probe:
         }
         if posixpath.basename(self.path) not in names:
             raise _ProbeNotListed(f"{self.path} is not listed under {self.store.root} yet")
+        self.listed = names
 
     def attempt(self, step: Callable[[], T], what: str) -> T:
         """``step`` until it succeeds (its value), fails permanently, or the budget is spent (then raise)."""

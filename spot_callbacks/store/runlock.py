@@ -72,7 +72,7 @@ from spot_callbacks.store.backends import conditional_writes, fs_protocols
 from spot_callbacks.store.checkpoint_store import CheckpointStore
 from spot_callbacks.store.layout import is_local_fs
 from spot_callbacks.store.manifest_limits import load_bounded_json
-from spot_callbacks.store.transfer import put_bytes
+from spot_callbacks.store.transfer import get_bytes, put_bytes
 
 log = logging.getLogger("spot_callbacks")
 
@@ -185,6 +185,9 @@ class RunLock:
         self._store_offset_s: float | None = None  # store clock minus this host's clock
         self._store_clock_probed = False
         self._cancel = threading.Event()  # ends a watch whose caller no longer wants the lock
+        # A listing of the run folder just taken (the preflight's) showed no lock: acquire() first tries
+        # to create it where writes are conditional, without reading it (a HEAD, and s3fs's LIST after a 404).
+        self.listed_absent = False
 
     @property
     def lost(self) -> bool:
@@ -214,7 +217,7 @@ class RunLock:
                 size = self.store.retry.call(lambda: self.store.fs.size(self.path), f"check {self.url}")
             if size is not None and size > MAX_LOCK_BYTES:
                 return {"unreadable": f"{size} bytes, more than a lock's {MAX_LOCK_BYTES}"}
-            raw = self.store.retry.call(lambda: self.store.fs.cat_file(self.path), f"read {self.url}")
+            raw = self.store.retry.call(lambda: get_bytes(self.store.fs, self.path), f"read {self.url}")
         except FileNotFoundError:
             return None
         try:
@@ -376,7 +379,16 @@ class RunLock:
         thread, may start training meanwhile, writing nothing into the store until this returns.
         """
         self._cancel.clear()
-        for _ in range(CLAIM_ATTEMPTS):
+        for attempt in range(CLAIM_ATTEMPTS):
+            if attempt == 0 and self.listed_absent and self._conditional:
+                # No lock, by a listing just taken, as by holder() below: created only where none is
+                # (If-None-Match); refused, another run created it since (what holder() returning
+                # None and then a refused create means below too).
+                if self._claim():
+                    break
+                if (winner := self.holder()) is not None:
+                    raise self._lost_race_error(winner)
+                continue
             doc = self.holder()
             if doc is None:
                 if self._claim():

@@ -17,6 +17,7 @@ nothing of what makes a checkpoint committed (that is :mod:`spot_callbacks.store
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import mmap
 import os
@@ -273,6 +274,53 @@ def upload_with_digests(
 
 
 # ----------------------------------------------------------------- reading
+_SPLITS_WHOLE_READS: dict[type, bool] = {}
+
+
+def _splits_whole_reads(fs_class: type) -> bool:
+    """True for a filesystem class whose whole-object read takes ``max_concurrency`` (s3fs, adlfs)."""
+    found = _SPLITS_WHOLE_READS.get(fs_class)
+    if found is None:
+        method = getattr(fs_class, "_cat_file", None)
+        try:
+            found = method is not None and "max_concurrency" in inspect.signature(method).parameters
+        except (TypeError, ValueError):
+            found = False
+        _SPLITS_WHOLE_READS[fs_class] = found
+    return found
+
+
+def whole_read_options(fs: Any) -> dict[str, Any]:
+    """The keyword arguments of ``fs.cat_file`` / ``fs.cat`` that read a small object in one request.
+
+    s3fs given a ``max_concurrency`` over 1 (``backends.py`` sets 4, for its uploads) first asks the
+    size of every object read whole (a HEAD) to split a large one into ranges; the objects read whole
+    here (manifests, the run lock, the preflight's probe, attempt records) are small, and one GET each
+    reads them. Ranges would only start past s3fs's block size (50 MiB), far above any of them.
+
+    Example:
+        >>> import fsspec
+        >>> whole_read_options(fsspec.filesystem("memory"))
+        {}
+    """
+    if getattr(fs, "max_concurrency", 1) > 1 and _splits_whole_reads(type(fs)):
+        return {"max_concurrency": 1}
+    return {}
+
+
+def get_bytes(fs: Any, path: str) -> bytes:
+    """``fs.cat_file(path)``: a small object's bytes in one request (:func:`whole_read_options`).
+
+    Example:
+        >>> import fsspec
+        >>> fs = fsspec.filesystem("memory"); fs.pipe_file("/doc-get/a", b"x")
+        >>> get_bytes(fs, "/doc-get/a")
+        b'x'
+    """
+    raw: bytes = fs.cat_file(path, **whole_read_options(fs))
+    return raw
+
+
 def read_files(
     fs: Any, retry: RetryPolicy, paths: list[str], cached_under: str, what: str
 ) -> dict[str, bytes | FileNotFoundError]:
@@ -284,7 +332,7 @@ def read_files(
     def fetch() -> dict[str, bytes | FileNotFoundError]:
         if hasattr(fs, "invalidate_cache"):
             fs.invalidate_cache(cached_under)
-        result = fs.cat(paths, on_error="return")
+        result = fs.cat(paths, on_error="return", **whole_read_options(fs))
         if len(paths) == 1 and not isinstance(result, dict):  # one path: fsspec returns its bytes bare
             result = {paths[0]: result}
         for outcome in result.values():
