@@ -369,6 +369,11 @@ class SpotEngine:
         """Make the sharded persister ahead of the first checkpoint (see :meth:`CheckpointWriter.prepare_sharded`)."""
         self.saves.prepare_sharded()
 
+    def prepare_rank_files(self) -> None:
+        """Make the every-rank folder persister ahead of the first checkpoint (see
+        :meth:`CheckpointWriter.prepare_rank_files`)."""
+        self.saves.prepare_rank_files()
+
     def prepare_state_file(self) -> None:
         """Make the writer's state-file persister ahead of the first checkpoint (see
         :meth:`CheckpointWriter.prepare_state_file`)."""

@@ -270,6 +270,14 @@ class CheckpointWriter:
         if self.refused_reason is None:
             self.persister_for(SHARDED_LAYOUT)
 
+    def prepare_rank_files(self) -> None:
+        """Make the persister every rank writes its own files through (:meth:`save_rank_files`', and
+        :meth:`save_folder`'s where folders span ranks or nodes) now, before the first checkpoint, which
+        then does not pay for its gloo groups. Collective: every rank calls it at the same step boundary
+        (or none does), after the resume (the persister adopts the local copy resumed from)."""
+        if self.refused_reason is None:
+            self.persister_for(RANK_FOLDER_LAYOUT)
+
     def prepare_state_file(self) -> None:
         """Make the writer's state-file persister (:meth:`save_state`'s) now, before the first checkpoint,
         which then does not start its threads in the loop. Not collective: the other ranks do nothing."""

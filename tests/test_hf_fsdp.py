@@ -103,11 +103,14 @@ def test_staged_fsdp_checkpoint_is_the_trainers_folder_commits_on_sigterm_and_re
 ) -> None:
     # The uninterrupted run, checkpointed through the Trainer's own save (the reference folders).
     reference = CheckpointStore(os.fspath(tmp_path / "reference-store"))
-    _, log = train(
+    results, log = train(
         tmp_path, "baseline", 2, "--max-steps", MAX_STEPS, "--dirpath", reference.url, "--every-n-steps", 5,
         expect_rc=0, env={"SPOT_HF_SAVE": "trainer"},
     )  # fmt: skip
     assert "the Trainer writes each checkpoint" in log and STAGED_LINE not in log
+    # The folders span the ranks: their persister (its gloo groups) is made after the first step, not
+    # by the first checkpoint, on every rank.
+    assert [result["persister_after_first_step"] for result in results] == [True, True]
     baseline = weights(tmp_path, "baseline")
 
     # Staged on S3, SIGTERM to rank 1 inside step 8: the emergency checkpoint of step 9 commits.
@@ -119,6 +122,7 @@ def test_staged_fsdp_checkpoint_is_the_trainers_folder_commits_on_sigterm_and_re
     )  # fmt: skip
     assert log.count(STAGED_LINE) == 1, log[-4000:]  # said once (by rank 0) for the node
     for result in results:
+        assert result["persister_after_first_step"] is True, result  # not made by the first checkpoint
         assert result["preempted"] and result["global_step"] == STOP_STEP, result
         assert result["saves"] == [5, STOP_STEP], result  # both staged: the Trainer saved nothing
     store = CheckpointStore(url, storage_options=s3_server.storage_options)
@@ -205,6 +209,8 @@ def test_fsdp1_and_lora_checkpoints_are_staged_as_the_trainers_folder_and_resume
     )
     assert log.count(STAGED_LINE) == 1, log[-4000:]
     wrapper = "FullyShardedDataParallel" if variant == "fsdp1" else "FSDPPeftModel"
+    # Their staging buffers wait for the first checkpoint; the persister does not.
+    assert [result["persister_after_first_step"] for result in results] == [True, True]
     assert [result["wrapped"] for result in results] == [wrapper] * 2
     assert [(c.step, store.read_manifest(c.step).extra["hf_save"]) for c in store.committed()] == [
         (5, "staged"), (10, "staged"),

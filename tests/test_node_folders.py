@@ -21,6 +21,8 @@ import torch.multiprocessing as mp
 from helpers.faultfs import FaultyFileSystem
 
 from spot_callbacks import CheckpointStore
+from spot_callbacks.config import SpotConfig
+from spot_callbacks.engine import SpotEngine
 from spot_callbacks.persist import CheckpointPersister
 from spot_callbacks.persist.folders import NodeFolderPersister
 from spot_callbacks.store.retry import RetryPolicy
@@ -164,3 +166,32 @@ def test_the_digests_a_writer_hands_over_are_not_hashed_again_at_upload(one_rank
     assert info is not None and sorted(info.files) == ["optimizer.pt", SHARED_NAME]
     assert hashed_at_upload == [SHARED_NAME]  # the written one came with its digest
     assert store.verify(3, deep=True)
+
+
+def test_the_every_rank_persister_is_made_ahead_and_adopts_the_copy_resumed_from(one_rank, tmp_path):
+    config = SpotConfig(dirpath=str(tmp_path / "run"), interval=None, preemption=[], keep_last=0,
+                        scratch_dir=str(tmp_path / "scratch"))  # fmt: skip
+    engine = SpotEngine(config, "hf")
+    engine.start()
+    # The local copy a resume pulled, adopted before the first step.
+    resumed = write_node_folder(tmp_path, 0, 2)
+    engine.adopt_local_copy(resumed)
+
+    def write(folder: Path, group: Any) -> dict[str, Any]:
+        written = write_node_folder(tmp_path, 0, 3)
+        assert written == folder
+        return {"rng_state_0.pth": None, SHARED_NAME: None}
+
+    try:
+        assert engine.saves.persister is None
+        engine.prepare_rank_files()  # at the first step boundary: the gloo groups are made here
+        persister = engine.saves.persister
+        assert isinstance(persister, NodeFolderPersister)
+        folder = node_folder(tmp_path, 0, 3)
+        assert engine.save_rank_files(3, 0, folder, "steps", write, owns_folder=True)
+        assert engine.saves.persister is persister  # the first checkpoint made none
+        assert engine.wait_for_commit(timeout=60)
+    finally:
+        engine.finish()
+    assert sorted(engine.store.latest().files) == ["rng_state_0.pth", SHARED_NAME]
+    assert folder.is_dir() and not resumed.exists()  # the adopted copy went once a newer one committed

@@ -196,8 +196,8 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
         elif request is not None:
             self._saves.ask(request)
             control.should_save = True
-        else:  # the optimizer state exists now: the staging buffers can be allocated off the loop
-            self._staged.prepare(self.engine.staging)
+        else:  # the optimizer state exists now: the staging buffers (and persister) are made off the loop
+            self._staged.prepare(self.engine)
         if control.should_save:
             self._save_started_at = time.perf_counter()
 

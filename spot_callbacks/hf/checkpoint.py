@@ -171,18 +171,21 @@ class StagedSaves:
             return False
         return True
 
-    def prepare(self, staging: StagingArea) -> None:
-        """At the first ``on_step_end`` of a train() without a checkpoint (the optimizer state exists):
-        the buffers :meth:`stage` will copy into, allocated in the background (every rank that stages).
+    def prepare(self, writer: SpotEngine) -> None:
+        """At the first ``on_step_end`` of a train() without a checkpoint (every rank, after the resume):
+        the persister of :attr:`every_rank` folders, made now (a collective: its gloo groups), and the
+        buffers :meth:`stage` will copy into, allocated in the background (every rank that stages).
 
-        Skipped where taking the state dicts is itself a collective or a gather (FSDP1, sharded
-        adapters): their first checkpoint allocates the buffers, as before.
+        The buffers are skipped where taking the state dicts is itself a collective or a gather (FSDP1,
+        sharded adapters): their first checkpoint allocates them, as before.
         """
-        if self._prepared or self.fallback_reason is not None:
+        if self._prepared:
             return
         self._prepared = True
+        if self.every_rank:  # the Trainer's own saves go through it too (the folders span ranks)
+            writer.prepare_rank_files()
         trainer = self._trainer()
-        if trainer is None:
+        if trainer is None or self.fallback_reason is not None:
             return
         if self.every_rank:
             if self.sharded and (self.adapters is not None or not fsdp.is_fsdp2(trainer)):
@@ -192,7 +195,7 @@ class StagedSaves:
             state = rank_state(trainer, sharded=False, layouts={}, peft=self.adapters)
         else:
             return
-        staging.prepare(state)
+        writer.staging.prepare(state)
 
     def stage(self, request: Any, epoch: int, staging: StagingArea) -> None:
         """At ``on_step_end``: snapshot the tensors and RNG streams (the writer rank stages them all,

@@ -22,6 +22,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -89,6 +90,23 @@ def fsdp1_on_cpu(version: int) -> dict[str, str]:
     return {"sync_module_states": "false"}
 
 
+class PersisterAfterFirstStep(transformers.TrainerCallback):
+    """After the checkpoint callback: whether the every-rank folder persister (its gloo groups) exists
+    at the end of this train()'s first step, before any checkpoint (``None``: that step checkpoints)."""
+
+    def __init__(self, spot: Any) -> None:
+        self.spot = spot
+        self.seen: bool | None = None
+        self.first = True
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.first:
+            self.first = False
+            staged = self.spot._staged
+            if staged.pending is None and not control.should_save and not staged.submitted_steps:
+                self.seen = self.spot.engine.saves.persister is not None
+
+
 def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Unsharded weights; a collective (every rank calls it) since FSDP2 parameters are DTensors."""
     weights = {}
@@ -120,7 +138,7 @@ def main() -> int:
                      "transformer_layer_cls_to_wrap": ["GPT2Block"], **fsdp1_on_cpu(args.fsdp_version)},
     )  # fmt: skip
     callbacks: list = [hf_run.RecordSaves()]
-    spot = None
+    spot = first_step = None
     if args.dirpath:
         from spot_callbacks.hf import PREEMPTED_EXIT_CODE, SpotCheckpointCallback
 
@@ -129,6 +147,7 @@ def main() -> int:
             storage_options=json.loads(args.storage_options), preemption=["SIGTERM"],
         )  # fmt: skip
         callbacks.append(spot)
+        callbacks.append(first_step := PersisterAfterFirstStep(spot))
     if args.sigterm_at_step >= 0:
         # The step-5 checkpoint commits before the notice: the tests assert which steps are committed.
         callbacks.append(hf_run.SelfSigterm(args.sigterm_at_step, args.sigterm_rank, spot, settle=True))
@@ -150,6 +169,7 @@ def main() -> int:
         "global_step": trainer.state.global_step,
         "preempted": bool(spot and spot.preempted),
         "resumed_from": resume,
+        "persister_after_first_step": first_step.seen if first_step is not None else None,
         # The Trainer's saves (on_save) and the callback's staged ones, which the Trainer never sees.
         "saves": sorted(callbacks[0].steps + (spot._staged.submitted_steps if spot else [])),
     }
