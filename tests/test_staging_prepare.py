@@ -114,7 +114,10 @@ def test_hf_trainer_allocates_the_buffers_after_its_first_step_and_stages_into_t
     # Every tensor of model and optimizer was prepared: none was allocated by the first checkpoint.
     params = sum(1 for _ in trainer.model.parameters())
     assert area.prepared_buffers_used >= 3 * params  # weights, exp_avg, exp_avg_sq
-    assert [(c.step, c.reason) for c in ckpt.store.committed()] == [(3, "steps"), (6, "steps"), (7, "end")]
+    # Step 6 may be dropped for step 7 when step 3's upload still runs (the newest written checkpoint
+    # wins, as designed; seen under a load of 10): the first and the final one always commit.
+    committed = [(c.step, c.reason) for c in ckpt.store.committed()]
+    assert committed in ([(3, "steps"), (6, "steps"), (7, "end")], [(3, "steps"), (7, "end")]), committed
 
 
 def test_lightning_allocates_the_buffers_after_its_first_step_and_stages_into_them(tmp_path: Path) -> None:
