@@ -333,12 +333,13 @@ def test_the_record_written_in_the_preflight_is_not_written_again_at_once(tmp_pa
 
 
 def test_records_on_s3_are_read_with_one_get_each_and_no_head(s3_server, tmp_path, monkeypatch) -> None:
-    """Issue 28: s3fs given a max_concurrency over 1 asks an object's size (a HEAD) before a whole read."""
+    """Issue 28: s3fs given a max_concurrency over 1 asks an object's size before a whole read: a HEAD
+    where the listing just taken is not cached (``use_listings_cache=False``, or an expired cache)."""
     import s3fs.core
 
     from spot_callbacks.accounting.attempts import AttemptLog
 
-    options = {**s3_server.storage_options, "max_concurrency": 4}
+    options = {**s3_server.storage_options, "max_concurrency": 4, "use_listings_cache": False}
     store = CheckpointStore(
         f"s3://{s3_server.bucket}/attempts-heads-{tmp_path.name}", storage_options=options
     )
