@@ -16,6 +16,7 @@ import torch
 
 from spot_callbacks import SpotConfig
 from spot_callbacks.engine import STATE_FILE, SpotEngine
+from spot_callbacks.resume import pull_newest_valid
 from spot_callbacks.store import CheckpointStore
 from spot_callbacks.store.checkpoint_store import WalkReads, walk_down
 from spot_callbacks.store.layout import MANIFEST_NAME, step_dirname
@@ -111,19 +112,36 @@ def test_sizes_come_from_the_listing_only_when_it_holds_the_manifest_read(tmp_pa
     assert WalkReads(objects=None, manifests=reads.manifests).sizes_of(store, found) is None
 
 
-def test_a_listing_of_a_truncated_payload_makes_the_checkpoint_damaged(tmp_path: Path) -> None:
-    store = CheckpointStore(f"memory://roundtrips-{uuid.uuid4().hex}/run")
+def test_a_payload_the_listing_shows_truncated_is_damage_on_every_backend(
+    store_url: Any, tmp_path: Path, caplog: Any
+) -> None:
+    """The sizes a resume takes from its listing say what the step folder's own listing said: a truncated
+    payload is damage, the previous checkpoint is resumed, with the one line; object stores list no
+    step folder for it."""
+    store = CheckpointStore(store_url.url, storage_options=store_url.storage_options)
     _commit(store, 4, b"a" * 50, tmp_path)
     _commit(store, 5, b"b" * 100, tmp_path)
-    path = posixpath.join(store.step_path(5), "state.bin")
-    store.fs.pipe_file(path, b"b" * 60)
-    reads = WalkReads()
-    problems: dict[int, str | None] = {}
+    store.fs.pipe_file(posixpath.join(store.step_path(5), "state.bin"), b"b" * 60)
+    store.fs.invalidate_cache()
+    listed: list[str] = []
+    real_find = store.fs.find
 
-    def problem_of(info: Any) -> str | None:
-        problems[info.step] = store.damage(info, reads.sizes_of(store, info))
-        return problems[info.step]
+    def find(path: str, *args: Any, **kwargs: Any) -> Any:
+        listed.append(path)
+        return real_find(path, *args, **kwargs)
 
-    found, _ = walk_down(store, problem_of, reads=reads)
+    store.fs.find = find  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING, logger="spot_callbacks"):
+        found = pull_newest_valid(store, lambda step: tmp_path / "local" / step_dirname(step))
     assert found is not None and found.step == 4
-    assert "60 bytes but the manifest says 100" in (problems[5] or "")
+    assert (tmp_path / "local" / step_dirname(4) / "state.bin").read_bytes() == b"a" * 50
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(
+        "skipping damaged checkpoint" in line and "60 bytes but the manifest says 100" in line
+        for line in lines
+    ), lines
+    step_listings = [path for path in listed if "/step-" in path]
+    if store_url.backend == "file":  # the local disk lists each candidate's folder (and looks for fifos)
+        assert len(step_listings) == 2, listed
+    else:
+        assert step_listings == [], listed
