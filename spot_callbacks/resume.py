@@ -19,7 +19,7 @@ from spot_callbacks._dist import barrier, broadcast_object
 from spot_callbacks.accounting.throughput import log_slow_pull
 from spot_callbacks.progress import showing_progress
 from spot_callbacks.store import CheckpointInfo, CheckpointStore
-from spot_callbacks.store.checkpoint_store import RunListing, walk_down
+from spot_callbacks.store.checkpoint_store import RunListing, WalkReads, pull_checkpoint, walk_down
 from spot_callbacks.store.commit import DAMAGE_ERRORS, lineage_of
 from spot_callbacks.store.layout import holds_dcp_index
 from spot_callbacks.store.meter import TransferMeter
@@ -62,13 +62,17 @@ def pull_newest_valid(
         True
     """
     # One listing, manifests read a batch at a time from the top, each candidate judged once:
-    # linear in the damaged checkpoints skipped, bounded by them whatever the store holds.
+    # linear in the damaged checkpoints skipped, bounded by them whatever the store holds. What the
+    # walk read (the listing's sizes, the manifest's bytes) serves the damage check and the pull.
+    reads = WalkReads()
 
     def problem_of(candidate: CheckpointInfo) -> str | None:
-        problem = store.damage(candidate)
+        problem = store.damage(candidate, reads.sizes_of(store, candidate))
         if problem is None:
             try:
-                pull_showing_progress(store, candidate, folder_for(candidate.step))
+                pull_showing_progress(
+                    store, candidate, folder_for(candidate.step), reads.manifests.get(candidate.step)
+                )
                 check_sharded_folder(folder_for(candidate.step))
                 if check is not None:
                     check(folder_for(candidate.step), candidate)
@@ -76,7 +80,7 @@ def pull_newest_valid(
                 problem = str(err) or type(err).__name__
         return problem
 
-    found, seen = walk_down(store, problem_of, own, taken)
+    found, seen = walk_down(store, problem_of, own, taken, reads)
     if found is not None:
         say_lineage(store, found, seen)
     return found
@@ -179,13 +183,20 @@ def check_sharded_folder(folder: Path) -> None:
         check_dcp_pickles(folder)
 
 
-def pull_showing_progress(store: CheckpointStore, info: CheckpointInfo, folder: Path) -> Path:
+def pull_showing_progress(
+    store: CheckpointStore, info: CheckpointInfo, folder: Path, manifest: bytes | None = None
+) -> Path:
     """``store.pull`` of ``info`` into ``folder``, showing its progress: the bars of ``spot-callbacks pull``
     when stderr is a terminal, else a log line every ``$SPOT_PROGRESS_EVERY_S`` (and the slow-pull
-    line at the end, see :func:`pull_latest`)."""
+    line at the end, see :func:`pull_latest`).
+
+    ``info`` is not read again to start (another node pulls what rank 0 read, and the store's manifest,
+    read after the files, must still be it); ``manifest``: the bytes it was parsed from in this resume,
+    written as the pulled manifest rather than read a third time (``checkpoint_store.pull_checkpoint``).
+    """
     meter = TransferMeter("pull")
     with showing_progress(meter, f"pulling {info.url}", to_log=True, transient=True):
-        return store.pull(info.step, folder, meter=meter)
+        return pull_checkpoint(store, info, folder, meter=meter, manifest=manifest)
 
 
 def move_aside_uncommitted(

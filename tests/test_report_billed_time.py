@@ -299,3 +299,60 @@ def test_a_process_stopped_inside_its_preflight_is_billed_from_its_start(tmp_pat
     # (A run a live lock refuses leaves none: tests/test_runlock.py, "writes nothing into its dirpath".)
     [record] = read_attempts(CheckpointStore(str(tmp_path / "run")))
     assert (record.run_id, record.end) == (engine.attempt.run_id, "finished")
+
+
+def test_the_record_written_in_the_preflight_is_not_written_again_at_once(tmp_path, monkeypatch) -> None:
+    """Issue 28: ``write_now`` (in the preflight) then ``begin``: one write at start, not two; the thread
+    writes a period after it. A failed first write is retried by the thread at once."""
+    import spot_callbacks.accounting.attempts as attempts
+
+    writes: list[str] = []
+    real_put = attempts.put_bytes
+    failing: set[str] = set()  # records whose next write fails
+
+    def counted(fs: Any, path: str, raw: bytes) -> None:
+        writes.append(path)  # (other tests' records, still kept by their threads, are written too)
+        if path in failing:
+            failing.discard(path)
+            raise ConnectionResetError("the first write's connection was reset")
+        real_put(fs, path, raw)
+
+    monkeypatch.setattr(attempts, "put_bytes", counted)
+    record = attempts.AttemptLog(CheckpointStore(str(tmp_path / "run")), period_s=3600)
+    record.write_now()
+    record.begin()
+    record.discard()  # stops the thread and waits for it: it wrote nothing more
+    assert [path for path in writes if path == record.path] == [record.path]
+
+    again = attempts.AttemptLog(CheckpointStore(str(tmp_path / "run2")), period_s=3600)
+    failing.add(again.path)
+    again.write_now()
+    again.begin()
+    again.discard()
+    assert [path for path in writes if path == again.path] == [again.path] * 2  # the thread's, at once
+
+
+def test_records_on_s3_are_read_with_one_get_each_and_no_head(s3_server, tmp_path, monkeypatch) -> None:
+    """Issue 28: s3fs given a max_concurrency over 1 asks an object's size before a whole read: a HEAD
+    where the listing just taken is not cached (``use_listings_cache=False``, or an expired cache)."""
+    import s3fs.core
+
+    from spot_callbacks.accounting.attempts import AttemptLog
+
+    options = {**s3_server.storage_options, "max_concurrency": 4, "use_listings_cache": False}
+    store = CheckpointStore(
+        f"s3://{s3_server.bucket}/attempts-heads-{tmp_path.name}", storage_options=options
+    )
+    record = AttemptLog(store, period_s=3600)
+    record.write_now()  # in this thread: nothing writes while the reads are counted
+    requests: list[tuple[str, str]] = []
+    call_s3 = s3fs.core.S3FileSystem._call_s3
+
+    async def recorded(self: Any, method: Any, *args: Any, **kwargs: Any) -> Any:
+        requests.append((getattr(method, "__name__", str(method)), kwargs.get("Key", "")))
+        return await call_s3(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.core.S3FileSystem, "_call_s3", recorded)
+    [read] = read_attempts(CheckpointStore(store.url, storage_options=options))
+    assert read.run_id == record.run_id
+    assert [method for method, key in requests if key.endswith(".json")] == ["get_object"]

@@ -51,7 +51,7 @@ from spot_callbacks.store import CheckpointStore
 from spot_callbacks.store.layout import ATTEMPTS_FOLDER, is_local_fs
 from spot_callbacks.store.manifest_limits import load_bounded_json
 from spot_callbacks.store.retry import call_with_timeout
-from spot_callbacks.store.transfer import put_bytes
+from spot_callbacks.store.transfer import put_bytes, whole_read_options
 
 log = logging.getLogger("spot_callbacks")
 
@@ -221,6 +221,7 @@ class AttemptLog:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._written = False  # once any write of the record was tried: discard() deletes it
+        self._written_at: float | None = None  # monotonic time of the newest write that succeeded
         self._ended_at: float | None = None  # monotonic time of close()
         self._warned = False
 
@@ -233,7 +234,8 @@ class AttemptLog:
 
     def write_now(self) -> None:
         """Write the record once, in this thread, before :meth:`begin` (a process killed before its
-        thread's first write is billed from its start all the same); nothing after close or discard."""
+        thread's first write is billed from its start all the same); nothing after close or discard.
+        The thread then writes a period after this write, not at once (one write at start, not two)."""
         if self._closed or self._thread is not None:
             return
         self._write()
@@ -290,6 +292,13 @@ class AttemptLog:
                 )
 
     def _keep(self) -> None:
+        # After write_now (in the preflight, moments ago) the next write is a period after it, as any
+        # other: a kill before then is billed to the same half period past the last record.
+        written_at = self._written_at
+        if written_at is not None and self._stop.wait(
+            max(0.0, written_at + self.period_s - time.monotonic())
+        ):
+            return
         while True:
             self._write()
             if self._stop.wait(self.period_s):
@@ -305,9 +314,11 @@ class AttemptLog:
     def _write(self) -> None:
         with self._writing:
             self._written = True
-            self._write_newest()
+            if self._write_newest():
+                self._written_at = time.monotonic()
 
-    def _write_newest(self) -> None:
+    def _write_newest(self) -> bool:
+        """Write the record with the newest fields; whether the store took it (a failure is warned once)."""
         with self._guard:
             doc = {**self._fields, "alive_at": round(time.time(), 3)}
             doc["checkpoints"] = list(doc["checkpoints"])
@@ -317,6 +328,7 @@ class AttemptLog:
             if is_local_fs(self.store.fs):
                 self.store.fs.makedirs(posixpath.dirname(self.path), exist_ok=True)
             put_bytes(self.store.fs, self.path, json.dumps(doc).encode())
+            return True
         except Exception as err:  # noqa: BLE001 - the record is for the report; the run goes on
             if not self._warned:
                 self._warned = True
@@ -325,6 +337,7 @@ class AttemptLog:
                     "`spot-callbacks report` will not count its billed time", self.store.url_of(self.path),
                     type(err).__name__, err,
                 )  # fmt: skip
+            return False
 
 
 def read_attempts(store: CheckpointStore, limit: int = MAX_RECORDS_READ) -> list[AttemptRecord]:
@@ -344,7 +357,8 @@ def read_attempts(store: CheckpointStore, limit: int = MAX_RECORDS_READ) -> list
     sizes_ok = [
         name for name in names if isinstance(entries[name], int) and entries[name] <= MAX_RECORD_BYTES
     ]
-    raws = store.fs.cat(sizes_ok, on_error="omit") if sizes_ok else {}
+    # Small objects: one GET each, no HEAD first (s3fs with max_concurrency > 1, see whole_read_options).
+    raws = store.fs.cat(sizes_ok, on_error="omit", **whole_read_options(store.fs)) if sizes_ok else {}
     records, refused = [], len(names) - len(sizes_ok)
     for name in sizes_ok:
         raw = raws.get(name) if isinstance(raws, dict) else None

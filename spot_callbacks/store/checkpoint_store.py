@@ -10,13 +10,12 @@ and the transfers (:mod:`~spot_callbacks.store.transfer`) are below it.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import posixpath
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -206,10 +205,13 @@ class CheckpointStore:
             ) from None
         return parse_manifest(raw, step, self.step_url(step), limits)
 
-    def _verdicts_of(self, folders: dict[int, str]) -> list[protocol.Verdict]:
+    def _verdicts_of(
+        self, folders: dict[int, str], raws: dict[int, bytes] | None = None
+    ) -> list[protocol.Verdict]:
         """:func:`manifest_verdicts` of the step ``folders`` (step -> path), in one concurrent read; a
         ``manifest.json`` that is not a regular file (a fifo would block forever) or that the store
-        will not let us read is damage, never read."""
+        will not let us read is damage, never read. ``raws``: given, it gets the bytes of each manifest
+        that parsed (step -> bytes), for a pull of that checkpoint not to read them again."""
         manifests = {step: posixpath.join(path, MANIFEST_NAME) for step, path in folders.items()}
         if not manifests:
             return []
@@ -228,20 +230,27 @@ class CheckpointStore:
             )
             for step in sorted(manifests)
         ]
+        if raws is not None:
+            for verdict in verdicts:
+                raw = raw_by_path.get(manifests[verdict.step]) if verdict is not None else None
+                if verdict is not None and verdict.info is not None and isinstance(raw, bytes):
+                    raws[verdict.step] = raw
         return [verdict for verdict in verdicts if verdict is not None]
 
     def _stored_times(self, folders: dict[int, str]) -> dict[int, float]:
         """:func:`stored_times` (for retention, which may not import this module)."""
         return stored_times(self, folders)
 
-    def damage(self, info: CheckpointInfo) -> str | None:
+    def damage(self, info: CheckpointInfo, sizes: dict[str, int | None] | None = None) -> str | None:
         """Why the committed checkpoint ``info`` cannot be used (``None``: its files have the
         manifest's sizes): THE verdict, which :func:`newest_valid` and ``spot-callbacks ls`` share.
 
-        A checkpoint deleted since it was listed is damaged; an unreachable store raises.
+        A checkpoint deleted since it was listed is damaged; an unreachable store raises. ``sizes``:
+        its files' sizes by name from a listing taken in the same call (:meth:`WalkReads.sizes_of`),
+        not listed again; ``None``: its folder is listed.
         """
         try:
-            self._check_sizes(info)
+            self._check_sizes(info, sizes)
         except protocol.DAMAGE_ERRORS as err:
             return str(err) or type(err).__name__
         return None
@@ -260,10 +269,12 @@ class CheckpointStore:
         """
         return _walk_down(self)
 
-    def _check_sizes(self, info: CheckpointInfo) -> None:
-        """Raise :class:`CorruptCheckpointError` unless every payload file exists with its manifest size."""
+    def _check_sizes(self, info: CheckpointInfo, sizes: dict[str, int | None] | None = None) -> None:
+        """Raise :class:`CorruptCheckpointError` unless every payload file exists with its manifest size
+        (``sizes``: as listed already, see :meth:`damage`)."""
         folder = self.step_path(info.step)
-        sizes = transfer.file_sizes(self.fs, self.retry, folder, f"list {info.url}")
+        if sizes is None:
+            sizes = transfer.file_sizes(self.fs, self.retry, folder, f"list {info.url}")
         protocol.check_size_problem(info, sizes)
         if self._is_local:  # a fifo listed with size 0 would block verify and pull forever
             for name in info.files:
@@ -314,14 +325,7 @@ class CheckpointStore:
                 raise CheckpointNotFoundError(f"no committed checkpoint in {self.url}")
         else:
             info = self.read_manifest(step)
-        target = Path(os.path.abspath(Path(dest).expanduser()))
-        if transfer.local_copy_matches(info, target):
-            log.info("spot_callbacks: %s already holds %s; not downloading", target, info.url)
-            return target
-        check_pull_dest(self.url, functools.partial(committed_at, self), info, target, force=force)
-        return transfer.pull_into(
-            self.fs, payload_plane(self), self.retry, info, self.step_path(info.step), target, meter
-        )
+        return pull_checkpoint(self, info, dest, force=force, meter=meter)
 
     # ---------------------------------------------------------------- deleting
     def delete(self, step: int) -> None:
@@ -355,6 +359,37 @@ class CheckpointStore:
         this store remembers between calls to bound it: :mod:`~spot_callbacks.store.retention`.
         """
         return retention.prune(self, keep_last, lineage, protected, FOLLOWED_LINEAGE, vouched)
+
+
+def pull_checkpoint(
+    store: CheckpointStore,
+    info: CheckpointInfo,
+    dest: str | os.PathLike[str],
+    *,
+    force: bool = False,
+    meter: TransferMeter | None = None,
+    manifest: bytes | None = None,
+) -> Path:
+    """:meth:`CheckpointStore.pull` of ``info``, a manifest read already (not read again to start).
+
+    ``manifest``: the bytes ``info`` was parsed from, read in this same resume (:class:`WalkReads`),
+    written as the pulled folder's manifest once the files match it (parsed and compared again, never
+    trusted more than a read would be); ``None``: the store's manifest is read again after the files
+    and must still be ``info`` (else the pull is damaged, nothing kept).
+    """
+    target = Path(os.path.abspath(Path(dest).expanduser()))
+    if transfer.local_copy_matches(info, target):
+        log.info("spot_callbacks: %s already holds %s; not downloading", target, info.url)
+        return target
+
+    def committed(step: int) -> CheckpointInfo | None:
+        return info if manifest is not None and step == info.step else committed_at(store, step)
+
+    check_pull_dest(store.url, committed, info, target, force=force)
+    return transfer.pull_into(
+        store.fs, payload_plane(store), store.retry, info, store.step_path(info.step), target, meter,
+        manifest=manifest,
+    )  # fmt: skip
 
 
 def _stray(why: str) -> str:
@@ -527,12 +562,26 @@ def folders_and_times(
     neither depends on the other's answer, and both come before any manifest is read. ``taken``: the
     listings the preflight's probe took just before (what it lacks is listed here; with no step folder
     there is no time to list)."""
+    folders, stored_at, _ = _folders_times_objects(store, taken)
+    return folders, stored_at
+
+
+def _folders_times_objects(
+    store: CheckpointStore, taken: RunListing | None
+) -> tuple[dict[int, str], dict[int, float], dict[str, Any] | None]:
+    """:func:`folders_and_times`, and the recursive listing of the run folder they used (``None``: none
+    taken, the local disk, or it failed)."""
     if taken is not None:
         folders = store.step_folders(taken.entries)
-        return folders, stored_times(store, folders, taken.objects) if folders else {}
+        if not folders:
+            return folders, {}, None
+        objects = taken.objects
+        if objects is None and not store._is_local:
+            objects = _root_listing(store)
+        return folders, stored_times(store, folders, objects), objects
     if store._is_local:
         folders = store.step_folders()
-        return folders, stored_times(store, folders)
+        return folders, stored_times(store, folders), None
     answer: list[dict[str, Any]] = []
     lister = threading.Thread(
         target=lambda: answer.append(_root_listing(store)), name="spot-list", daemon=True
@@ -542,7 +591,40 @@ def folders_and_times(
         folders = store.step_folders()
     finally:
         lister.join()
-    return folders, stored_times(store, folders, answer[0] if answer else {})
+    objects = answer[0] if answer else None
+    return folders, stored_times(store, folders, objects or {}), objects
+
+
+@dataclass
+class WalkReads:
+    """What one :func:`walk_down` read on its way (the run folder's recursive listing, the manifests'
+    bytes), for the damage check and the pull of the same resume to use rather than read again.
+
+    Made by the caller for one walk and dropped with it: never a cache across resumes (a later one
+    lists and reads afresh).
+    """
+
+    objects: dict[str, Any] | None = None  # path -> details, as fs.find(detail=True) gives them
+    manifests: dict[int, bytes] = field(default_factory=dict)  # step -> the manifest bytes parsed
+
+    def sizes_of(self, store: CheckpointStore, info: CheckpointInfo) -> dict[str, int | None] | None:
+        """The sizes of the files in ``info``'s folder (name -> size) from the listing, or ``None`` (list
+        the folder) unless the listing vouches for them: an object store's, holding this step's
+        ``manifest.json`` with the size of the bytes ``info`` was parsed from. The manifest is written
+        after its files (rule 1), so a listing that holds it holds them as they were at the commit; one
+        taken before the commit (or before another commit of the same step) does not hold that manifest.
+        """
+        raw = self.manifests.get(info.step)
+        if self.objects is None or raw is None or store._is_local:
+            return None
+        folder = store.step_path(info.step).rstrip("/") + "/"
+        sizes: dict[str, int | None] = {}
+        for path, entry in self.objects.items():
+            if path.startswith(folder):
+                sizes[path[len(folder) :]] = entry.get("size") if isinstance(entry, dict) else None
+        if sizes.get(MANIFEST_NAME) != len(raw):
+            return None
+        return sizes
 
 
 def lineage_ordered(
@@ -570,6 +652,7 @@ def walk_down(
     problem_of: Callable[[CheckpointInfo], str | None],
     own: str | None = None,
     taken: RunListing | None = None,
+    reads: WalkReads | None = None,
 ) -> tuple[CheckpointInfo | None, list[CheckpointInfo]]:
     """The newest checkpoint ``problem_of`` finds nothing wrong with (``None``: a problem, said once
     as damage), and the checkpoints read on the way, oldest first.
@@ -580,9 +663,12 @@ def walk_down(
     highest step down, and only when none of it is valid another lineage's, highest first
     (``commit.resume_order``; ``own``: the asking run's lineage, while it runs). Each checkpoint is
     judged once, so a resume that pulls each candidate to judge it pulls none twice. ``taken``: the
-    listings taken just before (:class:`RunListing`), not taken again.
+    listings taken just before (:class:`RunListing`), not taken again. ``reads``: given, it gets what
+    was read on the way (:class:`WalkReads`), for ``problem_of`` to use rather than read it again.
     """
-    folders, stored_at = folders_and_times(store, taken)
+    folders, stored_at, objects = _folders_times_objects(store, taken)
+    if reads is not None:
+        reads.objects = objects
     newest_stored = sorted(stored_at, key=lambda step: (stored_at[step], step))[-NEWEST_STORED_FIRST:]
     order = [*reversed(newest_stored), *(s for s in sorted(folders, reverse=True) if s not in newest_stored)]
     by_step: dict[int, CheckpointInfo] = {}
@@ -598,7 +684,8 @@ def walk_down(
     for start in range(0, len(order), LATEST_BATCH):
         end = start + LATEST_BATCH
         batch = {step: folders[step] for step in order[start:end]}
-        by_step.update((info.step, info) for info in store._infos(store._verdicts_of(batch)))
+        read = store._verdicts_of(batch, reads.manifests if reads is not None else None)
+        by_step.update((info.step, info) for info in store._infos(read))
         seen = [by_step[step] for step in sorted(by_step)]
         lineage = protocol.current_lineage(seen, stored_at, own)
         # The highest step not read yet: one found below it (read early, as the store's newest) waits.

@@ -391,6 +391,8 @@ def pull_into(
     folder: str,
     dest: Path,
     meter: TransferMeter | None = None,
+    *,
+    manifest: bytes | None = None,
 ) -> Path:
     """Download checkpoint ``info`` (in ``folder``) into ``dest``, verifying every file; return ``dest``.
 
@@ -398,6 +400,8 @@ def pull_into(
     the manifest through ``fs``. A ``dest`` that already holds this checkpoint is kept as it is;
     otherwise the files arrive in a hidden sibling folder renamed to ``dest`` only once complete,
     so an interrupted pull never leaves a folder that looks complete. ``meter`` is told the bytes.
+    ``manifest``: the bytes ``info`` was parsed from, read just before by the caller, written as the
+    folder's manifest rather than read again (still parsed and compared with ``info``).
     """
     meter = meter or TransferMeter("pull")
     meter.expect({name: digest.size for name, digest in info.files.items()})
@@ -425,14 +429,16 @@ def pull_into(
             )
         meter.file_done(name)
 
-    manifest = posixpath.join(folder, MANIFEST_NAME)
+    remote_manifest = posixpath.join(folder, MANIFEST_NAME)
     with staged_folder(dest) as staging:
         run_parallel(fetch, list(info.files))
         limits = ManifestLimits.from_env()
-        raw = retry.call(
-            lambda: _read_at_most(fs, manifest, limits.max_manifest_bytes + 1),
-            f"read {info.url}/{MANIFEST_NAME}",
-        )
+        raw = manifest
+        if raw is None:
+            raw = retry.call(
+                lambda: _read_at_most(fs, remote_manifest, limits.max_manifest_bytes + 1),
+                f"read {info.url}/{MANIFEST_NAME}",
+            )
         (staging / MANIFEST_NAME).write_bytes(_same_manifest(raw, info, limits))
     return dest
 
