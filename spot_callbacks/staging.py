@@ -499,15 +499,35 @@ def write_state(staged: StagedState, path: str | os.PathLike[str]) -> FileDigest
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp")
     try:
-        with open(tmp, "wb") as raw:
-            writer = ChecksumWriter(raw)
-            torch.save(staged.state, cast(IO[bytes], writer))  # a write-only file object
+        digest = save_hashed(staged.state, tmp, named_as=target)
         os.replace(tmp, target)
-    except BaseException as err:
+    except BaseException:
         tmp.unlink(missing_ok=True)
-        if isinstance(err, OSError) and err.errno is not None and err.filename is None:
-            # torch.save reports a full disk with no file name: name the file being written.
-            raise OSError(err.errno, os.strerror(err.errno), os.fspath(target)) from err
+        raise
+    return digest
+
+
+def save_hashed(
+    obj: Any, path: str | os.PathLike[str], named_as: str | os.PathLike[str] | None = None
+) -> FileDigest:
+    """``torch.save(obj)`` into ``path`` through the hashing writer: the file's digest, no second pass
+    over its bytes, which reach the disk in :data:`~spot_callbacks.store.checksums.WRITE_PIECE_BYTES`
+    writes.
+
+    The zip records are named ``archive/...`` (torch's name when it writes to a file object), not after
+    the file as ``torch.save(obj, path)`` names them; ``torch.load`` reads both alike.
+
+    Raises:
+        OSError: with ``filename`` set (``named_as``, else ``path``), also for a full disk, which
+        ``torch.save`` reports with no file name.
+    """
+    try:
+        with open(path, "wb") as raw:
+            writer = ChecksumWriter(raw)
+            torch.save(obj, cast(IO[bytes], writer))  # a write-only file object
+    except OSError as err:
+        if err.errno is not None and err.filename is None:
+            raise OSError(err.errno, os.strerror(err.errno), os.fspath(named_as or path)) from err
         raise
     return writer.digest()
 

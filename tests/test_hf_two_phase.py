@@ -280,12 +280,12 @@ def test_a_hashed_torch_save_reaches_the_disk_in_quarter_mib_writes_with_its_dig
 ) -> None:
     from helpers.counted_writes import CountedWrites
 
-    import spot_callbacks.hf.checkpoint as checkpoint
+    import spot_callbacks.staging as staging
     from spot_callbacks.store.checksums import WRITE_PIECE_BYTES, ChecksumWriter, digest_local_file
 
     counted: list[CountedWrites] = []
     monkeypatch.setattr(
-        checkpoint,
+        staging,
         "ChecksumWriter",
         lambda raw: ChecksumWriter(counted.append(CountedWrites(raw)) or counted[-1]),
     )
@@ -293,7 +293,7 @@ def test_a_hashed_torch_save_reaches_the_disk_in_quarter_mib_writes_with_its_dig
         "state": {0: {"exp_avg": torch.arange(3 * 1024 * 1024 // 4 + 5, dtype=torch.float32)}},
         "lr": 0.1,
     }
-    digest = checkpoint._save_hashed(state, tmp_path / "optimizer.pt")
+    digest = staging.save_hashed(state, tmp_path / "optimizer.pt")
     writes = counted[0].writes
     assert digest == digest_local_file(tmp_path / "optimizer.pt")
     assert sum(writes) == digest.size and max(writes) <= WRITE_PIECE_BYTES
@@ -305,7 +305,7 @@ def test_a_full_disk_while_the_optimizer_state_is_written_names_the_file(
 ) -> None:
     import errno
 
-    import spot_callbacks.hf.checkpoint as checkpoint
+    import spot_callbacks.staging as staging
 
     class FullDisk:
         def __init__(self, raw: Any) -> None:
@@ -317,7 +317,7 @@ def test_a_full_disk_while_the_optimizer_state_is_written_names_the_file(
         def flush(self) -> None:
             pass
 
-    monkeypatch.setattr(checkpoint, "ChecksumWriter", FullDisk)
+    monkeypatch.setattr(staging, "ChecksumWriter", FullDisk)
     with pytest.raises(OSError) as raised:
-        checkpoint._save_hashed({"w": torch.ones(4)}, tmp_path / "optimizer.pt")
+        staging.save_hashed({"w": torch.ones(4)}, tmp_path / "optimizer.pt")
     assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(tmp_path / "optimizer.pt")

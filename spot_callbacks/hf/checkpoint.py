@@ -34,7 +34,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import transformers
@@ -44,8 +44,8 @@ import spot_callbacks.hf.adapters as adapters
 import spot_callbacks.hf.fsdp as fsdp
 import spot_callbacks.settings as settings
 from spot_callbacks._dist import is_writer
-from spot_callbacks.staging import StagedState, StagingArea
-from spot_callbacks.store.checksums import ChecksumWriter, FileDigest
+from spot_callbacks.staging import StagedState, StagingArea, save_hashed
+from spot_callbacks.store.checksums import FileDigest
 
 if TYPE_CHECKING:
     from spot_callbacks.engine import SpotEngine
@@ -462,8 +462,10 @@ def _write_files(
     entries are not written: ``save_only_model``). ``sharded``: FSDP's ``save_model`` writes nothing,
     the model and optimizer are the DCP folders; ``peft``: the model is its staged adapters.
 
-    Returns the digests of the files hashed as they were written: ``optimizer.pt`` (see
-    :func:`_save_hashed`); the others are hashed as they upload.
+    Returns the digests of the files hashed as they were written: ``optimizer.pt``, the bulk, through
+    :func:`~spot_callbacks.staging.save_hashed` (its zip records named ``archive/``, not ``optimizer/``:
+    ``torch.load`` reads both alike); the files of a few KB keep the Trainer's bytes exactly and are
+    hashed as they upload.
     """
     digests: dict[str, FileDigest] = {}
     if not sharded:
@@ -477,7 +479,7 @@ def _write_files(
         torch.save(trainer.args, partial / transformers.trainer.TRAINING_ARGS_NAME)
         if state.get("optimizer") is not None:
             name = transformers.trainer.OPTIMIZER_NAME
-            digests[name] = _save_hashed(state["optimizer"], partial / name)
+            digests[name] = save_hashed(state["optimizer"], partial / name)
     if state.get("scheduler") is not None:
         torch.save(state["scheduler"], partial / transformers.trainer.SCHEDULER_NAME)
     if state.get("scaler") is not None:
@@ -486,24 +488,3 @@ def _write_files(
         torch.save(state["rng"], partial / compat.rng_state_name(trainer.args))
     trainer_state.save_to_json(os.fspath(partial / transformers.trainer.TRAINER_STATE_NAME))
     return digests
-
-
-def _save_hashed(obj: Any, path: Path) -> FileDigest:
-    """``torch.save(obj)`` into ``path`` through the hashing writer: the file's digest, no second pass
-    over its bytes, which reach the disk in :data:`~spot_callbacks.store.checksums.WRITE_PIECE_BYTES`
-    writes. An ``OSError`` names ``path`` (a full disk too).
-
-    The file differs from the Trainer's ``torch.save(obj, path)`` in its zip records' names only:
-    torch names them ``archive/...`` when it writes to a file object, after the file when it writes
-    to a path (``optimizer/...``); ``torch.load`` reads both alike. So only the bulk (the optimizer
-    state) is written this way; the files of a few KB keep the Trainer's bytes exactly.
-    """
-    try:
-        with open(path, "wb") as raw:
-            writer = ChecksumWriter(raw)
-            torch.save(obj, cast(IO[bytes], writer))  # a write-only file object
-    except OSError as err:
-        if err.errno is not None and err.filename is None:  # a full disk: name the file being written
-            raise OSError(err.errno, os.strerror(err.errno), os.fspath(path)) from err
-        raise
-    return writer.digest()
