@@ -380,16 +380,10 @@ class RunLock:
         """
         self._cancel.clear()
         for attempt in range(CLAIM_ATTEMPTS):
-            if attempt == 0 and self.listed_absent and self._conditional:
-                # No lock, by a listing just taken, as by holder() below: created only where none is
-                # (If-None-Match); refused, another run created it since (what holder() returning
-                # None and then a refused create means below too).
-                if self._claim():
-                    break
-                if (winner := self.holder()) is not None:
-                    raise self._lost_race_error(winner)
-                continue
-            doc = self.holder()
+            # No lock by a listing just taken (the preflight's): where writes are conditional it is
+            # created (If-None-Match) without reading it first, as after holder() read none.
+            listed_absent = attempt == 0 and self.listed_absent and self._conditional
+            doc = None if listed_absent else self.holder()
             if doc is None:
                 if self._claim():
                     break
