@@ -12,6 +12,7 @@ import pytest
 import torch
 from helpers.faultfs import FaultyFileSystem
 from helpers.reliability_counts import DAMAGED, record
+from helpers.s3_engines import committed_s3_run, s3_engine
 
 from spot_callbacks import SpotConfig
 from spot_callbacks.engine import STATE_FILE, SpotEngine
@@ -134,14 +135,6 @@ def test_the_end_of_a_preemption_with_nothing_else_in_flight_says_nothing_about_
     assert not any("not waiting for" in m for m in messages)
 
 
-def _s3_engine(s3_server, run: str, scratch) -> SpotEngine:
-    config = SpotConfig(
-        dirpath=f"s3://{s3_server.bucket}/{run}", storage_options=dict(s3_server.storage_options),
-        scratch_dir=str(scratch), preemption=[], interval=None,
-    )  # fmt: skip
-    return SpotEngine(config, framework="test")
-
-
 def _counting(monkeypatch, fs, name: str, calls: list[str], root: str, fail_first: bool = False) -> None:
     """Count ``fs.<name>`` calls on the run folder ``root`` itself (not on a step folder under it)."""
     real = getattr(fs, name)
@@ -165,14 +158,9 @@ def test_a_resume_before_the_start_lists_the_run_folder_once_with_its_probe(
     the listing of its objects taken beside it, are the resume's: one LIST of each, where a probe and the
     resume's own listings took two round trips. When the side listing fails, the resume takes it itself."""
     run = uuid.uuid4().hex
-    writer = _s3_engine(s3_server, run, tmp_path / "a")
-    writer.start()
-    for step in (10, 20):
-        writer.save_state(step, 0, {"w": torch.full((8,), float(step))}, reason="steps")
-        writer.wait_for_commit()
-    writer.finish()
+    committed_s3_run(s3_server, run, tmp_path / "a", (10, 20), numel=8)
 
-    fresh = _s3_engine(s3_server, run, tmp_path / "b")
+    fresh = s3_engine(s3_server, run, tmp_path / "b")
     calls: list[str] = []
     _counting(monkeypatch, fresh.store.fs, "ls", calls, fresh.store.root)
     _counting(monkeypatch, fresh.store.fs, "find", calls, fresh.store.root, fail_first=side_listing_fails)
@@ -184,7 +172,7 @@ def test_a_resume_before_the_start_lists_the_run_folder_once_with_its_probe(
 
 
 def test_a_fresh_store_probed_before_the_start_is_not_listed_again(s3_server, tmp_path, monkeypatch):
-    fresh = _s3_engine(s3_server, uuid.uuid4().hex, tmp_path / "s")
+    fresh = s3_engine(s3_server, uuid.uuid4().hex, tmp_path / "s")
     calls: list[str] = []
     _counting(monkeypatch, fresh.store.fs, "ls", calls, fresh.store.root)
     _counting(monkeypatch, fresh.store.fs, "find", calls, fresh.store.root)
@@ -198,7 +186,7 @@ def test_small_objects_are_read_in_one_request_each(s3_server, tmp_path, monkeyp
     import s3fs.core
 
     run = uuid.uuid4().hex
-    writer = _s3_engine(s3_server, run, tmp_path / "a")
+    writer = s3_engine(s3_server, run, tmp_path / "a")
     writer.start()
     writer.save_state(10, 0, {"w": torch.ones(8)}, reason="steps")
     writer.wait_for_commit()
@@ -212,7 +200,7 @@ def test_small_objects_are_read_in_one_request_each(s3_server, tmp_path, monkeyp
     monkeypatch.setattr(s3fs.core.S3FileSystem, "_call_s3", recorded)
     assert writer.lease.lock is not None and writer.lease.lock.holder() is not None  # the live lock, read
     writer.finish()
-    fresh = _s3_engine(s3_server, run, tmp_path / "b")
+    fresh = s3_engine(s3_server, run, tmp_path / "b")
     assert fresh.pull_latest() is not None
     fresh.start()
     fresh.finish()

@@ -13,22 +13,14 @@ from typing import Any
 import pytest
 import s3fs.core
 import torch
+from helpers.s3_engines import committed_s3_run, s3_engine
 
-from spot_callbacks import SpotConfig
-from spot_callbacks.engine import STATE_FILE, SpotEngine
+from spot_callbacks.engine import STATE_FILE
 from spot_callbacks.resume import pull_newest_valid
 from spot_callbacks.store import CheckpointStore
 from spot_callbacks.store.checkpoint_store import WalkReads, walk_down
 from spot_callbacks.store.layout import MANIFEST_NAME, step_dirname
 from spot_callbacks.store.writer import CommitWriter
-
-
-def _s3_engine(s3_server: Any, run: str, scratch: Path) -> SpotEngine:
-    config = SpotConfig(
-        dirpath=f"s3://{s3_server.bucket}/{run}", storage_options=dict(s3_server.storage_options),
-        scratch_dir=str(scratch), preemption=[], interval=None,
-    )  # fmt: skip
-    return SpotEngine(config, framework="test")
 
 
 def _recording(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
@@ -49,19 +41,14 @@ def test_a_resume_reads_the_manifest_once_and_lists_no_step_folder(
     s3_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any, newest_damaged: bool
 ) -> None:
     run = uuid.uuid4().hex
-    writer = _s3_engine(s3_server, run, tmp_path / "a")
-    writer.start()
-    for step in (10, 20):
-        writer.save_state(step, 0, {"w": torch.full((1000,), float(step))}, reason="steps")
-        writer.wait_for_commit()
-    writer.finish()
+    writer = committed_s3_run(s3_server, run, tmp_path / "a", (10, 20), numel=1000)
     if newest_damaged:
         path = posixpath.join(writer.store.step_path(20), STATE_FILE)
         writer.store.fs.pipe_file(path, writer.store.fs.cat_file(path)[:-7])
     expected = 10 if newest_damaged else 20
 
     requests = _recording(monkeypatch)
-    fresh = _s3_engine(s3_server, run, tmp_path / "b")
+    fresh = s3_engine(s3_server, run, tmp_path / "b")
     with caplog.at_level(logging.WARNING, logger="spot_callbacks"):
         local = fresh.pull_latest()
     assert local is not None and local.name == step_dirname(expected)
