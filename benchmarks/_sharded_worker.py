@@ -286,3 +286,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()  # gloo's threads can abort the exit otherwise

@@ -144,7 +144,11 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     try:
-        sys.exit(main())
+        code = main()
+        if torch.distributed.is_initialized():
+            # torchrun: without it gloo's threads can abort the process at interpreter exit.
+            torch.distributed.destroy_process_group()
+        sys.exit(code)
     except SpotError as err:  # its one line says the cause and the fix; -v adds the traceback
         if {"-v", "--verbose"} & set(sys.argv[1:]):
             raise

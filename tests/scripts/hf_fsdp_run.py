@@ -177,6 +177,9 @@ def main() -> int:
     Path(f"{out}.json").write_text(json.dumps(result))
     if torch.distributed.is_initialized():
         torch.distributed.barrier()  # every rank has written its result before any exits
+        # Gloo's worker threads still alive at interpreter exit abort the process (SIGABRT,
+        # "terminate called without an active exception"): torch asks scripts to destroy it.
+        torch.distributed.destroy_process_group()
     return PREEMPTED_EXIT_CODE if spot and spot.preempted else 0
 
 
