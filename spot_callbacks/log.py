@@ -15,7 +15,9 @@ the run is ``verbose``, as Lightning's ``ModelCheckpoint(verbose=False)`` keeps 
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -167,3 +169,21 @@ def show_info_lines() -> None:
     if log.level == logging.NOTSET:
         log.setLevel(logging.INFO)
     log.propagate = False
+
+
+def raised_at(err: BaseException) -> str:
+    """Where ``err`` was raised (the innermost frame: ``"file.py:12 in name"``), for a warning that
+    carries on past an unexpected error without its traceback.
+
+    Example:
+        >>> try:
+        ...     [][0]
+        ... except IndexError as err:
+        ...     raised_at(err).startswith("raised at ")
+        True
+    """
+    frames = traceback.extract_tb(err.__traceback__)
+    if not frames:
+        return "raised at an unknown place"
+    frame = frames[-1]
+    return f"raised at {os.path.basename(frame.filename)}:{frame.lineno} in {frame.name}"

@@ -33,6 +33,7 @@ from typing import Any
 
 from spot_callbacks._dist import broadcast_object, distributed_ready, is_writer
 from spot_callbacks.errors import CheckpointError, LockLostError, RunLockedError, StoreUnavailableError
+from spot_callbacks.log import raised_at
 from spot_callbacks.store import CheckpointStore
 from spot_callbacks.store.preflight import preflight
 from spot_callbacks.store.runlock import LOCK_NAME, RELEASE_TIMEOUT_S, RunLock
@@ -93,8 +94,8 @@ class RunLease:
                 refusal = err
             except Exception as err:  # noqa: BLE001 - storage trouble is the persister's to report
                 log.warning(
-                    "spot_callbacks: could not take the run lock of %s, training without it: %s: %s",
-                    self.store.url, type(err).__name__, err,
+                    "spot_callbacks: could not take the run lock of %s, training without it: %s: %s (%s)",
+                    self.store.url, type(err).__name__, err, raised_at(err),
                 )  # fmt: skip
         refusal = broadcast_object(refusal)
         if refusal is not None:

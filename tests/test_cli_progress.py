@@ -360,6 +360,8 @@ def test_piped_pull_counts_a_streams_bytes_as_they_land_not_when_its_chunk_or_se
     lines = done.stderr.splitlines()
     assert any("obstore" in line and "payload bytes" in line for line in lines), lines
     moving = sorted(set(progress_bytes(lines, f"pull {url}/step-")) - {0.0})
+    # Counts no completed 6 MiB range could give (a periodic line may also land on the full 8.0 MB
+    # just before the pull's last line, on a loaded box: that says nothing either way).
     below_a_range = [mb for mb in moving if mb < 6.0]
-    assert len(below_a_range) >= 3 and moving[-1] < 8.0, lines
+    assert len(below_a_range) >= 3, lines
     assert (tmp_path / "dest" / "state.ckpt").stat().st_size == 8_000_000

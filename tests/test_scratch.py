@@ -401,7 +401,12 @@ def test_a_new_run_deletes_other_dirpaths_folders_past_the_keep_time(
         "demo",
     )
     assert wait_for_sweeps(timeout_s=60)
-    assert not old.exists()
+    # Seen once in CI under load (not reproduced): old still there. What the sweep saw, if it happens again.
+    seen = [
+        (f.path.name, f.dirpath, f.held_by, round(time.time() - f.last_used))
+        for f in scratch_folders.list_scratch(base)
+    ]
+    assert not old.exists(), seen
     assert recent.is_dir() and holder.is_dir() and stranger.is_dir()  # newer than 7 days; held by a live run
 
 
