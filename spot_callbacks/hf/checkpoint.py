@@ -300,7 +300,8 @@ class StagedSaves:
 # releases it, and each time it does the training thread waits up to the interpreter's switch interval
 # (5 ms) to get it back: 3-7 ms of a 50-70 ms checkpoint (BENCHMARKS.md, strategies, hfstall). By
 # the end of this delay the training thread is in the next step's kernels, which run without the GIL.
-# A write that starts this much later commits this much later; nothing waits on the delay.
+# A write that starts this much later commits this much later (an emergency one too: against a notice's
+# 30 s or more); correctness never depends on it.
 WRITER_START_DELAY_S = 0.02
 
 
