@@ -39,6 +39,7 @@ from spot_callbacks.hf import SpotCheckpointCallback  # noqa: E402
 from spot_callbacks.persist import heap  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _trace  # noqa: E402
 import _train_on  # noqa: E402
 
 parser = argparse.ArgumentParser()
@@ -219,6 +220,7 @@ def main_train_on() -> None:
     enable_fsdp_on_cpu()
     torch.manual_seed(0)
     rss, clock = _train_on.RssWindow(), _train_on.HookClock(profile_every=args.every)
+    trace = _trace.install(lambda: clock.step)  # SPOT_BENCH_TRACE: before the hooks are wrapped
     spot = SpotCheckpointCallback(
         dirpath=args.dirpath, interval=None, every_n_steps=10**9 if args.no_saves else args.every,
         keep_last=1, storage_options=json.loads(args.storage_options), preemption=[],
@@ -262,6 +264,7 @@ def main_train_on() -> None:
         "train_peak_rss_bytes": train_on.train_peak, "staging_bytes": train_on.staging_bytes,
         "prepared_bytes": train_on.prepared_bytes, "prepared_used": getattr(spot.engine.staging, "prepared_buffers_used", 0),
         "shard_handle_builds": spot._staged.handles.builds, "trims_s": list(heap.RECENT_TRIMS_S),
+        "trace": trace.per_step() if trace is not None else None,
     }  # fmt: skip
     with open(os.path.join(args.results, f"rank-{rank}.json"), "w") as handle:
         json.dump(result, handle)

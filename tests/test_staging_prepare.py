@@ -92,13 +92,18 @@ def test_a_stage_during_the_allocation_stops_it_and_allocates_the_rest_itself(mo
 
 class WaitForStagingBuffers(transformers.TrainerCallback):
     """After the checkpoint callback: let its background allocation finish before the next step,
-    so the first checkpoint finds every buffer (a stage that comes first allocates the rest itself)."""
+    so the first checkpoint finds every buffer (a stage that comes first allocates the rest itself).
+    Records, at each step boundary before the first checkpoint, whether the writer's persister exists."""
 
-    def __init__(self, area: StagingArea) -> None:
+    def __init__(self, area: StagingArea, engine: Any = None) -> None:
         self.area = area
+        self.engine = engine
+        self.persister_before_first_checkpoint: list[bool] = []
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         assert self.area.wait_prepared(timeout=60)
+        if self.engine is not None and self.engine.last_saved_step is None:
+            self.persister_before_first_checkpoint.append(self.engine.saves.persister is not None)
 
 
 def test_hf_trainer_allocates_the_buffers_after_its_first_step_and_stages_into_them(tmp_path: Path) -> None:
@@ -107,8 +112,13 @@ def test_hf_trainer_allocates_the_buffers_after_its_first_step_and_stages_into_t
     ckpt = SpotCheckpointCallback(
         dirpath=str(tmp_path / "store"), interval=None, every_n_steps=3, preemption=[]
     )
-    trainer = make_trainer(tmp_path / "out", [ckpt, WaitForStagingBuffers(ckpt.engine.staging)], max_steps=7)
+    wait = WaitForStagingBuffers(ckpt.engine.staging, ckpt.engine)
+    trainer = make_trainer(tmp_path / "out", [ckpt, wait], max_steps=7)
     trainer.train()
+    # The writer's persister (its threads) is made at the first step boundary, not by the first checkpoint.
+    assert wait.persister_before_first_checkpoint == [True, True, True], (
+        wait.persister_before_first_checkpoint
+    )
     area = ckpt.engine.staging
     assert area.plan_builds == 1 and area.prepared_buffers_used > 0
     # Every tensor of model and optimizer was prepared: none was allocated by the first checkpoint.

@@ -173,8 +173,10 @@ class StagedSaves:
 
     def prepare(self, writer: SpotEngine) -> None:
         """At the first ``on_step_end`` of a train() without a checkpoint (every rank, after the resume):
-        the persister of :attr:`every_rank` folders, made now (a collective: its gloo groups), and the
-        buffers :meth:`stage` will copy into, allocated in the background (every rank that stages).
+        the persister of :attr:`every_rank` folders, made now (a collective: its gloo groups), or on one
+        node the writer's (its threads); with several processes on one node, a first ``store_flos``
+        all-gather (:func:`warm_flos_gather`); and the buffers :meth:`stage` will copy into, allocated in
+        the background (every rank that stages). What the first checkpoint would otherwise pay once.
 
         The buffers are skipped where taking the state dicts is itself a collective or a gather (FSDP1,
         sharded adapters): their first checkpoint allocates them, as before.
@@ -184,9 +186,13 @@ class StagedSaves:
         self._prepared = True
         if self.every_rank:  # the Trainer's own saves go through it too (the folders span ranks)
             writer.prepare_rank_files()
+        else:  # save_folder's on one node: the writer's persister and its threads (not collective)
+            writer.prepare_state_file()
         trainer = self._trainer()
         if trainer is None or self.fallback_reason is not None:
             return
+        if not self.every_rank and compat.defers_flos(trainer):
+            warm_flos_gather(trainer)
         if self.every_rank:
             if self.sharded and (self.adapters is not None or not fsdp.is_fsdp2(trainer)):
                 return
@@ -259,6 +265,7 @@ class StagedSaves:
         def write(target: Path) -> dict[str, FileDigest]:
             if pending.staged is None:
                 raise RuntimeError("spot_callbacks: this rank staged nothing to write")
+            let_the_loop_leave_the_hook()
             # The files hashed as they were written; the pipeline hashes the others as it uploads them.
             return write_checkpoint_folder(trainer, pending.staged, trainer_state, target, self.adapters)
 
@@ -266,6 +273,7 @@ class StagedSaves:
         if self.every_rank:
 
             def write_own(target: Path, group: Any) -> dict[str, FileDigest | None]:
+                let_the_loop_leave_the_hook()
                 if flos is not None:
                     compat.add_ranks_flos(trainer_state, flos, group.group)
                 return write_rank_files(
@@ -284,6 +292,31 @@ class StagedSaves:
         if persisted:
             self.submitted_steps.append(step)
         return pending.request, stall_s if persisted else None
+
+
+# How long a writer thread waits after the hand-off before its first Python work. The training thread
+# hands a checkpoint over in a hook it then finishes (the Trainer's log of spot/stall_s, printed;
+# the ledger); the writer woken by the hand-off would take the GIL at the first of those calls that
+# releases it, and each time it does the training thread waits up to the interpreter's switch interval
+# (5 ms) to get it back: 3-7 ms of a 50-70 ms checkpoint (BENCHMARKS.md, strategies, hfstall). By
+# the end of this delay the training thread is in the next step's kernels, which run without the GIL.
+# A write that starts this much later commits this much later (an emergency one too: against a notice's
+# 30 s or more); correctness never depends on it.
+WRITER_START_DELAY_S = 0.02
+
+
+def let_the_loop_leave_the_hook() -> None:
+    """On a writer thread, at the start of a staged checkpoint's write: :data:`WRITER_START_DELAY_S`."""
+    time.sleep(WRITER_START_DELAY_S)  # a scheduling delay, not a synchronisation: see above
+
+
+def warm_flos_gather(trainer: transformers.Trainer) -> None:
+    """A throwaway of the all-gather ``Trainer.store_flos`` runs at each checkpoint's ``trainer_state.json``
+    (every rank, at the same step boundary: collective): its first call costs 10-15 ms (gloo), paid here
+    at the first step boundary instead of by the first checkpoint. Nothing of the Trainer changes."""
+    from transformers.trainer_pt_utils import distributed_broadcast_scalars
+
+    distributed_broadcast_scalars([float(trainer.current_flos)], device=trainer.args.device)
 
 
 def partial_folder(folder: Path) -> Path:
