@@ -51,6 +51,10 @@ def _s3_upload_defaults(options: dict[str, Any]) -> None:
     options.setdefault("max_concurrency", S3_UPLOAD_CONCURRENCY)
 
 
+def _s3_connect(fs: Any) -> None:
+    fs.connect()  # s3fs' blocking set_session(): aiobotocore's client, built once per filesystem
+
+
 def load(dotted: str) -> Any:
     """The object a dotted name (``"package.module:attribute"``) names, its module imported now.
 
@@ -86,6 +90,8 @@ class Backend:
         starts_with: sets the options it starts with where the user set none (short timeouts).
         opens_with: sets what :func:`~spot_callbacks.store.layout.open_filesystem` adds for a run's store.
         passed_on_options: ``storage_options`` keys its filesystem hands on to the client it builds.
+        connects: builds its filesystem's client ahead of the first request, sending nothing to the store
+            (``store/warmup.py``); ``None``: nothing to build, or it is built with the filesystem.
         strict_options: an unknown ``storage_options`` key fails only at the first request there.
         data_plane: ``(fs, budget, choice) -> DataPlane``, the fast client of its payload bytes.
         data_plane_choices: the ``$SPOT_DATA_PLANE`` values besides ``auto`` its fast client honours.
@@ -117,6 +123,7 @@ class Backend:
     starts_with: Callable[[dict[str, Any]], None] | None = None
     opens_with: Callable[[dict[str, Any]], None] | None = None
     passed_on_options: frozenset[str] = field(default_factory=frozenset)
+    connects: Callable[[Any], None] | None = None
     strict_options: bool = False
     data_plane: Callable[[Any, Any, str], Any] | None = None
     data_plane_choices: tuple[str, ...] = ()
@@ -151,6 +158,7 @@ BACKENDS: tuple[Backend, ...] = (
         starts_with=_s3_defaults,
         opens_with=_s3_upload_defaults,
         passed_on_options=frozenset({"session_vars", "event_hooks", "include_builtin_handlers", "profile"}),
+        connects=_s3_connect,
         strict_options=True,  # s3fs hands every other key to AioSession, which raises at the first request
         data_plane=_s3_plane,
         data_plane_choices=("boto3", "obstore"),

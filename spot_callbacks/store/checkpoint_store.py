@@ -10,6 +10,7 @@ and the transfers (:mod:`~spot_callbacks.store.transfer`) are below it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import posixpath
@@ -31,6 +32,7 @@ from spot_callbacks.errors import (
     ForeignCheckpointError,
     ManifestError,
 )
+from spot_callbacks.store.backends import backend_of_fs
 from spot_callbacks.store.clients.base import DataPlane
 from spot_callbacks.store.layout import MANIFEST_NAME, step_dirname
 from spot_callbacks.store.manifest import (
@@ -41,6 +43,7 @@ from spot_callbacks.store.manifest_limits import ManifestLimits
 from spot_callbacks.store.meter import TransferMeter
 from spot_callbacks.store.pull_dest import check_pull_dest
 from spot_callbacks.store.retry import RetryPolicy, UploadTimeout
+from spot_callbacks.store.warmup import ClientWarmUp
 
 log = logging.getLogger("spot_callbacks")
 
@@ -83,15 +86,28 @@ class CheckpointStore:
     ) -> None:
         self.dirpath = os.fspath(dirpath)
         # fs, retry and upload_timeout are read at every call, so they can be swapped on a live store.
-        self.fs, self.root, self._url_protocol = layout.open_filesystem(self.dirpath, storage_options)
+        self._fs, self.root, self._url_protocol = layout.open_filesystem(self.dirpath, storage_options)
         # What moves payload bytes (store/dataplane.py), built from self.fs and serving it only: a
         # filesystem swapped in later (a wrapper that counts or injects faults) gets fsspec itself.
-        self.data_plane: DataPlane = dataplane.select_data_plane(self.fs)
-        self._warming: threading.Thread | None = None  # the warm-up's thread, once started
+        self.data_plane: DataPlane = dataplane.select_data_plane(self._fs)
+        self._warming: threading.Thread | None = None  # the data plane's warm-up thread, once started
+        self.warm_up: ClientWarmUp | None = None  # the clients' warm-up (start_warm_up), once started
         self.retry = retry or RetryPolicy()
         self.upload_timeout = upload_timeout or UploadTimeout.from_env()
         self._warned: set[tuple[int, str]] = set()
         self.retention_memory = retention.RetentionMemory()
+
+    @property
+    def fs(self) -> Any:
+        """The store's fsspec filesystem; its first use waits for the warm-up building its client
+        (:meth:`start_warm_up`), a bounded wait (``store/warmup.py``)."""
+        if self.warm_up is not None:
+            self.warm_up.wait_for_client()
+        return self._fs
+
+    @fs.setter
+    def fs(self, fs: Any) -> None:
+        self._fs = fs
 
     # ----------------------------------------------------------------- layout
     @property
@@ -101,11 +117,11 @@ class CheckpointStore:
 
     def url_of(self, path: str) -> str:
         """The URL of a filesystem path, in the protocol of ``dirpath``."""
-        return layout.url_of(self.fs, path, self._url_protocol)
+        return layout.url_of(self._fs, path, self._url_protocol)
 
     @property
     def _is_local(self) -> bool:
-        return layout.is_local_fs(self.fs)
+        return layout.is_local_fs(self._fs)
 
     def step_path(self, step: int) -> str:
         return posixpath.join(self.root, step_dirname(step))
@@ -119,8 +135,31 @@ class CheckpointStore:
     def warm_data_plane(self) -> threading.Thread | None:
         """Build the payload clients in a thread, once per store (:func:`dataplane.warm_in_background`)."""
         if self._warming is None:
-            self._warming = dataplane.warm_in_background(self.data_plane, self.fs, self.root)
+            self._warming = dataplane.warm_in_background(self.data_plane, self._fs, self.root)
         return self._warming
+
+    def start_warm_up(self) -> ClientWarmUp | None:
+        """Build the filesystem's client, then the payload clients, on a daemon thread, once per store,
+        while the caller goes on (``store/warmup.py``); ``None`` when there is nothing to build (the
+        local disk, ``memory://``). The first use of :attr:`fs` waits for the filesystem's client."""
+        if self.warm_up is not None:
+            return self.warm_up
+        fs, connects = self._fs, backend_of_fs(self._fs).connects
+        plane = self.data_plane
+        warms_plane = (
+            self._warming is None and plane.serves(fs) and not isinstance(plane, dataplane.FsspecPlane)
+        )
+        if connects is None and not warms_plane:
+            return None
+        self.warm_up = ClientWarmUp(
+            functools.partial(connects, fs) if connects is not None else None,
+            functools.partial(plane.warm, self.root) if warms_plane else None,
+            self.url,
+        )
+        if warms_plane:
+            self._warming = self.warm_up.thread  # warm_data_plane() starts no second thread
+        self.warm_up.start()
+        return self.warm_up
 
     # ---------------------------------------------------------------- reading
     def step_folders(self, entries: list[str] | None = None) -> dict[int, str]:
