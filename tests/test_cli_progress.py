@@ -109,7 +109,10 @@ def test_piped_pull_and_verify_print_a_line_every_interval_while_one_file_moves(
     lines = done.stderr.splitlines()
     label = f"{command} {url}/step-"
     moved = progress_bytes(lines, label)
-    assert len(moved) >= 3 and moved == sorted(moved) and moved[0] < moved[-1] < 5.0, lines
+    # Lines while the file moves; a periodic line may also land on the full size just before the last
+    # line on a loaded box (CI saw it once): not counted as one while it moves.
+    rising = [mb for mb in moved if mb < 5.0]
+    assert len(rising) >= 3 and moved == sorted(moved) and rising[0] < rising[-1], lines
     assert any("obstore" in line and "payload bytes" in line for line in lines), (
         lines
     )  # the fast path moved them
@@ -240,7 +243,9 @@ def test_a_throttled_resume_pull_into_a_log_gets_a_line_every_interval(
         pulled = pull_latest(store, lambda step: tmp_path / "local" / f"step-{step}", rank=0, local_rank=0)
     assert pulled.info.step == 6 and (pulled.local_dir / "state.ckpt").stat().st_size == 4_000_000
     moved = progress_bytes([r.getMessage() for r in caplog.records], "pulling s3://")
-    assert len(moved) >= 2 and moved == sorted(moved) and moved[-1] < 4.0, caplog.text
+    assert len([mb for mb in moved if mb < 4.0]) >= 2 and moved == sorted(moved), (
+        caplog.text
+    )  # while it moves
 
 
 def upload_job(tmp_path: Path, step: int, size: int) -> PersistJob:
@@ -279,7 +284,7 @@ def test_the_end_of_fit_wait_on_a_throttled_upload_says_bytes_rate_and_eta_every
     moved = progress_bytes(still, "upload of step 5")
     # Non-decreasing, not rising: the client counts bytes as sent once its socket buffer (megabytes
     # on loopback) took them, so the last seconds can show the same count.
-    assert len(moved) >= 2 and moved == sorted(moved) and moved[-1] < 7.0, messages
+    assert len([mb for mb in moved if mb < 7.0]) >= 2 and moved == sorted(moved), messages  # while it moves
     assert all(re.search(r", ETA " + DURATION + "$", line) for line in still), still
 
 
