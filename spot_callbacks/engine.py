@@ -90,7 +90,7 @@ class SpotEngine:
         options = cast("dict[str, Any] | None", config.storage_options)
         self.store = CheckpointStore(config.dirpath, storage_options=options)
         # Its clients are built while the user builds the model and the Trainer, ahead of the resume.
-        self.store.start_warm_up()
+        self.store.warm_data_plane()
         self.scratch_root = claim_scratch_root(self.store.url, config.scratch_dir)  # and sweep
         self.trigger = CheckpointTrigger(
             config.interval_seconds, config.every_n_steps, auto=config.interval_is_auto,

@@ -321,26 +321,3 @@ def test_a_full_disk_while_the_optimizer_state_is_written_names_the_file(
     with pytest.raises(OSError) as raised:
         staging.save_hashed({"w": torch.ones(4)}, tmp_path / "optimizer.pt")
     assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(tmp_path / "optimizer.pt")
-
-
-def test_the_writer_starts_after_the_hook_that_handed_the_checkpoint_over(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The writer thread woken by the hand-off waits before its first Python work, on its own thread, so
-    the training thread finishes that hook (its log of spot/stall_s, its ledger) without losing the GIL
-    to it; the folder is the same."""
-    import threading
-
-    import spot_callbacks.hf.checkpoint as hf_checkpoint
-
-    waits: list[str] = []
-    ckpt = spot(tmp_path / "store", every_n_steps=3)
-
-    def recorded_wait() -> None:
-        waits.append(threading.current_thread().name)  # the writer's, never the training thread
-
-    monkeypatch.setattr(hf_checkpoint, "let_the_loop_leave_the_hook", recorded_wait)
-    trainer = make_trainer(tmp_path / "out", [ckpt], max_steps=4)
-    trainer.train()
-    assert [(c.step, c.reason) for c in ckpt.store.committed()] == [(3, "steps"), (4, "end")]
-    assert waits == ["spot-writer", "spot-writer"]  # once per staged checkpoint, before its write

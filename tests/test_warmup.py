@@ -76,7 +76,9 @@ def test_the_client_is_built_off_the_constructing_thread_and_once(s3_server, cli
 def test_a_local_store_starts_no_warm_up(tmp_path: Path) -> None:
     engine = SpotEngine(SpotConfig(dirpath=str(tmp_path / "run"), preemption=[], interval=None), "test")
     assert engine.store.warm_up is None
-    assert CheckpointStore(f"memory://{uuid.uuid4().hex}/run").start_warm_up() is None
+    memory = CheckpointStore(f"memory://{uuid.uuid4().hex}/run")
+    memory.warm_data_plane()  # fsspec moves memory://'s bytes: no client to build ahead
+    assert memory.warm_up is None
 
 
 def _refusal(store_or_engine: Any) -> tuple[str, str]:

@@ -265,7 +265,6 @@ class StagedSaves:
         def write(target: Path) -> dict[str, FileDigest]:
             if pending.staged is None:
                 raise RuntimeError("spot_callbacks: this rank staged nothing to write")
-            let_the_loop_leave_the_hook()
             # The files hashed as they were written; the pipeline hashes the others as it uploads them.
             return write_checkpoint_folder(trainer, pending.staged, trainer_state, target, self.adapters)
 
@@ -273,7 +272,6 @@ class StagedSaves:
         if self.every_rank:
 
             def write_own(target: Path, group: Any) -> dict[str, FileDigest | None]:
-                let_the_loop_leave_the_hook()
                 if flos is not None:
                     compat.add_ranks_flos(trainer_state, flos, group.group)
                 return write_rank_files(
@@ -292,22 +290,6 @@ class StagedSaves:
         if persisted:
             self.submitted_steps.append(step)
         return pending.request, stall_s if persisted else None
-
-
-# How long a writer thread waits after the hand-off before its first Python work. The training thread
-# hands a checkpoint over in a hook it then finishes (the Trainer's log of spot/stall_s, printed;
-# the ledger); the writer woken by the hand-off would take the GIL at the first of those calls that
-# releases it, and each time it does the training thread waits up to the interpreter's switch interval
-# (5 ms) to get it back: 3-7 ms of a 50-70 ms checkpoint (BENCHMARKS.md, strategies, hfstall). By
-# the end of this delay the training thread is in the next step's kernels, which run without the GIL.
-# A write that starts this much later commits this much later (an emergency one too: against a notice's
-# 30 s or more); correctness never depends on it.
-WRITER_START_DELAY_S = 0.02
-
-
-def let_the_loop_leave_the_hook() -> None:
-    """On a writer thread, at the start of a staged checkpoint's write: :data:`WRITER_START_DELAY_S`."""
-    time.sleep(WRITER_START_DELAY_S)  # a scheduling delay, not a synchronisation: see above
 
 
 def warm_flos_gather(trainer: transformers.Trainer) -> None:

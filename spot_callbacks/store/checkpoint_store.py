@@ -91,7 +91,7 @@ class CheckpointStore:
         # filesystem swapped in later (a wrapper that counts or injects faults) gets fsspec itself.
         self.data_plane: DataPlane = dataplane.select_data_plane(self._fs)
         self._warming: threading.Thread | None = None  # the data plane's warm-up thread, once started
-        self.warm_up: ClientWarmUp | None = None  # the clients' warm-up (start_warm_up), once started
+        self.warm_up: ClientWarmUp | None = None  # the clients' warm-up (warm_data_plane), once started
         self.retry = retry or RetryPolicy()
         self.upload_timeout = upload_timeout or UploadTimeout.from_env()
         self._warned: set[tuple[int, str]] = set()
@@ -100,7 +100,7 @@ class CheckpointStore:
     @property
     def fs(self) -> Any:
         """The store's fsspec filesystem; its first use waits for the warm-up building its client
-        (:meth:`start_warm_up`), a bounded wait (``store/warmup.py``)."""
+        (:meth:`warm_data_plane`), a bounded wait (``store/warmup.py``)."""
         if self.warm_up is not None:
             self.warm_up.wait_for_client()
         return self._fs
@@ -133,12 +133,16 @@ class CheckpointStore:
         return f"CheckpointStore({self.url!r})"
 
     def warm_data_plane(self) -> threading.Thread | None:
-        """Build the payload clients in a thread, once per store (:func:`dataplane.warm_in_background`)."""
+        """Build the store's clients on a daemon thread, once per store: the filesystem's, then the
+        payload's (``store/warmup.py``; the first use of :attr:`fs` waits for the filesystem's). Returns
+        the thread building the payload's clients (None: fsspec moves them, nothing to build)."""
+        if self.warm_up is None:
+            self._start_warm_up()
         if self._warming is None:
             self._warming = dataplane.warm_in_background(self.data_plane, self._fs, self.root)
         return self._warming
 
-    def start_warm_up(self) -> ClientWarmUp | None:
+    def _start_warm_up(self) -> ClientWarmUp | None:
         """Build the filesystem's client, then the payload clients, on a daemon thread, once per store,
         while the caller goes on (``store/warmup.py``); ``None`` when there is nothing to build (the
         local disk, ``memory://``). The first use of :attr:`fs` waits for the filesystem's client."""
