@@ -27,6 +27,7 @@ import torch
 
 from spot_callbacks.errors import CorruptCheckpointError, SpotError, UnsafeCheckpointError
 from spot_callbacks.log import checkpoint_line
+from spot_callbacks.preemption import exit_guard
 from spot_callbacks.store.checksums import ChecksumWriter, FileDigest
 from spot_callbacks.store.manifest_limits import ManifestLimits
 
@@ -144,6 +145,7 @@ class StagingArea:
             specs = [spec for spec in specs if not _buffer_fits(self._buffers.get(spec.path), spec)]
         preparing = _Preparing(self, specs)
         self._preparing = preparing
+        exit_guard.stop_at_exit(self)
         preparing.thread.start()
         return True
 
@@ -162,6 +164,10 @@ class StagingArea:
             self._preparing = None
             preparing.cancel.set()
             preparing.thread.join()
+
+    def stop_for_exit(self) -> None:
+        """At the process's exit: stop the preparing thread at its next safe point (see ``exit_guard``)."""
+        self._stop_preparing()
 
     def stage(self, state: Any, timeout: float | None = None) -> StagedState:
         """Copy every tensor of ``state`` into host buffers; copy other leaves deeply.
@@ -249,12 +255,19 @@ def _buffer_fits(buffer: torch.Tensor | None, spec: _BufferSpec) -> bool:
 _PAGE = mmap.PAGESIZE
 
 
-def _fault_in(buffer: torch.Tensor) -> None:
-    """Write one byte of every page of a new buffer, so the copy into it finds them resident."""
+_FAULT_SLICE = 64 << 20  # bytes touched between two looks at the cancel flag (~10 ms)
+
+
+def _fault_in(buffer: torch.Tensor, cancel: threading.Event) -> None:
+    """Write one byte of every page of a new buffer, so the copy into it finds them resident; in
+    slices, so that ``cancel`` (a stage, the process's exit) stops it within one slice."""
     if buffer.numel() and not buffer.is_pinned():  # pinned memory is resident already
         with torch.no_grad():
             data = buffer.view(-1).view(torch.uint8)
-            data[::_PAGE].zero_()
+            for start in range(0, data.numel(), _FAULT_SLICE):
+                if cancel.is_set():
+                    return
+                data[start : start + _FAULT_SLICE : _PAGE].zero_()
             # The data rarely starts on a page boundary (malloc's header comes first): its last page
             # is one past those the stride reaches.
             data[-1:].zero_()
@@ -278,7 +291,7 @@ class _Preparing:
                 with area._buffers_lock:  # counted from now (buffer_bytes), resident once touched
                     area._buffers[spec.path] = buffer
                     area._prepared.add(spec.path)
-                _fault_in(buffer)
+                _fault_in(buffer, self.cancel)
         except Exception as err:  # noqa: BLE001 - out of memory here: the stage allocates, and says so then
             log.debug("spot_callbacks: preparing the staging buffers stopped: %r", err)
 

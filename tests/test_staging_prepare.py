@@ -74,8 +74,8 @@ def test_a_stage_during_the_allocation_stops_it_and_allocates_the_rest_itself(mo
     in_first_buffer = threading.Event()
     faulted: list[int] = []
 
-    def fault_in_until_cancelled(buffer: torch.Tensor) -> None:
-        cancel = area._preparing.cancel  # set by the stage below, while this thread is on its first buffer
+    def fault_in_until_cancelled(buffer: torch.Tensor, cancel: threading.Event) -> None:
+        # cancel: set by the stage below, while this thread is on its first buffer
         faulted.append(buffer.numel())
         in_first_buffer.set()
         assert cancel.wait(timeout=60)
@@ -157,12 +157,16 @@ def test_lightning_allocates_the_buffers_after_its_first_step_and_stages_into_th
     assert before_first_checkpoint == [True]
 
 
-def test_the_background_allocation_touches_every_page_of_a_buffer_the_last_one_included() -> None:
+@pytest.mark.parametrize("slice_pages", [1, 2, 1 << 14])  # slices between looks at the cancel flag
+def test_the_background_allocation_touches_every_page_of_a_buffer_the_last_one_included(
+    monkeypatch, slice_pages: int
+) -> None:
+    monkeypatch.setattr(staging, "_FAULT_SLICE", slice_pages * 4096)
     whole = torch.empty(6 * 4096, dtype=torch.uint8)
     start = -whole.data_ptr() % 4096 + 100  # three pages' bytes from 100 bytes into a page: four pages
     buffer = whole[start : start + 3 * 4096]
     buffer.fill_(0xFF)
-    staging._fault_in(buffer)
+    staging._fault_in(buffer, threading.Event())
     first_page = buffer.data_ptr() // 4096
     touched = {(buffer.data_ptr() + int(i)) // 4096 - first_page for i in (buffer == 0).nonzero().flatten()}
     assert touched == set(range((buffer.data_ptr() + buffer.numel() - 1) // 4096 - first_page + 1))
@@ -179,3 +183,31 @@ def test_cuda_tensors_get_pinned_buffers_prepared_in_the_background() -> None:
     staged.wait_copied()
     assert torch.equal(staged.state["weight"], model.weight.detach().cpu())
     staged.release()
+
+
+_EXIT_WHILE_PREPARING = """
+import sys, torch
+from spot_callbacks.staging import StagingArea
+state = {f"w{i}": torch.zeros(4 << 20) for i in range(24)}  # 24 tensors of 16 MiB
+area = StagingArea(pin_memory=False)
+assert area.prepare(state)
+sys.exit(143)  # a notice's exit while the daemon thread allocates and touches the buffers
+"""
+
+
+def test_a_process_that_exits_while_buffers_are_being_prepared_exits_with_its_code_not_an_abort(
+    tmp_path: Path,
+) -> None:
+    # Python stops a daemon thread at its next return from C when the interpreter finalises; one
+    # inside a torch op then unwinds through a noexcept frame: std::terminate, SIGABRT (-6).
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit_while_preparing.py"
+    script.write_text(_EXIT_WHILE_PREPARING)
+    codes = [
+        subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+        for _ in range(3)
+    ]
+    assert [done.returncode for done in codes] == [143, 143, 143], [done.stderr[-400:] for done in codes]
+    assert not any("terminate called" in done.stderr for done in codes)

@@ -6,6 +6,9 @@ the 143 a preempted run exits with. At exit, the busy workers of every open pers
 until the armed deadline to park; one still busy then ends the process at once, with the armed
 exit code, logs flushed, before finalisation can reach it.
 
+Other daemon threads that run torch ops (the staging buffers' preparation) are stopped at exit the
+same way, before finalisation: :func:`stop_at_exit`.
+
 A stopped run's exit skips the interpreter's last garbage collections (:func:`gc.freeze`): with
 torch and a framework loaded they walk millions of objects, a second or more between the last
 commit and the process's end, all of it billed; objects still alive at exit are not promised their
@@ -38,6 +41,7 @@ QUIET_WAIT_S = 1.0
 INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT: the second Ctrl-C
 
 _open: weakref.WeakSet[Any] = weakref.WeakSet()
+_stopped: weakref.WeakSet[Any] = weakref.WeakSet()  # owners of daemon threads in torch ops: stop_for_exit()
 _armed: dict[str, Any] = {}  # "deadline" (epoch seconds), "code": set by arm()
 _last_line: dict[str, str] = {}  # "text": what happens next, said again if the exit cuts a worker off
 _registered = threading.Lock()
@@ -48,6 +52,18 @@ def guard(persister: Any) -> None:
     """Watch ``persister`` (its ``idle`` and ``worker_threads()``) at the exit of this process."""
     _install()
     _open.add(persister)
+
+
+def stop_at_exit(owner: Any) -> None:
+    """Call ``owner.stop_for_exit()`` at the exit of this process, before the interpreter finalises.
+
+    Python stops a daemon thread where it next returns from C once finalisation has begun; one inside
+    a torch op then unwinds through a ``noexcept`` C++ frame, and the process aborts ("terminate called
+    without an active exception", SIGABRT) instead of exiting with its code. ``stop_for_exit`` ends the
+    owner's thread at its next safe point and waits for it.
+    """
+    _install()
+    _stopped.add(owner)
 
 
 def _install() -> None:
@@ -98,6 +114,11 @@ def park_workers_at_exit() -> None:
     Example:
         >>> park_workers_at_exit()  # nothing busy, nothing armed: returns at once
     """
+    for owner in list(_stopped):
+        try:
+            owner.stop_for_exit()
+        except Exception as err:  # noqa: BLE001 - the exit goes on; the abort it guards against is no worse
+            log.debug("spot_callbacks: stopping %r at exit failed: %r", owner, err)
     _park_busy_workers()
     if "code" in _armed:
         # What is left is memory the process's end frees at once; the collections would take seconds.
