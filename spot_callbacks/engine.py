@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, cast
 
@@ -41,6 +42,7 @@ from spot_callbacks.errors import PersistError, RunLockedError, StoreUnavailable
 from spot_callbacks.log import set_verbose, show_info_lines
 from spot_callbacks.persist import PersistRecord
 from spot_callbacks.persist.scratch_folders import claim_scratch_root, drop_unused_scratch_root
+from spot_callbacks.persist.tracking import workers_woken_after
 from spot_callbacks.preemption import Notice, PreemptionWatcher, exit_guard
 from spot_callbacks.preemption.emergency import EXIT_MARGIN_S, Emergency, time_left_s, warn_if_grace_too_short
 from spot_callbacks.preemption.startup import exit_on_notice
@@ -476,6 +478,13 @@ class SpotEngine:
             self.emergency.exit_if_noticed_at_exit()
         if error is not None:
             raise error
+
+    def writers_woken_at_end(self) -> AbstractContextManager[None]:
+        """A block whose checkpoint saves wake the background writers when it ends: an adapter puts
+        its save and the logging of its metrics in one, so the writer's first Python does not hold
+        the GIL inside the training loop's blocked window (a wait for a checkpoint in the block wakes
+        them at once)."""
+        return workers_woken_after()
 
     def persist_lag_s(self) -> float:
         """Seconds since the newest commit of this run (or since training started): ``spot/persist_lag_s``."""

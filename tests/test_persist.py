@@ -166,3 +166,32 @@ def test_the_kept_local_copy_gets_the_manifest_as_committed_without_reading_it_b
     local = tmp_path / "scratch" / "step-7" / MANIFEST_NAME
     assert local.read_bytes() == store.fs.cat_file(f"{store.step_path(7)}/{MANIFEST_NAME}")
     assert local_copy_matches(store.latest(), local.parent)
+
+
+def test_a_save_in_a_workers_woken_after_block_is_written_after_it_and_a_wait_inside_wakes_them(tmp_path):
+    """The adapters log a checkpoint's metrics before its writer's first Python takes the GIL."""
+    from spot_callbacks.persist.tracking import workers_woken_after
+
+    store = CheckpointStore((tmp_path / "store").as_uri())
+    persister = Persister(store)
+    writing = {1: threading.Event(), 2: threading.Event()}
+
+    def job_writing(step: int) -> PersistJob:
+        def write(folder: Path) -> dict:
+            writing[step].set()
+            folder.mkdir(parents=True)
+            (folder / "state.pt").write_bytes(bytes([step]) * 1024)
+            return {}
+
+        return PersistJob(step=step, reason="interval", framework="test", local_dir=tmp_path / f"s{step}",
+                          write=write)  # fmt: skip
+
+    with workers_woken_after():
+        persister.submit(job_writing(1))
+        assert not writing[1].wait(0.5)  # queued; the writer is not woken inside the block
+    assert writing[1].wait(30)  # woken when it ends
+    with workers_woken_after():
+        persister.submit(job_writing(2))
+        assert persister.wait_for_step(2, timeout=30)  # a wait inside the block wakes them: no deadlock
+    assert [info.step for info in store.committed()] == [1, 2]
+    persister.close()

@@ -231,7 +231,10 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
     def _submit_staged(self, control: Any) -> None:
         if self._staged.pending is not None:
             self._save_started_at = None
-            self._after_checkpoint(control, *self._staged.submit(self.engine, self._extra(STAGED)))
+            with self.engine.writers_woken_at_end():  # the metrics row logged before the writer's Python
+                request, stall_s = self._staged.submit(self.engine, self._extra(STAGED))
+                self._log_checkpoint(stall_s)
+            self._after_checkpoint(control, request, None)
 
     def _extra(self, save_path: str) -> dict[str, Any]:
         state = self.engine.state_dict(at_checkpoint=True)
@@ -243,11 +246,14 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
         }
 
     def _after_checkpoint(self, control: Any, request: SaveRequest | None, stall_s: float | None) -> None:
+        self._log_checkpoint(stall_s)
+        if request is not None and request.reason == "preemption":
+            self._after_emergency(control, request.notice)
+
+    def _log_checkpoint(self, stall_s: float | None) -> None:
         if stall_s is not None:  # persisted
             self._metrics.add({"spot/stall_s": stall_s, "spot/persist_lag_s": self.engine.persist_lag_s()})
             self._metrics.flush()
-        if request is not None and request.reason == "preemption":
-            self._after_emergency(control, request.notice)
 
     def _persist(self, state: Any, reason: str, stall_s: float = 0.0, owns_folder: bool = False) -> bool:
         step, epoch = state.global_step, math.floor(state.epoch or 0)

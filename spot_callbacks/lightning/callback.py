@@ -203,17 +203,22 @@ class _SpotCheckpointHooks:
             epoch = compat.loops_as_fit_left_them(
                 trainer, dumped.state if dumped.meta is None else dumped.meta
             )
-        if dumped.meta is not None:  # FSDP: every rank persists its own shards
-            # Every rank's RNG states reach rank 0's meta.pt through the writers' gather, off the loop.
-            rank_meta = {("callbacks", self.state_key, key): value for key, value in (rank_rng or {}).items()}
-            self.engine.save_sharded_state(
-                step, epoch, dumped.state, reason, meta=dumped.meta, layouts=dumped.layouts,
-                rank_meta=rank_meta or None,
-            )  # fmt: skip
-        else:
-            self.engine.save_state(step, epoch, dumped.state, reason)
-        lag_s = self.engine.persist_lag_s()
-        compat.log_metrics(trainer, {"spot/stall_s": self.engine.last_stall_s, "spot/persist_lag_s": lag_s})
+        with self.engine.writers_woken_at_end():  # the metrics logged before the writer's first Python
+            if dumped.meta is not None:  # FSDP: every rank persists its own shards
+                # Every rank's RNG states reach rank 0's meta.pt through the writers' gather, off the loop.
+                rank_meta = {
+                    ("callbacks", self.state_key, key): value for key, value in (rank_rng or {}).items()
+                }
+                self.engine.save_sharded_state(
+                    step, epoch, dumped.state, reason, meta=dumped.meta, layouts=dumped.layouts,
+                    rank_meta=rank_meta or None,
+                )  # fmt: skip
+            else:
+                self.engine.save_state(step, epoch, dumped.state, reason)
+            lag_s = self.engine.persist_lag_s()
+            compat.log_metrics(
+                trainer, {"spot/stall_s": self.engine.last_stall_s, "spot/persist_lag_s": lag_s}
+            )
 
     def _emergency(self, trainer: Any, action: StepAction) -> None:
         if action.save:

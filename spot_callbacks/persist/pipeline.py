@@ -126,7 +126,7 @@ class Persister(StepTracker):
             self._local_dirs[job.step] = job.local_dir
             if job.deadline is not None:
                 self._make_urgent(job)
-            self._cond.notify_all()
+            self._wake_workers()
 
     def adopt_local_copy(self, folder: Path) -> None:
         """``folder`` (the run's own local copy of a committed checkpoint, e.g. pulled at resume) is

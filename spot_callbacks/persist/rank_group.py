@@ -171,7 +171,7 @@ class RankGroupPersister(StepTracker, ABC, Generic[JobT]):
             if self._closed:
                 raise RuntimeError(f"this {type(self).__name__} is closed; create a new one")
             self._enqueue(job)
-            self._cond.notify_all()
+            self._wake_workers()
 
     def expedite(self, step: int, deadline: float) -> None:
         """Record that the checkpoint of ``step`` must commit by ``deadline``: its commit then skips

@@ -22,6 +22,37 @@ log = logging.getLogger("spot_callbacks")
 
 Outcome = Literal["committed", "failed", "dropped"]
 
+_waking = threading.local()  # .held: the trackers whose submissions wait for the block's end
+
+
+@contextlib.contextmanager
+def workers_woken_after() -> Iterator[None]:
+    """Checkpoints submitted in this block (by this thread) wake their persister's workers when the
+    block ends, not at the submission.
+
+    A worker woken in the middle of a training hook takes the GIL for its first Python (opening the
+    folder, ``torch.save``'s pickling), and the rest of the hook (the Trainer's log of the checkpoint's
+    metrics, the bookkeeping) waits up to the interpreter's switch interval (5 ms) for it each time it
+    wants it back: a blocked window several times the bookkeeping's CPU. Woken at the hook's end, the
+    worker's first Python overlaps training's next step instead, whose torch ops release the GIL.
+
+    Example:
+        >>> with workers_woken_after():
+        ...     pass  # persister.submit(job): queued now, its workers woken here
+    """
+    if getattr(_waking, "held", None) is not None:  # nested: the outer block wakes them
+        yield
+        return
+    held: list[StepTracker] = []
+    _waking.held = held
+    try:
+        yield
+    finally:
+        _waking.held = None
+        for tracker in held:
+            with tracker._cond:
+                tracker._cond.notify_all()
+
 
 @dataclass
 class CheckpointJob:
@@ -128,6 +159,15 @@ class StepTracker(ABC):
                 if self._meters.get(step) is meter:
                     del self._meters[step]
 
+    def _wake_workers(self) -> None:
+        """Lock held: a job was queued; its workers are woken now, or at the end of the caller's
+        :func:`workers_woken_after` block."""
+        held = getattr(_waking, "held", None)
+        if held is None:
+            self._cond.notify_all()
+        elif self not in held:
+            held.append(self)
+
     def _idle(self) -> bool:
         """Lock held: nothing queued, writing or uploading."""
         return not self._queued_steps()
@@ -154,6 +194,10 @@ class StepTracker(ABC):
         """Wait (lock held while checking) until ``done()``; False if ``timeout`` ran out first."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
+            held = getattr(_waking, "held", None)
+            if held is not None and self in held:  # waiting on workers this block has not woken yet
+                held.remove(self)
+                self._cond.notify_all()
             while not done():
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
