@@ -664,3 +664,36 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     line = reliability_counts.summary()
     if line:
         terminalreporter.write_sep("-", line)
+
+
+# ---------------------------------------------------------------------------
+# Test hygiene: a run's attempt record goes on being rewritten every second for AFTER_END_S (120 s)
+# after its run ended, and once more at the process's exit. In a test process (an xdist worker runs
+# hundreds of tests) those threads of earlier tests pile up (16 at once in test_runlock), write into
+# stores whose tests are over, add CPU on a 2-core box, and cross-talk with tests that count requests.
+# Each test's records stop when the test ends; a subprocess run keeps the library's real behaviour.
+
+import atexit as _atexit  # noqa: E402
+import weakref as _weakref  # noqa: E402
+
+from spot_callbacks.accounting import attempts as _attempts  # noqa: E402
+
+_records_begun: _weakref.WeakSet[Any] = _weakref.WeakSet()
+_begin_record = _attempts.AttemptLog.begin
+
+
+def _begin_tracked(self: Any) -> None:
+    _records_begun.add(self)
+    _begin_record(self)
+
+
+_attempts.AttemptLog.begin = _begin_tracked  # type: ignore[method-assign]
+
+
+@pytest.fixture(autouse=True)
+def _stop_attempt_records_after_the_test() -> Iterator[None]:
+    yield
+    for record in list(_records_begun):
+        record._stop.set()
+        _atexit.unregister(record._at_exit)
+    _records_begun.clear()
