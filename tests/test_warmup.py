@@ -77,7 +77,7 @@ def test_a_local_store_starts_no_warm_up(tmp_path: Path) -> None:
     engine = SpotEngine(SpotConfig(dirpath=str(tmp_path / "run"), preemption=[], interval=None), "test")
     assert engine.store.warm_up is None
     memory = CheckpointStore(f"memory://{uuid.uuid4().hex}/run")
-    memory.warm_data_plane()  # fsspec moves memory://'s bytes: no client to build ahead
+    assert memory.warm_data_plane() is None  # fsspec moves memory://'s bytes: no client, no thread
     assert memory.warm_up is None
 
 

@@ -135,7 +135,7 @@ class CheckpointStore:
     def warm_data_plane(self) -> threading.Thread | None:
         """Build the store's clients on a daemon thread, once per store: the filesystem's, then the
         payload's (``store/warmup.py``; the first use of :attr:`fs` waits for the filesystem's). Returns
-        the thread building the payload's clients (None: fsspec moves them, nothing to build)."""
+        the thread building the payload's clients (None: fsspec moves them, nothing to build, no thread)."""
         if self.warm_up is None:
             self._start_warm_up()
         if self._warming is None:
@@ -150,9 +150,7 @@ class CheckpointStore:
             return self.warm_up
         fs, connects = self._fs, backend_of_fs(self._fs).connects
         plane = self.data_plane
-        warms_plane = (
-            self._warming is None and plane.serves(fs) and not isinstance(plane, dataplane.FsspecPlane)
-        )
+        warms_plane = self._warming is None and dataplane.builds_clients(plane, fs)
         if connects is None and not warms_plane:
             return None
         self.warm_up = ClientWarmUp(

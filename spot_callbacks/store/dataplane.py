@@ -192,11 +192,19 @@ def select_data_plane(fs: Any, environ: Mapping[str, str] | None = None) -> Data
         return FsspecPlane(fs, str(why))
 
 
+def builds_clients(plane: DataPlane, fs: Any) -> bool:
+    """Whether ``plane`` moves ``fs``'s payload bytes with clients of its own, to be built (warmed)
+    ahead of the first transfer: not fsspec's (the filesystem's client is the store's), and not for a
+    filesystem the plane does not serve (a wrapper that must see every byte)."""
+    return plane.serves(fs) and not isinstance(plane, FsspecPlane)
+
+
 def warm_in_background(plane: DataPlane, fs: Any, remote_path: str) -> threading.Thread | None:
     """Build ``plane``'s clients in a daemon thread while the caller goes on (a run's preflight and
     lock, a listing before a pull): importing boto3 and building its client alone take ~0.5-0.8 s
-    that a resume's pull would otherwise wait for. None when the plane does not serve ``fs``."""
-    if not plane.serves(fs):
+    that a resume's pull would otherwise wait for. None when there are none to build
+    (:func:`builds_clients`)."""
+    if not builds_clients(plane, fs):
         return None
 
     def warm() -> None:
