@@ -287,7 +287,9 @@ def check_lost_lock_failure(
     # The heartbeat names the run that took the lock over: a take-over overwrites the lock in one
     # step, so there is no instant in which the old owner could read it as deleted.
     assert f"run {other.lease.lock.run_id[:8]}" in message and "it was deleted" not in message, message
-    assert [info.step for info in store.committed()] == [2, 4]  # nothing after the loss
+    # Nothing after the loss. Step 2 may have been replaced by step 4 before its upload began (the
+    # newest written checkpoint wins; the steps are ~1 ms apart here): seen once on a loaded box.
+    assert [info.step for info in store.committed()] in ([2, 4], [4])
     assert lock_of(url)["run_id"] == other.lease.lock.run_id  # the other run's lock is left alone
     other.finish()
 
