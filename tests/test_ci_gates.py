@@ -76,3 +76,20 @@ def test_the_layer_contracts_hold_and_fail_on_an_upward_import(tmp_path: Path):
 def test_the_tree_passes_the_lint_gates(gate: str):
     result = run([str(BIN / gate.split()[0]), *gate.split()[1:]], REPO)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_failed_install_step_stops_the_run_before_the_gates(tmp_path: Path):
+    """`set -e` skips a failure before the last `&&` of a list: the README command's own status is
+    checked, so CI never passes on its gates alone with no test run."""
+    script = (REPO / ".ci" / "run").read_text()
+    readme_block = script[script.index("# --- README test command (begin)") : script.index('echo "--- lint')]
+    planted = tmp_path / "run"
+    planted.write_text(
+        "set -euo pipefail\npip() { return 7; }\nnpm() { return 0; }\n"
+        + readme_block
+        + "echo GATES-REACHED\n"
+    )
+    result = subprocess.run(["bash", str(planted)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 7, result.stdout + result.stderr
+    assert "GATES-REACHED" not in result.stdout
+    assert "before the tests ran" in result.stderr
