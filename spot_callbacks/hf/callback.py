@@ -234,7 +234,7 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
             with self.engine.writers_woken_at_end():  # the metrics row logged before the writer's Python
                 request, stall_s = self._staged.submit(self.engine, self._extra(STAGED))
                 self._log_checkpoint(stall_s)
-            self._after_checkpoint(control, request, None)
+            self._stop_if_emergency(control, request)
 
     def _extra(self, save_path: str) -> dict[str, Any]:
         state = self.engine.state_dict(at_checkpoint=True)
@@ -247,6 +247,9 @@ class SpotCheckpointCallback(transformers.TrainerCallback):
 
     def _after_checkpoint(self, control: Any, request: SaveRequest | None, stall_s: float | None) -> None:
         self._log_checkpoint(stall_s)
+        self._stop_if_emergency(control, request)
+
+    def _stop_if_emergency(self, control: Any, request: SaveRequest | None) -> None:
         if request is not None and request.reason == "preemption":
             self._after_emergency(control, request.notice)
 

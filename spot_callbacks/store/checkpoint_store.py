@@ -136,10 +136,7 @@ class CheckpointStore:
         """Build the store's clients on a daemon thread, once per store: the filesystem's, then the
         payload's (``store/warmup.py``; the first use of :attr:`fs` waits for the filesystem's). Returns
         the thread building the payload's clients (None: fsspec moves them, nothing to build, no thread)."""
-        if self.warm_up is None:
-            self._start_warm_up()
-        if self._warming is None:
-            self._warming = dataplane.warm_in_background(self.data_plane, self._fs, self.root)
+        self._start_warm_up()
         return self._warming
 
     def _start_warm_up(self) -> ClientWarmUp | None:
@@ -150,7 +147,7 @@ class CheckpointStore:
             return self.warm_up
         fs, connects = self._fs, backend_of_fs(self._fs).connects
         plane = self.data_plane
-        warms_plane = self._warming is None and dataplane.builds_clients(plane, fs)
+        warms_plane = dataplane.builds_clients(plane, fs)
         if connects is None and not warms_plane:
             return None
         self.warm_up = ClientWarmUp(
@@ -159,7 +156,7 @@ class CheckpointStore:
             self.url,
         )
         if warms_plane:
-            self._warming = self.warm_up.thread  # warm_data_plane() starts no second thread
+            self._warming = self.warm_up.thread  # what warm_data_plane() returns
         self.warm_up.start()
         return self.warm_up
 

@@ -32,7 +32,6 @@ Knobs (in :mod:`spot_callbacks.settings`):
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -197,25 +196,6 @@ def builds_clients(plane: DataPlane, fs: Any) -> bool:
     ahead of the first transfer: not fsspec's (the filesystem's client is the store's), and not for a
     filesystem the plane does not serve (a wrapper that must see every byte)."""
     return plane.serves(fs) and not isinstance(plane, FsspecPlane)
-
-
-def warm_in_background(plane: DataPlane, fs: Any, remote_path: str) -> threading.Thread | None:
-    """Build ``plane``'s clients in a daemon thread while the caller goes on (a run's preflight and
-    lock, a listing before a pull): importing boto3 and building its client alone take ~0.5-0.8 s
-    that a resume's pull would otherwise wait for. None when there are none to build
-    (:func:`builds_clients`)."""
-    if not builds_clients(plane, fs):
-        return None
-
-    def warm() -> None:
-        try:
-            plane.warm(remote_path)
-        except Exception as err:  # noqa: BLE001 - the first transfer meets it again and tells it
-            log.debug("spot_callbacks: warming %s failed: %s", plane.name, err)
-
-    thread = threading.Thread(target=warm, name="spot-warm-data-plane", daemon=True)
-    thread.start()
-    return thread
 
 
 def plane_for(plane: DataPlane, fs: Any) -> DataPlane:
