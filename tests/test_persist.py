@@ -186,12 +186,16 @@ def test_a_save_in_a_workers_woken_after_block_is_written_after_it_and_a_wait_in
         return PersistJob(step=step, reason="interval", framework="test", local_dir=tmp_path / f"s{step}",
                           write=write)  # fmt: skip
 
-    with workers_woken_after():
-        persister.submit(job_writing(1))
-        assert not writing[1].wait(0.5)  # queued; the writer is not woken inside the block
-    assert writing[1].wait(30)  # woken when it ends
-    with workers_woken_after():
-        persister.submit(job_writing(2))
-        assert persister.wait_for_step(2, timeout=30)  # a wait inside the block wakes them: no deadlock
-    assert [info.step for info in store.committed()] == [1, 2]
-    persister.close()
+    try:
+        with workers_woken_after():
+            persister.submit(job_writing(1))
+            assert not writing[1].wait(0.5)  # queued; the writer is not woken inside the block
+        assert writing[1].wait(30)  # woken when it ends
+        # Settled before the next one is queued: a newer written checkpoint replaces one not yet uploading.
+        assert persister.wait_for_step(1, timeout=30)
+        with workers_woken_after():
+            persister.submit(job_writing(2))
+            assert persister.wait_for_step(2, timeout=30)  # a wait inside the block wakes them: no deadlock
+        assert [info.step for info in store.committed()] == [1, 2]
+    finally:
+        persister.close()  # a failed assertion must not leave workers running into the next test
