@@ -9,7 +9,7 @@ thread of the process (``_step_cost_child.py``), per minute of training.
 
 Variants: ``none`` (no checkpoint), ``mc`` (ModelCheckpoint every 15 s + save_last +
 OnExceptionCheckpoint to a local folder), ``spot-file`` (SpotCheckpoint, interval 15 s, a ``file://``
-store), ``spot`` (the same to a nanio S3 server on this box), and ``spot`` with one background part
+store), ``spot`` (the same to an S3 server on this box: nanio, or moto with ``--server moto``), and ``spot`` with one background part
 turned off: ``spot-no-record`` (the attempt record written once an hour), ``spot-no-beat`` (the run
 lock's heartbeat once an hour), ``spot-no-trim`` (no ``malloc_trim``), ``spot-no-upload`` (snapshot
 and write only; nothing uploaded), ``spot-resumed`` (resumed from the checkpoint another machine
@@ -55,7 +55,7 @@ from _common import (
     versions_line,
 )
 from _replay_outcome import parse_markers
-from _servers import S3_KEY, S3_SECRET, make_bucket, s3_options
+from _servers import S3_KEY, S3_SECRET, make_bucket, moto_server, s3_options
 from replay import KEEP_HEAP
 
 CHILD = Path(__file__).resolve().parent / "_step_cost_child.py"
@@ -166,6 +166,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="hf-steps: steps between the Trainer's saves (~15 s, as in the replay)",
     )
     parser.add_argument(
+        "--server",
+        choices=("nanio", "moto"),
+        default="nanio",
+        help="the S3 server on this box for the s3 variants (moto: the replay's `--store moto`, 5-10x the CPU per byte)",
+    )
+    parser.add_argument(
         "--base", help="another checkout of the library: a variant named NAME@base runs NAME with its code"
     )
     add_common_args(parser)
@@ -207,7 +213,9 @@ def server_cpu_s() -> float:
         except OSError:
             continue
         fields = stat.rsplit(")", 1)[1].split()
-        if fields[1] == me and b"nanio" in cmdline:  # ppid; utime, stime, cutime, cstime (its workers)
+        if fields[1] == me and (
+            b"nanio" in cmdline or b"moto.server" in cmdline
+        ):  # ppid; utime, stime, cutime, cstime (its workers)
             total += sum(int(v) for v in fields[11:15]) / os.sysconf("SC_CLK_TCK")
     return total
 
@@ -379,11 +387,14 @@ def main(argv: list[str] | None = None) -> int:
         endpoint = None
         server = None
         if any(VARIANTS[v.split("@")[0]][1] == "s3" for v in args.variants):
-            from transfer import ensure_nanio, nanio_server
+            if args.server == "moto":
+                server = moto_server(workdir)
+            else:
+                from transfer import ensure_nanio, nanio_server
 
-            ensure_nanio()
-            (workdir / "objects").mkdir()
-            server = nanio_server(workdir / "objects", workers=1, key=S3_KEY, secret=S3_SECRET)
+                ensure_nanio()
+                (workdir / "objects").mkdir()
+                server = nanio_server(workdir / "objects", workers=1, key=S3_KEY, secret=S3_SECRET)
             endpoint = server.__enter__()
             make_bucket(s3_options(endpoint), "steps")
         try:
@@ -411,20 +422,22 @@ def main(argv: list[str] | None = None) -> int:
                f"--steps {args.steps} --skip {args.skip} --width {args.width} --layers {args.layers} "
                f"--interval-s {args.interval_s:g}"
                + (f" --save-steps {args.save_steps}" if any(v.startswith("hf-steps") for v in args.variants) else "")
+               + (f" --server {args.server}" if args.server != "nanio" else "")
                + (f" --base {args.base}" if args.base else ""))  # fmt: skip
     section = [
         "",
         *section_head("Step cost: ms per training step with background checkpoints, interleaved", command,
                       versions_line(("torch", "lightning", "boto3", "s3fs", "nanio")), f" ({total_s:.0f}s)"),  # fmt: skip
         f"- Job: the replay's child (MLP {args.layers}×{args.width} on CPU, 1 torch thread), {args.steps} steps "
-        f"uninterrupted per run; SpotCheckpoint interval {args.interval_s:g} s; S3 = nanio on this box (1 worker); "
+        f"uninterrupted per run; SpotCheckpoint interval {args.interval_s:g} s; S3 = "
+        f"{'moto (moto.server)' if args.server == 'moto' else 'nanio (1 worker)'} on this box; "
         f"{args.rounds} round(s), variants interleaved in the order listed.",
         "- ms/step: the gaps between consecutive steps' end times, the first "
         f"{args.skip} steps and the last 2 % left out; median and mean per run, then the median of the medians "
         "and the mean of the means (per run in brackets); / none: against the no-checkpoint runs. CPU: each "
         "thread's CPU seconds (`time.thread_time` at its end, `/proc/self/task` at exit; the main thread's "
         "include start-up) per minute of training, threads of one name summed; `native:` a thread no Python "
-        "code started; S3 server: the nanio process's CPU (another process on the same cores). main thread CPU / process CPU / off-CPU (wall less the main thread's CPU: waits for the "
+        "code started; S3 server: the server process's CPU (another process on the same cores). main thread CPU / process CPU / off-CPU (wall less the main thread's CPU: waits for the "
         "GIL, for a core, for memory) / involuntary context switches: per step over the same steady window, "
         "measured inside the process at its step markers; minor page faults per step likewise. GC: the garbage collector's time per step in that "
         "window (`gc.callbacks`), its full collections, and the objects it tracks at exit. Hugging Face "
