@@ -151,6 +151,30 @@ def lost_steps(attempts: Sequence[Attempt]) -> list[int]:
     return lost
 
 
+def lost_own_s(attempts: Sequence[Attempt]) -> list[float]:
+    """Per restart, the seconds the machine that reached the furthest step spent on the steps the
+    restart trains again, timed by that machine's own step marks (first redone to last, plus one
+    step): the billed time the interruption threw away, which ``spot-callbacks report`` estimates.
+    ``lost_steps × the baseline's s/step`` prices the same steps at the uninterrupted run's speed."""
+    lost: list[float] = []
+    reached: Attempt | None = None
+    for index, attempt in enumerate(attempts):
+        if index > 0:
+            last = reached.last_step if reached is not None else None
+            resumed_at = attempt.first_step - 1 if attempt.first_step is not None else last
+            redone = [] if reached is None else [(s, t) for s, t in reached.steps if s > (resumed_at or 0)]
+            seconds = 0.0
+            if len(redone) >= 2:
+                span = redone[-1][1] - redone[0][1]
+                seconds = span + span / (len(redone) - 1)
+            elif redone and reached is not None and len(reached.steps) >= 2:
+                seconds = per_step_s(reached)
+            lost.append(seconds)
+        if attempt.last_step is not None:
+            reached = attempt
+    return lost
+
+
 @dataclass
 class Outcome:
     """A variant's figures over one schedule, against the uninterrupted baseline."""
@@ -216,6 +240,10 @@ class Outcome:
     @property
     def lost_s(self) -> list[float]:
         return [steps * self.step_s for steps in self.lost_steps]
+
+    @property
+    def lost_own_s(self) -> list[float]:
+        return lost_own_s(self.attempts)
 
     @property
     def restart_downtimes_s(self) -> list[float]:

@@ -90,7 +90,7 @@ LABELS = {
 }
 QUICK = {"steps": 1500, "width": 256, "layers": 3, "variants": "spot,mc,none", "time_scale": 0.4}
 HEADERS = ["variant", "schedule", "attempts", "interruptions", "billed s", "goodput", "useful share", "kept share",
-           "lost steps per restart", "lost s (sum)", "downtime per restart s", "of which in fit s", "weights equal",
+           "lost steps per restart", "lost s (sum)", "lost s at own speed (sum)", "downtime per restart s", "of which in fit s", "weights equal",
            "report goodput", "report billed s", "report lost s", "plan goodput"]  # fmt: skip
 
 
@@ -405,7 +405,7 @@ def row(outcome: Outcome) -> list[str]:
         outcome.variant, outcome.schedule, str(len(outcome.attempts)), str(outcome.interruptions),
         f"{outcome.billed_s:.1f}", f"{outcome.goodput:.3f}" if outcome.finished else "unfinished",
         fmt(outcome.useful_share if outcome.finished else None), f"{outcome.kept_share:.3f}", " / ".join(str(n) for n in lost) or "-",
-        f"{sum(outcome.lost_s):.1f}", " / ".join(f"{d:.1f}" for d in downtimes) or "-",
+        f"{sum(outcome.lost_s):.1f}", f"{sum(outcome.lost_own_s):.1f}", " / ".join(f"{d:.1f}" for d in downtimes) or "-",
         " / ".join(f"{d:.1f}" for d in outcome.restart_in_fit_s) or "-", equal,
         report.get("report goodput", "-"), report.get("report billed s", "-"), report.get("report lost s", "-"),
         report.get("plan goodput", "-"),
@@ -538,6 +538,8 @@ def main(argv: list[str] | None = None) -> int:
         "- goodput = uninterrupted spawn-to-exit / billed (sum of spawn-to-exit); useful share = steps × the "
         "uninterrupted s/step / billed; kept share = the time each attempt spent on steps no later attempt redid, "
         "at its own speed, / billed (no baseline in it: the steadiest figure on a box under changing load); lost steps = steps trained before a restart and trained again after it; "
+        "lost s = those steps at the uninterrupted s/step; at own speed = the seconds the machine that trained them "
+        "spent on them (what `report` estimates); "
         "downtime = spawn to the first step done (in fit: from the script's call of fit/train, after the interpreter "
         "and the imports); weights equal: every tensor `torch.equal` to the uninterrupted "
         "run's; load: `uptime` before and after. report/plan: `spot-callbacks report --json --all` (goodput, billed_s, lost_work_s from the processes' records, else the sum of the ledger's) and "

@@ -74,11 +74,25 @@ def test_the_outcome_of_a_synthetic_record_is_computed_right() -> None:
     assert result.useful_share == pytest.approx(100 * 0.1 / 21.0)
     assert result.lost_steps == [0, 10, 0]
     assert result.lost_s == pytest.approx([0.0, 1.0, 0.0])
+    assert result.lost_own_s == pytest.approx(
+        [0.0, 1.0, 0.0]
+    )  # the killed machine ran at the baseline's speed
     assert (
         sum(result.lost_steps) == result.steps_trained - result.total_steps
     )  # every step redone, counted once
     assert result.restart_downtimes_s == pytest.approx([2.0, 2.0])
     assert result.interruptions == 3 and result.finished
+
+
+def test_lost_time_at_own_speed_prices_the_redone_steps_at_the_killed_machines_speed() -> None:
+    slow = outcome.Attempt(
+        0.0, 9.0, -9, "SIGKILL@9s", [(step, 2.0 + 0.2 * n) for n, step in enumerate(range(1, 31))]
+    )
+    attempts = [slow, attempt(12.0, 30.0, range(21, 101), done=True)]  # resumed at 20: redoes 21..30
+    result = outcome.Outcome("spot", "fixed", attempts, 12.0, 0.1, 100)
+    assert result.lost_steps == [10]
+    assert result.lost_s == pytest.approx([1.0])  # at the uninterrupted run's 0.1 s per step
+    assert result.lost_own_s == pytest.approx([2.0])  # what the killed machine spent on them: 10 x 0.2 s
 
 
 def test_restarts_from_scratch_lose_everything_trained_before() -> None:
