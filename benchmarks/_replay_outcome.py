@@ -151,6 +151,15 @@ def lost_steps(attempts: Sequence[Attempt]) -> list[int]:
     return lost
 
 
+def marks_s(marks: Sequence[tuple[int, float]]) -> float:
+    """The seconds a run of consecutive step marks took: first to last, plus one step at their pace
+    (0 for fewer than two marks: no pace to time them by)."""
+    if len(marks) < 2:
+        return 0.0
+    span = marks[-1][1] - marks[0][1]
+    return span + span / (len(marks) - 1)
+
+
 def lost_own_s(attempts: Sequence[Attempt]) -> list[float]:
     """Per restart, the seconds the machine that reached the furthest step spent on the steps the
     restart trains again, timed by that machine's own step marks (first redone to last, plus one
@@ -163,13 +172,10 @@ def lost_own_s(attempts: Sequence[Attempt]) -> list[float]:
             last = reached.last_step if reached is not None else None
             resumed_at = attempt.first_step - 1 if attempt.first_step is not None else last
             redone = [] if reached is None else [(s, t) for s, t in reached.steps if s > (resumed_at or 0)]
-            seconds = 0.0
-            if len(redone) >= 2:
-                span = redone[-1][1] - redone[0][1]
-                seconds = span + span / (len(redone) - 1)
-            elif redone and reached is not None and len(reached.steps) >= 2:
-                seconds = per_step_s(reached)
-            lost.append(seconds)
+            if len(redone) == 1 and reached is not None and len(reached.steps) >= 2:
+                lost.append(per_step_s(reached))  # one step redone: timed at its machine's pace
+            else:
+                lost.append(marks_s(redone))
         if attempt.last_step is not None:
             reached = attempt
     return lost
@@ -217,10 +223,7 @@ class Outcome:
         total = 0.0
         for index, attempt in enumerate(self.attempts):
             later = [a.first_step for a in self.attempts[index + 1 :] if a.first_step is not None]
-            kept = [(step, t) for step, t in attempt.steps if not later or step < later[0]]
-            if len(kept) >= 2:
-                span = kept[-1][1] - kept[0][1]
-                total += span + span / (len(kept) - 1)
+            total += marks_s([(step, t) for step, t in attempt.steps if not later or step < later[0]])
         return total
 
     @property

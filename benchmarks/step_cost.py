@@ -202,6 +202,9 @@ KILLED_AT_S = (
 RESTART_GAP_S = 3.0
 
 
+SERVER_PROGRAMS = (b"nanio", b"moto.server")  # what `--server` starts, as its command line names it
+
+
 def server_cpu_s() -> float:
     """CPU seconds so far of this process's children that are not training runs (the S3 server)."""
     total = 0.0
@@ -213,9 +216,8 @@ def server_cpu_s() -> float:
         except OSError:
             continue
         fields = stat.rsplit(")", 1)[1].split()
-        if fields[1] == me and (
-            b"nanio" in cmdline or b"moto.server" in cmdline
-        ):  # ppid; utime, stime, cutime, cstime (its workers)
+        if fields[1] == me and any(name in cmdline for name in SERVER_PROGRAMS):  # ppid
+            # utime, stime, cutime, cstime (its workers)
             total += sum(int(v) for v in fields[11:15]) / os.sysconf("SC_CLK_TCK")
     return total
 
