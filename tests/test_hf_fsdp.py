@@ -212,16 +212,27 @@ def test_fsdp1_and_lora_checkpoints_are_staged_as_the_trainers_folder_and_resume
     # Their staging buffers wait for the first checkpoint; the persister does not.
     assert [result["persister_after_first_step"] for result in results] == [True, True]
     assert [result["wrapped"] for result in results] == [wrapper] * 2
+    if variant == "fsdp1":  # the state dicts (a collective) at the first checkpoint only; flat shards after
+        assert [(r["state_dict_builds"], r["fsdp1_flat_plan"]) for r in results] == [(1, True)] * 2
     assert [(c.step, store.read_manifest(c.step).extra["hf_save"]) for c in store.committed()] == [
         (5, "staged"), (10, "staged"),
     ]  # fmt: skip
     assert set(store.read_manifest(5).files) == set(reference.read_manifest(5).files) == TRAINER_FILES
 
     staged_5, trainer_5 = store.pull(5, tmp_path / "staged-5"), reference.pull(5, tmp_path / "trainer-5")
-    for folder in DCP_FOLDERS:
-        assert dcp_index(staged_5 / folder) == dcp_index(trainer_5 / folder), folder
-        for shard in ("__0_0.distcp", "__1_0.distcp"):
-            assert (staged_5 / folder / shard).read_bytes() == (trainer_5 / folder / shard).read_bytes()
+    # Step 10 too: under FSDP1 the first checkpoint takes FSDP1's state dicts, later ones stage the
+    # flat shards and the writer cuts the same chunks from them (persist/fsdp1_flat.py).
+    staged_10, trainer_10 = (
+        store.pull(10, tmp_path / "staged-10"),
+        reference.pull(10, tmp_path / "trainer-10"),
+    )
+    for staged, trainer in ((staged_5, trainer_5), (staged_10, trainer_10)):
+        for folder in DCP_FOLDERS:
+            assert dcp_index(staged / folder) == dcp_index(trainer / folder), (staged.name, folder)
+            for shard in ("__0_0.distcp", "__1_0.distcp"):
+                assert (staged / folder / shard).read_bytes() == (trainer / folder / shard).read_bytes(), (
+                    staged.name, folder, shard,
+                )  # fmt: skip
     if variant == "fsdp2-lora":  # the model folder is the adapter's: LoRA tensors only
         assert all("lora_" in key for key in dcp_index(staged_5 / "pytorch_model_fsdp_0")[0])
     for name in ("scheduler.pt", "rng_state_0.pth", "rng_state_1.pth"):

@@ -79,6 +79,7 @@ class StagedCheckpoint:
     staged: StagedState | None  # None on ranks that write only their RNG file
     blocked_s: float
     layouts: dict[tuple[Any, ...], fsdp.ShardLayout] | None = None  # sharded: the DTensors' layouts
+    flat: Any = None  # FSDP1's FlatShardPlan: the staged model and optimizer are flat shards, to cut
 
 
 class StagedSaves:
@@ -210,9 +211,11 @@ class StagedSaves:
         trainer = self._live_trainer()
         staged: StagedState | None = None
         layouts: dict[tuple[Any, ...], Any] | None = None
+        flat = None
         if self.every_rank:
             layouts = {}
             staged = staging.stage(rank_state(trainer, self.sharded, layouts, self.adapters, self.handles))
+            flat = self.handles.flat if self.sharded else None
         elif is_writer():
             staged = staging.stage(rank_state(trainer, sharded=False, layouts={}, peft=self.adapters))
         elif not trainer.args.save_only_model:
@@ -220,7 +223,7 @@ class StagedSaves:
             folder = partial_folder(compat.checkpoint_dir(trainer.args.output_dir, request.step))
             folder.mkdir(parents=True, exist_ok=True)
             torch.save(compat.rng_states(trainer.args), folder / compat.rng_state_name(trainer.args))
-        self.pending = StagedCheckpoint(request, epoch, staged, time.perf_counter() - started, layouts)
+        self.pending = StagedCheckpoint(request, epoch, staged, time.perf_counter() - started, layouts, flat)
 
     def drop(self, step: int | None = None) -> StagedCheckpoint | None:
         """The Trainer saves the pending snapshot's step itself: free the snapshot (every rank).
@@ -406,8 +409,16 @@ def write_rank_files(
         group.agree(lambda: partial.mkdir(parents=True, exist_ok=True), "create", partial, step)
         if sharded:  # DCP shares a rank's write error with every rank
             layouts = pending.layouts or {}
+            shards = {"model": state["model"], "optimizer": state["optimizer"]}
+            if (
+                pending.flat is not None
+            ):  # FSDP1's flat shards: each parameter's chunk cut here, not in the step
+                shards["model"], shards["optimizer"] = pending.flat.cut(
+                    state["model"], state["optimizer"], group.group
+                )
             for name, key in ((fsdp.FSDP_MODEL_DIR, "model"), (fsdp.FSDP_OPTIMIZER_DIR, "optimizer")):
-                names.update(fsdp.write_dcp_folder(name, key, state[key], layouts, partial, group.group))
+                names.update(fsdp.write_dcp_folder(name, key, shards[key], layouts, partial, group.group))
+            del shards
         group.agree(
             lambda: names.update(
                 _write_own_files(trainer, state, trainer_state, partial, set(names), sharded, peft)

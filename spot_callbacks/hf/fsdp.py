@@ -35,6 +35,7 @@ from typing import Any
 
 from spot_callbacks.persist import handles
 from spot_callbacks.persist.dcp_digests import digesting_writer, written_digests
+from spot_callbacks.persist.fsdp1_flat import FlatShardPlan, agree_live
 from spot_callbacks.persist.shards import (  # the shard helpers, here where the HF path names them
     ShardedTensorLayout,
     ShardLayout,
@@ -121,22 +122,35 @@ def _fsdp1_shards(model: Any, optimizer: Any, plugin: Any) -> tuple[dict[str, An
 
 
 class ShardHandles(handles.ShardHandles):
-    """This rank's FSDP2 shards as they are staged, found once per run and reused by every checkpoint.
+    """This rank's FSDP shards as they are staged, found once per run and reused by every checkpoint.
 
     The first checkpoint takes the state dicts as accelerate's savers do
     (:func:`model_and_optimizer_shards`); later ones reuse their local shards while they are live
-    (:class:`spot_callbacks.persist.handles.ShardHandles`). FSDP1 and PEFT adapters take the state
-    dicts at every checkpoint.
+    (:class:`spot_callbacks.persist.handles.ShardHandles`). FSDP1 stages its flat shards instead,
+    cut into the state dicts' chunks by the writer (:attr:`flat`, a
+    :class:`~spot_callbacks.persist.fsdp1_flat.FlatShardPlan`), where the plan applies; PEFT
+    adapters take the state dicts at every checkpoint.
 
     Example:
         >>> ShardHandles().builds
         0
     """
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.flat: FlatShardPlan | None = None  # FSDP1: the plan the last shards_of staged through
+        self._plan: FlatShardPlan | None = None
+        self._plan_tried = False
+        self._plan_layouts: dict[tuple[Any, ...], Any] = {}
+
     def shards_of(
         self, trainer: Any, adapters: Any = None
     ) -> tuple[Any, Any, dict[tuple[Any, ...], ShardLayout | ShardedTensorLayout]]:
-        """This rank's model and optimizer state dicts with local shards for DTensors, and their layouts."""
+        """This rank's model and optimizer state dicts with local shards for DTensors, and their layouts;
+        FSDP1 with a plan (:attr:`flat` set): its flat shards, which the plan's ``cut`` turns into them."""
+        self.flat = None
+        if adapters is None and not is_fsdp2(trainer):
+            return self._fsdp1(trainer)
 
         def take() -> dict[str, Any]:
             model, optimizer = model_and_optimizer_shards(trainer, adapters)
@@ -146,6 +160,27 @@ class ShardHandles(handles.ShardHandles):
             trainer.model, {"optimizer": trainer.optimizer}, take, keep=is_fsdp2(trainer) and adapters is None
         )
         return state["model"], state["optimizer"], layouts
+
+    def _fsdp1(self, trainer: Any) -> tuple[Any, Any, dict[tuple[Any, ...], Any]]:
+        plan = self._plan
+        if plan is not None and agree_live(plan, trainer.model, trainer.optimizer):
+            self.flat = plan
+            model, optimizer = plan.sources()
+            return model, optimizer, dict(self._plan_layouts)
+        if plan is not None:
+            self._plan, self._plan_tried = None, False  # reloaded or resharded: build it again
+        self.builds += 1
+        model, optimizer = model_and_optimizer_shards(trainer)
+        layouts: dict[tuple[Any, ...], Any] = {}
+        model, optimizer = (
+            local_shards(model, layouts, ("model",)),
+            local_shards(optimizer, layouts, ("optimizer",)),
+        )
+        if not self._plan_tried:
+            self._plan_tried = True
+            self._plan = FlatShardPlan.of(trainer.model, trainer.optimizer, model, optimizer, layouts)
+            self._plan_layouts = dict(layouts)
+        return model, optimizer, layouts
 
 
 def is_fsdp2(trainer: Any) -> bool:

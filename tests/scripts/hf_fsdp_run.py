@@ -172,6 +172,10 @@ def main() -> int:
         "persister_after_first_step": first_step.seen if first_step is not None else None,
         # The Trainer's saves (on_save) and the callback's staged ones, which the Trainer never sees.
         "saves": sorted(callbacks[0].steps + (spot._staged.submitted_steps if spot else [])),
+        # Sharded: the checkpoints that took the state dicts (FSDP1: collective), and whether FSDP1's
+        # later ones staged flat shards instead.
+        "state_dict_builds": spot._staged.handles.builds if spot else None,
+        "fsdp1_flat_plan": bool(spot and spot._staged.handles._plan is not None),
     }
     print(json.dumps(result), flush=True)
     Path(f"{out}.json").write_text(json.dumps(result))

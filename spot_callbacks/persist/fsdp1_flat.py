@@ -1,0 +1,434 @@
+"""FSDP1's sharded state dicts without the collective at the step: flat shards staged, cut in the background.
+
+FSDP1 keeps each wrapped module's parameters as one flat parameter, sharded in equal contiguous
+slices; its ``SHARDED_STATE_DICT`` (``model.state_dict()``, ``FSDP.optim_state_dict``) is every
+parameter's dim-0 chunk instead (``ShardedTensor``), cut from the all-gathered flat parameter: a
+collective over the training group at every checkpoint, inside the step (0.86 s of a 0.90 s stall
+for a 245 MB shard on 2 CPU ranks, against a 0.02 s copy).
+
+:class:`FlatShardPlan` is built once per run from the first checkpoint's real state dicts (taken
+as the Trainer takes them): which flat parameter and which rows of it every ``ShardedTensor``
+holds on this rank, which live tensor every plain one is (buffers, the optimizer's step counts).
+Later checkpoints stage only this rank's flat shards (the parameters' and the optimizer states',
+views of the live tensors: no collective, one copy), and the background writer, on the persister's
+own gloo group, all-gathers each flat parameter and cuts the same chunks (:meth:`FlatShardPlan.cut`):
+the same bytes as the state dicts would have held, written by DCP with the first checkpoint's
+global metadata. The plan checks itself when it is built (its cut of the live shards must equal
+the state dicts it was built from, on every rank) and falls back to the collective where it does not
+apply (hybrid sharding, a shard group that is not every rank in order, a state it cannot place).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from spot_callbacks.persist.shards import ShardedTensorLayout
+
+log = logging.getLogger("spot_callbacks")
+
+Path = tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """One flat parameter: where each original parameter sits in its padded, unsharded flat tensor."""
+
+    flat: Any  # the FlatParameter
+    starts: tuple[int, ...]  # per original parameter, its first element in the unsharded flat tensor
+    shapes: tuple[torch.Size, ...]
+    params: tuple[Any, ...]  # use_orig_params: the original (sharded, 1-D) parameters; else ()
+    infos: tuple[Any, ...]  # each original parameter's _ShardParamInfo on this rank
+    shard_numel: int  # every rank's padded shard
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """A ``ShardedTensor`` leaf: ``rows`` of original parameter ``index`` of unit ``unit``, of ``source``."""
+
+    unit: int
+    index: int
+    source: str  # "param", or the optimizer state's name ("exp_avg")
+    rows: tuple[int, int] | None  # [first, end) of dim 0 on this rank; None: no local shard
+
+
+class FlatShardPlan:
+    """Where FSDP1's sharded state dicts come from in its flat shards: built once, then cut in the background.
+
+    Example:
+        >>> FlatShardPlan.of(torch.nn.Linear(2, 2), None, {}, {}, {}) is None  # not FSDP1
+        True
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        optimizer: Any,
+        units: list[_Unit],
+        templates: dict[str, Any],
+        slots: dict[Path, Any],
+        group_params: list[list[Any]],
+        world: int,
+        training_group: Any,
+    ) -> None:
+        self.model, self.optimizer, self.units = model, optimizer, units
+        self.templates, self.slots, self.group_params = templates, slots, group_params
+        self.world, self.training_group = world, training_group
+        self.orig_params = bool(units and units[0].params)
+        self.state_names = sorted(
+            {slot.source for slot in slots.values() if isinstance(slot, _Chunk)} - {"param"}
+        )
+        self.plain_paths = [path for path, slot in slots.items() if isinstance(slot, _Plain)]
+        self._sources = self._live_ids()
+
+    @classmethod
+    def of(
+        cls,
+        model: Any,
+        optimizer: Any,
+        model_state: Any,
+        optimizer_state: Any,
+        layouts: dict[Path, Any],
+    ) -> FlatShardPlan | None:
+        """The plan for these state dicts (as :func:`~spot_callbacks.persist.shards.local_shards` made
+        them, under ``"model"`` and ``"optimizer"``), or ``None`` where it does not apply. Collective on
+        the training group when ``model`` is FSDP1 (every rank calls it at the same checkpoint)."""
+        try:
+            plan = cls._build(model, optimizer, model_state, optimizer_state, layouts)
+        except Exception as error:  # an FSDP internal this torch does not have: the collective stays
+            log.debug("spot_callbacks: FSDP1 flat shards not used: %s", error)
+            plan = None
+        return _agreed(model, plan)
+
+    @classmethod
+    def _build(
+        cls, model: Any, optimizer: Any, model_state: Any, optimizer_state: Any, layouts: dict[Path, Any]
+    ) -> FlatShardPlan | None:
+        import torch.distributed as dist
+
+        roots = _fsdp1_modules(model)
+        if not roots or optimizer is None:
+            return None
+        group = roots[0][1].process_group
+        world = dist.get_world_size(group)
+        if any(module.process_group is not group for _, module in roots) or dist.get_process_group_ranks(
+            group
+        ) != list(range(dist.get_world_size())):
+            return None  # hybrid or partial sharding: the persister's group is every rank
+        units: list[_Unit] = []
+        where: dict[str, tuple[int, int]] = {}
+        for name, module in roots:
+            handle = module._handle
+            if handle is None:
+                continue
+            if not handle.uses_sharded_strategy:
+                return None
+            unit, fqns = _unit_of(handle)
+            prefix = f"{name}." if name else ""
+            for index, fqn in enumerate(fqns):
+                where[_clean(prefix + fqn)] = (len(units), index)
+            for shared in handle.flat_param._shared_param_infos:
+                primary = _join(shared.prim_module_name, shared.prim_param_name)
+                if primary in fqns:
+                    where[_clean(prefix + _join(shared.module_name, shared.param_name))] = (
+                        len(units),
+                        fqns.index(primary),
+                    )
+            units.append(unit)
+        if not units or len({bool(unit.params) for unit in units}) != 1:
+            return None
+        templates = {"model": model_state, "optimizer": optimizer_state}
+        slots: dict[Path, Any] = {}
+        live_buffers = {buffer.data_ptr(): buffer for buffer in model.buffers()}
+        for path, leaf in _leaves(templates):
+            layout = layouts.get(path)
+            slot = _slot(path, leaf, layout, where, units, live_buffers, optimizer)
+            if slot is None:
+                return None
+            if slot is not _CONSTANT:
+                slots[path] = slot
+        groups = optimizer_state.get("param_groups") if isinstance(optimizer_state, dict) else None
+        if type(groups) is not list or len(groups) != len(optimizer.param_groups):
+            return None
+        plan = cls(
+            model,
+            optimizer,
+            units,
+            templates,
+            slots,
+            [list(g.get("params", ())) for g in groups],
+            world,
+            group,
+        )
+        # The plan's cut of the live shards must be the state dicts it was built from.
+        model_now, optimizer_now = plan.cut(*plan.sources(), group=group)
+        if not _same(model_now, model_state) or not _same(optimizer_now, optimizer_state):
+            log.debug("spot_callbacks: FSDP1 flat shards differ from the sharded state dicts: not used")
+            return None
+        # Only the trees' shape is kept: the first checkpoint's tensors would stay alive for the run.
+        plan.templates = {
+            name: _refill(tree, (name,), dict.fromkeys(plan.slots), {}) for name, tree in templates.items()
+        }
+        return plan
+
+    def _live_ids(self) -> list[tuple[int, int]]:
+        tensors: list[Any] = []
+        for unit in self.units:
+            tensors.append(unit.flat._local_shard)
+            for param in unit.params or (unit.flat,):
+                tensors.extend(v for v in self.optimizer.state.get(param, {}).values() if torch.is_tensor(v))
+        tensors.extend(self.slots[path].tensor() for path in self.plain_paths)
+        return [(id(tensor), tensor.data_ptr() if tensor is not None else 0) for tensor in tensors]
+
+    def live(self, model: Any, optimizer: Any) -> bool:
+        """Whether ``model`` and ``optimizer`` are the plan's, with the same tensors (not collective)."""
+        return model is self.model and optimizer is self.optimizer and self._live_ids() == self._sources
+
+    def sources(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """What to stage at a checkpoint, for :meth:`cut`: this rank's flat shards (views of the live
+        parameters and optimizer states), the plain tensors, the optimizer's groups; no collective."""
+        flats, states = [], []
+        for unit in self.units:
+            flats.append(unit.flat._local_shard)
+            if unit.params:  # use_orig_params: each original parameter's piece of the shard
+                per = [self.optimizer.state.get(param, {}) for param in unit.params]
+                states.append(
+                    {name: [state.get(name) if _shard_piece(state.get(name)) else None for state in per]
+                     for name in self.state_names}
+                )  # fmt: skip
+            else:
+                state = self.optimizer.state.get(unit.flat, {})
+                states.append({name: state.get(name) for name in self.state_names})
+        plain = [self.slots[path].tensor() for path in self.plain_paths]
+        groups = [
+            {**{k: v for k, v in group.items() if k != "params"}, "params": list(params)}
+            for group, params in zip(self.optimizer.param_groups, self.group_params, strict=True)
+        ]
+        return {"flat": flats, "plain": plain}, {"flat": states, "param_groups": groups}
+
+    def cut(self, model_src: dict[str, Any], optimizer_src: dict[str, Any], group: Any) -> tuple[Any, Any]:
+        """The model and optimizer state dicts as :func:`~spot_callbacks.persist.shards.local_shards` made
+        them at the first checkpoint, from :meth:`sources` (staged or live). Collective on ``group``."""
+        import torch.distributed as dist
+
+        wanted = {(slot.unit, slot.source) for slot in self.slots.values() if isinstance(slot, _Chunk)}
+        values: dict[Path, Any] = {}
+        by_source: dict[tuple[int, str], list[tuple[Path, _Chunk]]] = {}
+        for path, slot in self.slots.items():
+            if isinstance(slot, _Chunk):
+                by_source.setdefault((slot.unit, slot.source), []).append((path, slot))
+        for key in sorted(wanted):  # every rank in the same order: each is an all-gather
+            unit = self.units[key[0]]
+            local = self._flat_source(unit, key, model_src, optimizer_src)
+            full = _all_gather(local, self.world, group)
+            for path, slot in by_source[key]:
+                values[path] = [] if slot.rows is None else [_rows(full, unit, slot).clone()]
+            del full
+        # Plain tensors: this rank's own; a step count this rank holds no piece of comes from one that does.
+        plain_local = dict(zip(self.plain_paths, model_src["plain"], strict=True))
+        known = {path: value.cpu() for path, value in plain_local.items() if value is not None}
+        everyone: list[Any] = [None] * self.world
+        dist.all_gather_object(everyone, known, group=group)
+        for path in self.plain_paths:
+            value = plain_local[path]
+            if value is None:
+                value = next(theirs[path] for theirs in everyone if path in theirs)
+            values[path] = value
+        model = _refill(self.templates["model"], ("model",), values, {})
+        optimizer = _refill(
+            self.templates["optimizer"],
+            ("optimizer",),
+            values,
+            {("optimizer", "param_groups"): optimizer_src},
+        )
+        return model, optimizer
+
+    def _flat_source(
+        self, unit: _Unit, key: tuple[int, str], model_src: dict[str, Any], optimizer_src: dict[str, Any]
+    ) -> torch.Tensor:
+        index, source = key
+        if source == "param":
+            return model_src["flat"][index]
+        state = optimizer_src["flat"][index][source]
+        if not unit.params:
+            return state
+        flat = model_src["flat"][index].new_zeros(unit.shard_numel)
+        for piece, info in zip(state, unit.infos, strict=True):
+            if piece is not None and info.in_shard:
+                flat[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard] = piece.reshape(-1)
+        return flat
+
+
+@dataclass(frozen=True)
+class _Plain:
+    """A plain tensor leaf (a buffer, a step count): staged as it is, from the live tensor ``tensor()``."""
+
+    tensor: Callable[[], Any]
+
+
+_CONSTANT = object()  # a leaf that is the same at every checkpoint (a param group's names are refilled)
+
+
+def _slot(
+    path: Path,
+    leaf: Any,
+    layout: Any,
+    where: dict[str, tuple[int, int]],
+    units: list[_Unit],
+    live_buffers: dict[int, Any],
+    optimizer: Any,
+) -> Any:
+    if path[:2] == ("optimizer", "param_groups"):
+        return _CONSTANT
+    if isinstance(layout, ShardedTensorLayout):
+        fqn, source = (path[1], "param") if path[0] == "model" else (path[2], path[3])
+        if path[0] != "model" and (len(path) != 4 or path[1] != "state"):
+            return None
+        if fqn not in where or len(layout.local) > 1:
+            return None
+        unit_index, index = where[fqn]
+        shape = units[unit_index].shapes[index]
+        rows = None
+        if layout.local:
+            shard = layout.local[0]
+            if any(shard.shard_offsets[1:]) or list(shard.shard_sizes[1:]) != list(shape[1:]):
+                return None  # not a dim-0 chunk
+            rows = (shard.shard_offsets[0], shard.shard_offsets[0] + shard.shard_sizes[0])
+        return _Chunk(unit_index, index, source, rows)
+    if not torch.is_tensor(leaf):
+        return None
+    if path[0] == "model":
+        buffer = live_buffers.get(leaf.data_ptr())
+        return None if buffer is None else _Plain(lambda: buffer)
+    if len(path) == 4 and path[1] == "state" and leaf.dim() == 0 and path[2] in where:
+        unit = units[where[path[2]][0]]
+        param = unit.params[where[path[2]][1]] if unit.params else unit.flat
+        name = path[3]
+        return _Plain(lambda: optimizer.state.get(param, {}).get(name))
+    return None
+
+
+def _unit_of(handle: Any) -> tuple[_Unit, list[str]]:
+    flat = handle.flat_param
+    starts, offset = [], 0
+    for numel, padding in zip(flat._numels_with_padding, flat._is_padding_mask, strict=True):
+        if not padding:
+            starts.append(offset)
+        offset += numel
+    params = tuple(flat._params) if handle._use_orig_params else ()
+    unit = _Unit(
+        flat=flat,
+        starts=tuple(starts),
+        shapes=tuple(flat._shapes),
+        params=params,
+        infos=tuple(flat._shard_param_infos),
+        shard_numel=flat._sharded_size.numel(),
+    )
+    return unit, list(flat._fqns)
+
+
+def _rows(full: torch.Tensor, unit: _Unit, slot: _Chunk) -> torch.Tensor:
+    shape = unit.shapes[slot.index]
+    assert slot.rows is not None
+    row = 1
+    for size in shape[1:]:
+        row *= size
+    start = unit.starts[slot.index] + slot.rows[0] * row
+    end = unit.starts[slot.index] + slot.rows[1] * row
+    return full[start:end].view(slot.rows[1] - slot.rows[0], *shape[1:])
+
+
+def _all_gather(local: torch.Tensor, world: int, group: Any) -> torch.Tensor:
+    import torch.distributed as dist
+
+    local = local.contiguous()
+    parts = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(parts, local, group=group)
+    return torch.cat(parts)
+
+
+def _shard_piece(value: Any) -> bool:
+    return torch.is_tensor(value) and value.dim() > 0
+
+
+def _fsdp1_modules(model: Any) -> list[tuple[str, Any]]:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    except ImportError:
+        return []
+    if not isinstance(model, torch.nn.Module):
+        return []
+    return [(name, module) for name, module in model.named_modules() if isinstance(module, FSDP)]
+
+
+def _clean(name: str) -> str:
+    from torch.distributed.fsdp._common_utils import clean_tensor_name
+
+    return clean_tensor_name(name)
+
+
+def _join(module_name: str, param_name: str) -> str:
+    return f"{module_name}.{param_name}" if module_name else param_name
+
+
+def _leaves(tree: Any, path: Path = ()) -> list[tuple[Path, Any]]:
+    """Every leaf of a state tree; a ShardedTensor's local-shard list (tensors only) is one leaf."""
+    if isinstance(tree, dict):
+        return [leaf for key, value in tree.items() for leaf in _leaves(value, (*path, key))]
+    if type(tree) is list and not (tree and all(torch.is_tensor(item) for item in tree)) and tree:
+        return [leaf for index, value in enumerate(tree) for leaf in _leaves(value, (*path, index))]
+    return [(path, tree)]
+
+
+def _refill(template: Any, path: Path, values: dict[Path, Any], subtrees: dict[Path, Any]) -> Any:
+    if path in subtrees:
+        return subtrees[path]["param_groups"]
+    if path in values:
+        return values[path]
+    if isinstance(template, dict):
+        filled = {key: _refill(value, (*path, key), values, subtrees) for key, value in template.items()}
+        return filled if type(template) is dict else type(template)(filled)
+    if type(template) is list and template and not all(torch.is_tensor(item) for item in template):
+        return [_refill(value, (*path, index), values, subtrees) for index, value in enumerate(template)]
+    return template
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal trees, tensors bit for bit (on the CPU) and of the same dtype and shape."""
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        if not (torch.is_tensor(a) and torch.is_tensor(b)) or a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        return bool(torch.equal(a.detach().cpu(), b.detach().cpu()))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return type(a) is type(b) and list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+def _agreed(model: Any, plan: FlatShardPlan | None) -> FlatShardPlan | None:
+    """``plan`` where every rank has one, else ``None`` on all (one small all-reduce on the training group)."""
+    import torch.distributed as dist
+
+    roots = _fsdp1_modules(model)
+    if not roots or not dist.is_initialized():
+        return plan
+    group = roots[0][1].process_group
+    device = roots[0][1].compute_device
+    ok = torch.tensor([1 if plan is not None else 0], device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    return plan if int(ok.item()) == 1 else None
+
+
+def agree_live(plan: FlatShardPlan, model: Any, optimizer: Any) -> bool:
+    """Whether every rank's ``plan`` is still live (one small all-reduce on the training group)."""
+    import torch.distributed as dist
+
+    device = _fsdp1_modules(model)[0][1].compute_device
+    ok = torch.tensor([1 if plan.live(model, optimizer) else 0], device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=plan.training_group)
+    return int(ok.item()) == 1

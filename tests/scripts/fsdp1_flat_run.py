@@ -1,0 +1,127 @@
+"""One rank of an FSDP1 run on CPU (gloo): the flat-shard plan's cut against FSDP1's own sharded state dicts.
+
+Run under ``torchrun --nproc-per-node N``. The model has parameters whose dim 0 does not divide by
+the ranks, one smaller than the ranks, a bias, a buffer and a tied weight, wrapped in nested FSDP1
+units. After a few AdamW steps the plan is built from the first "checkpoint"'s state dicts; two
+steps later this rank's flat shards are copied (as the staging copies them), the state dicts are
+taken again (the collective the plan avoids), training moves on one more step, and the plan cuts
+the copies on a gloo group of its own. Writes ``{out}/rank{R}.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+warnings.filterwarnings(
+    "ignore", category=FutureWarning
+)  # FSDP1 and ShardedTensor are deprecated, tested all the same
+warnings.filterwarnings("ignore", message=".*(_get_pg_default_device|Multiple backends).*")
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(11, 6)
+        self.blocks = torch.nn.ModuleList(
+            [
+                torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.Tanh(), torch.nn.Linear(7, 6))
+                for _ in range(2)
+            ]
+        )
+        self.small = torch.nn.Linear(6, 1)  # dim 0 smaller than the ranks
+        self.head = torch.nn.Linear(6, 11, bias=False)
+        self.head.weight = self.embed.weight  # tied
+        self.register_buffer("scale", torch.tensor([1.5, 0.5, 2.0]))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x).sum() + self.small(x).sum() * self.scale.sum()
+
+
+def clone_tree(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return type(tree)({key: clone_tree(value) for key, value in tree.items()})
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(clone_tree(value) for value in tree)
+    return tree.detach().clone() if torch.is_tensor(tree) else tree
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--orig-params", type=int, default=0)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictType
+
+    from spot_callbacks.persist.fsdp1_flat import FlatShardPlan, agree_live
+    from spot_callbacks.persist.shards import local_shards
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = Tiny()
+    wrap = {"device_id": torch.device("cpu"), "use_orig_params": bool(args.orig_params)}
+    for index, block in enumerate(model.blocks):
+        model.blocks[index] = FSDP(block, **wrap)
+    fsdp = FSDP(model, **wrap)
+    optimizer = torch.optim.AdamW(fsdp.parameters(), lr=0.05)
+    generator = torch.Generator().manual_seed(rank)
+
+    def step() -> None:
+        fsdp(torch.randint(0, 11, (4, 5), generator=generator)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def sharded_state() -> tuple[Any, Any, dict[Any, Any]]:
+        layouts: dict[Any, Any] = {}
+        with FSDP.state_dict_type(fsdp, StateDictType.SHARDED_STATE_DICT):
+            model_state, optimizer_state = fsdp.state_dict(), FSDP.optim_state_dict(fsdp, optimizer)
+        return (
+            local_shards(model_state, layouts, ("model",)),
+            local_shards(optimizer_state, layouts, ("optimizer",)),
+            layouts,
+        )
+
+    for _ in range(3):
+        step()
+    first_model, first_optimizer, layouts = sharded_state()
+    plan = FlatShardPlan.of(fsdp, optimizer, first_model, first_optimizer, layouts)
+    result: dict[str, Any] = {"plan": plan is not None}
+    if plan is not None:
+        for _ in range(2):
+            step()
+        result["live"] = agree_live(plan, fsdp, optimizer)
+        staged = clone_tree(plan.sources())  # what the staging copies at the step
+        expected_model, expected_optimizer, _ = sharded_state()
+        step()  # training goes on while the writer cuts
+        writers = dist.new_group(backend="gloo")
+        model_cut, optimizer_cut = plan.cut(*staged, group=writers)
+        from spot_callbacks.persist.fsdp1_flat import _same
+
+        result["model_equal"] = _same(model_cut, expected_model)
+        result["optimizer_equal"] = _same(optimizer_cut, expected_optimizer)
+        result["chunks"] = sum(1 for key in layouts if key[0] == "model")
+        result["keys"] = sorted(str(key) for key in expected_model)
+        result["moved"] = not _same(model_cut, first_model)
+        optimizer.state.clear()  # a reloaded optimizer: its tensors are not the plan's
+        step()
+        result["live_after_reload"] = agree_live(plan, fsdp, optimizer)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
