@@ -3,8 +3,9 @@
 torchrun runs tests/scripts/fsdp1_flat_run.py on 2 and 3 CPU ranks (gloo), with and without
 ``use_orig_params``: the plan is built from one checkpoint's state dicts, and at a later step the
 cut of the copied flat shards must equal FSDP1's own ``SHARDED_STATE_DICT`` model and optimizer
-state dicts, bit for bit, on every rank, though training moved on before the cut ran. A replaced
-optimizer state makes the plan stale on every rank.
+state dicts, bit for bit, on every rank, though training moved on before the cut ran. The plan is
+used only once the writer checked it (a cut that differs on one rank fails it on all); a replaced
+optimizer state makes it stale on every rank.
 """
 
 from __future__ import annotations
@@ -36,7 +37,13 @@ def test_the_cut_of_staged_flat_shards_is_fsdp1s_sharded_state_dict(
     results = [json.loads(path.read_text()) for path in paths]
     for rank, result in enumerate(results):
         assert result["plan"], f"rank {rank}: no plan"
-        assert result["live"] and not result["live_after_reload"], result
+        # Checked by the writer before it is used; a replaced optimizer state makes it stale everywhere.
+        assert (result["before_check"], result["checked"], result["decision"]) == ("check", True, "flat"), (
+            result
+        )
+        assert result["after_reload"] == "stale", result
+        # A cut that differs on one rank fails the check on every rank: the state dicts are taken from then on.
+        assert (result["wrong_checked"], result["wrong_decision"]) == (False, "failed"), result
         assert result["model_equal"] and result["optimizer_equal"], f"rank {rank}: {result}"
         assert result["moved"], "training did not move between the two checkpoints: the test proves nothing"
         # Every parameter, the tied head and the buffer are in the state dict the cut reproduced.

@@ -204,9 +204,12 @@ def test_fsdp1_and_lora_checkpoints_are_staged_as_the_trainers_folder_and_resume
     )  # fmt: skip
     assert "the Trainer writes each checkpoint" in log and STAGED_LINE not in log
     store = CheckpointStore(os.fspath(tmp_path / "store"))
+    # Step 5's writers have checked FSDP1's flat-shard plan before step 10 stages through it (else step
+    # 10 would take the state dicts again, as it should, and this test would not see the flat path).
     results, log = train(
-        tmp_path, "staged", 2, *run, "--every-n-steps", 5, "--dirpath", store.url, expect_rc=0
-    )
+        tmp_path, "staged", 2, *run, "--every-n-steps", 5, "--dirpath", store.url, "--settle-at-step", 9,
+        expect_rc=0,
+    )  # fmt: skip
     assert log.count(STAGED_LINE) == 1, log[-4000:]
     wrapper = "FullyShardedDataParallel" if variant == "fsdp1" else "FSDPPeftModel"
     # Their staging buffers wait for the first checkpoint; the persister does not.

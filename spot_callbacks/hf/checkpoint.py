@@ -64,6 +64,9 @@ def save_path_setting() -> str:
     return settings.HF_SAVE.value()
 
 
+FSDP1_CHECK = "fsdp1_state_dicts"  # FSDP1, plan unchecked: the state dicts, staged beside its flat shards
+
+
 @dataclass
 class StagedCheckpoint:
     """One checkpoint between its snapshot and its submission.
@@ -80,6 +83,7 @@ class StagedCheckpoint:
     blocked_s: float
     layouts: dict[tuple[Any, ...], fsdp.ShardLayout] | None = None  # sharded: the DTensors' layouts
     flat: Any = None  # FSDP1's FlatShardPlan: the staged model and optimizer are flat shards, to cut
+    check: Any = None  # FSDP1's FlatShardPlan to check: its flat shards are staged beside the state dicts
 
 
 class StagedSaves:
@@ -211,11 +215,12 @@ class StagedSaves:
         trainer = self._live_trainer()
         staged: StagedState | None = None
         layouts: dict[tuple[Any, ...], Any] | None = None
-        flat = None
+        flat = check = None
         if self.every_rank:
             layouts = {}
             staged = staging.stage(rank_state(trainer, self.sharded, layouts, self.adapters, self.handles))
-            flat = self.handles.flat if self.sharded else None
+            flat, check = (self.handles.flat, self.handles.check) if self.sharded else (None, None)
+            self.handles.checked_state = {}  # staged now: FSDP1's own copies go
         elif is_writer():
             staged = staging.stage(rank_state(trainer, sharded=False, layouts={}, peft=self.adapters))
         elif not trainer.args.save_only_model:
@@ -223,7 +228,9 @@ class StagedSaves:
             folder = partial_folder(compat.checkpoint_dir(trainer.args.output_dir, request.step))
             folder.mkdir(parents=True, exist_ok=True)
             torch.save(compat.rng_states(trainer.args), folder / compat.rng_state_name(trainer.args))
-        self.pending = StagedCheckpoint(request, epoch, staged, time.perf_counter() - started, layouts, flat)
+        self.pending = StagedCheckpoint(
+            request, epoch, staged, time.perf_counter() - started, layouts, flat, check
+        )
 
     def drop(self, step: int | None = None) -> StagedCheckpoint | None:
         """The Trainer saves the pending snapshot's step itself: free the snapshot (every rank).
@@ -354,10 +361,11 @@ def rank_state(
     only_model = bool(args.save_only_model)
     state: dict[str, Any] = {}
     if sharded:
-        state["model"], state["optimizer"], shard_layouts = (handles or fsdp.ShardHandles()).shards_of(
-            trainer, peft
-        )
+        handles = handles or fsdp.ShardHandles()
+        state["model"], state["optimizer"], shard_layouts = handles.shards_of(trainer, peft)
         layouts.update(shard_layouts)
+        if handles.check is not None:  # "model" and "optimizer" hold its flat shards, the state dicts here
+            state[FSDP1_CHECK] = handles.checked_state
     elif args.should_save:
         state["model"] = peft.state() if peft is not None else _built(trainer.model, "model").state_dict()
         if not only_model:
@@ -410,14 +418,17 @@ def write_rank_files(
         if sharded:  # DCP shares a rank's write error with every rank
             layouts = pending.layouts or {}
             shards = {"model": state["model"], "optimizer": state["optimizer"]}
-            if (
-                pending.flat is not None
-            ):  # FSDP1's flat shards: each parameter's chunk cut here, not in the step
+            if pending.check is not None:  # FSDP1, plan unchecked: write the state dicts taken at the step
+                shards = dict(state[FSDP1_CHECK])
+            elif pending.flat is not None:  # FSDP1: each parameter's chunk cut from the flat shards here
                 shards["model"], shards["optimizer"] = pending.flat.cut(
                     state["model"], state["optimizer"], group.group
                 )
             for name, key in ((fsdp.FSDP_MODEL_DIR, "model"), (fsdp.FSDP_OPTIMIZER_DIR, "optimizer")):
                 names.update(fsdp.write_dcp_folder(name, key, shards[key], layouts, partial, group.group))
+            if pending.check is not None:  # every rank: does the cut of the flat shards give them?
+                flat = (state["model"], state["optimizer"])
+                pending.check.check(flat, shards["model"], shards["optimizer"], group.group)
             del shards
         group.agree(
             lambda: names.update(

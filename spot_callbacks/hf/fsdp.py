@@ -35,7 +35,7 @@ from typing import Any
 
 from spot_callbacks.persist import handles
 from spot_callbacks.persist.dcp_digests import digesting_writer, written_digests
-from spot_callbacks.persist.fsdp1_flat import FlatShardPlan, agree_live
+from spot_callbacks.persist.fsdp1_flat import FlatShardPlan, decide
 from spot_callbacks.persist.shards import (  # the shard helpers, here where the HF path names them
     ShardedTensorLayout,
     ShardLayout,
@@ -139,6 +139,8 @@ class ShardHandles(handles.ShardHandles):
     def __init__(self) -> None:
         super().__init__()
         self.flat: FlatShardPlan | None = None  # FSDP1: the plan the last shards_of staged through
+        self.check: FlatShardPlan | None = None  # FSDP1: the plan to check against the last state dicts
+        self.checked_state: dict[str, Any] = {}  # FSDP1, with check: those state dicts (local shards)
         self._plan: FlatShardPlan | None = None
         self._plan_tried = False
         self._plan_layouts: dict[tuple[Any, ...], Any] = {}
@@ -162,13 +164,18 @@ class ShardHandles(handles.ShardHandles):
         return state["model"], state["optimizer"], layouts
 
     def _fsdp1(self, trainer: Any) -> tuple[Any, Any, dict[tuple[Any, ...], Any]]:
+        self.check, self.checked_state = None, {}
         plan = self._plan
-        if plan is not None and agree_live(plan, trainer.model, trainer.optimizer):
-            self.flat = plan
-            model, optimizer = plan.sources()
-            return model, optimizer, dict(self._plan_layouts)
         if plan is not None:
-            self._plan, self._plan_tried = None, False  # reloaded or resharded: build it again
+            decision = decide(plan, trainer.model, trainer.optimizer)
+            if decision == "flat":
+                self.flat = plan
+                model, optimizer = plan.sources()
+                return model, optimizer, dict(self._plan_layouts)
+            if decision == "stale":  # reloaded or resharded: build it again from these state dicts
+                self._plan, self._plan_tried = None, False
+            elif decision == "failed":
+                self._plan = None
         self.builds += 1
         model, optimizer = model_and_optimizer_shards(trainer)
         layouts: dict[tuple[Any, ...], Any] = {}
@@ -180,6 +187,13 @@ class ShardHandles(handles.ShardHandles):
             self._plan_tried = True
             self._plan = FlatShardPlan.of(trainer.model, trainer.optimizer, model, optimizer, layouts)
             self._plan_layouts = dict(layouts)
+        if self._plan is not None and self._plan.verified is None:
+            # The flat shards are staged where later checkpoints stage them (their buffers allocated
+            # and faulted in once, here), the state dicts beside them; the writer writes the state
+            # dicts and checks the plan's cut of the flat shards against them.
+            self.check, self.checked_state = self._plan, {"model": model, "optimizer": optimizer}
+            flat_model, flat_optimizer = self._plan.sources()
+            return flat_model, flat_optimizer, layouts
         return model, optimizer, layouts
 
 

@@ -13,9 +13,11 @@ Later checkpoints stage only this rank's flat shards (the parameters' and the op
 views of the live tensors: no collective, one copy), and the background writer, on the persister's
 own gloo group, all-gathers each flat parameter and cuts the same chunks (:meth:`FlatShardPlan.cut`):
 the same bytes as the state dicts would have held, written by DCP with the first checkpoint's
-global metadata. The plan checks itself when it is built (its cut of the live shards must equal
-the state dicts it was built from, on every rank) and falls back to the collective where it does not
-apply (hybrid sharding, a shard group that is not every rank in order, a state it cannot place).
+global metadata. The plan is checked before it is used: at the checkpoint that builds it the step also
+stages the flat shards, and the writer compares their cut with the state dicts taken at that step, on
+every rank (:meth:`FlatShardPlan.check`); until then, where it fails, and where it does not apply
+(hybrid sharding, a shard group that is not every rank in order, a state it cannot place) every
+checkpoint takes the state dicts as before.
 """
 
 from __future__ import annotations
@@ -84,6 +86,8 @@ class FlatShardPlan:
         )
         self.plain_paths = [path for path, slot in slots.items() if isinstance(slot, _Plain)]
         self._sources = self._live_ids()
+        self.verified: bool | None = None  # None until check() ran in the writer
+        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}  # cut's, kept from one checkpoint to the next
 
     @classmethod
     def of(
@@ -164,16 +168,48 @@ class FlatShardPlan:
             world,
             group,
         )
-        # The plan's cut of the live shards must be the state dicts it was built from.
-        model_now, optimizer_now = plan.cut(*plan.sources(), group=group)
-        if not _same(model_now, model_state) or not _same(optimizer_now, optimizer_state):
-            log.debug("spot_callbacks: FSDP1 flat shards differ from the sharded state dicts: not used")
-            return None
         # Only the trees' shape is kept: the first checkpoint's tensors would stay alive for the run.
         plan.templates = {
             name: _refill(tree, (name,), dict.fromkeys(plan.slots), {}) for name, tree in templates.items()
         }
         return plan
+
+    def check(self, flat_sources: Any, model_state: Any, optimizer_state: Any, group: Any) -> bool:
+        """Whether the cut of ``flat_sources`` equals the state dicts taken at the same step, on every
+        rank (collective on ``group``, in the background writer); sets :attr:`verified`."""
+        import torch.distributed as dist
+
+        expected = {"model": model_state, "optimizer": optimizer_state}
+
+        def compare(path: Path, chunk: torch.Tensor) -> bool:  # chunk by chunk: no copy of the cut is made
+            staged = _at(expected, path)
+            return type(staged) is list and len(staged) == 1 and _same(chunk, staged[0])
+
+        try:
+            values = self._cut(flat_sources[0], flat_sources[1], group, compare)
+
+            def matches(path: Path, value: Any) -> bool:
+                staged = _at(expected, path)
+                if not isinstance(self.slots[path], _Chunk):
+                    return _same(value, staged)
+                return value == [True] if value else isinstance(staged, list) and not staged
+
+            groups = flat_sources[1]["param_groups"]
+            same = all(matches(path, value) for path, value in values.items()) and _same(
+                groups, optimizer_state["param_groups"]
+            )
+        except Exception as error:  # the plan is not used; the checkpoint is written all the same
+            log.debug("spot_callbacks: FSDP1 flat shards could not be checked: %s", error)
+            same = False
+        verdict = torch.tensor([1 if same else 0])
+        dist.all_reduce(verdict, op=dist.ReduceOp.MIN, group=group)
+        self.verified = bool(verdict.item())
+        if not self.verified:
+            log.info(
+                "spot_callbacks: FSDP1's flat shards do not cut into its sharded state dicts here: every "
+                "checkpoint takes the state dicts (an all-gather in the step)"
+            )
+        return self.verified
 
     def _live_ids(self) -> list[tuple[int, int]]:
         tensors: list[Any] = []
@@ -212,22 +248,43 @@ class FlatShardPlan:
 
     def cut(self, model_src: dict[str, Any], optimizer_src: dict[str, Any], group: Any) -> tuple[Any, Any]:
         """The model and optimizer state dicts as :func:`~spot_callbacks.persist.shards.local_shards` made
-        them at the first checkpoint, from :meth:`sources` (staged or live). Collective on ``group``."""
+        them at the first checkpoint, from :meth:`sources` as staged (CPU copies). Collective on ``group``;
+        the chunks are buffers the next cut reuses."""
+
+        def keep(path: Path, chunk: torch.Tensor) -> torch.Tensor:
+            # Each chunk its own storage (DCP writes it without the copy it makes of a view), kept from
+            # one checkpoint to the next: no heap churn per checkpoint.
+            kept = self._buffer(("chunk", path), chunk.numel(), chunk.dtype, exact=True).view(chunk.shape)
+            return kept.copy_(chunk)
+
+        values = self._cut(model_src, optimizer_src, group, keep)
+        model = _refill(self.templates["model"], ("model",), values, {})
+        subtrees = {("optimizer", "param_groups"): optimizer_src}
+        return model, _refill(self.templates["optimizer"], ("optimizer",), values, subtrees)
+
+    def _cut(
+        self,
+        model_src: dict[str, Any],
+        optimizer_src: dict[str, Any],
+        group: Any,
+        take: Callable[[Path, torch.Tensor], Any],
+    ) -> dict[Path, Any]:
+        """Each chunk leaf's ``take(path, chunk)`` (``chunk`` a view of the gathered flat tensor, valid during
+        the call; ``[]`` where this rank holds none) and each plain leaf's tensor, by path."""
         import torch.distributed as dist
 
-        wanted = {(slot.unit, slot.source) for slot in self.slots.values() if isinstance(slot, _Chunk)}
         values: dict[Path, Any] = {}
         by_source: dict[tuple[int, str], list[tuple[Path, _Chunk]]] = {}
         for path, slot in self.slots.items():
             if isinstance(slot, _Chunk):
                 by_source.setdefault((slot.unit, slot.source), []).append((path, slot))
-        for key in sorted(wanted):  # every rank in the same order: each is an all-gather
+        for key in sorted(by_source):  # every rank in the same order: each is an all-gather
             unit = self.units[key[0]]
-            local = self._flat_source(unit, key, model_src, optimizer_src)
-            full = _all_gather(local, self.world, group)
+            local = self._flat_source(unit, key, model_src, optimizer_src).contiguous()
+            full = self._buffer(("gather", local.dtype), self.world * local.numel())  # one at a time
+            dist.all_gather_into_tensor(full, local, group=group)
             for path, slot in by_source[key]:
-                values[path] = [] if slot.rows is None else [_rows(full, unit, slot).clone()]
-            del full
+                values[path] = [] if slot.rows is None else [take(path, _rows(full, unit, slot))]
         # Plain tensors: this rank's own; a step count this rank holds no piece of comes from one that does.
         plain_local = dict(zip(self.plain_paths, model_src["plain"], strict=True))
         known = {path: value.cpu() for path, value in plain_local.items() if value is not None}
@@ -238,14 +295,24 @@ class FlatShardPlan:
             if value is None:
                 value = next(theirs[path] for theirs in everyone if path in theirs)
             values[path] = value
-        model = _refill(self.templates["model"], ("model",), values, {})
-        optimizer = _refill(
-            self.templates["optimizer"],
-            ("optimizer",),
-            values,
-            {("optimizer", "param_groups"): optimizer_src},
-        )
-        return model, optimizer
+        return values
+
+    def _buffer(
+        self, key: tuple[Any, ...], numel: int, dtype: torch.dtype | None = None, exact: bool = False
+    ) -> torch.Tensor:
+        """A CPU buffer of ``numel`` elements kept under ``key`` for the next cut (``exact``: of exactly
+        that size, else grown when too small)."""
+        dtype = dtype if dtype is not None else key[1]
+        buffer = self._buffers.get(key)
+        if (
+            buffer is None
+            or buffer.dtype != dtype
+            or buffer.numel() < numel
+            or (exact and buffer.numel() != numel)
+        ):
+            buffer = torch.empty(numel, dtype=dtype)
+            self._buffers[key] = buffer
+        return buffer[:numel] if buffer.numel() != numel else buffer
 
     def _flat_source(
         self, unit: _Unit, key: tuple[int, str], model_src: dict[str, Any], optimizer_src: dict[str, Any]
@@ -256,7 +323,8 @@ class FlatShardPlan:
         state = optimizer_src["flat"][index][source]
         if not unit.params:
             return state
-        flat = model_src["flat"][index].new_zeros(unit.shard_numel)
+        flat = self._buffer(("pieces", model_src["flat"][index].dtype), unit.shard_numel)
+        flat.zero_()
         for piece, info in zip(state, unit.infos, strict=True):
             if piece is not None and info.in_shard:
                 flat[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard] = piece.reshape(-1)
@@ -342,15 +410,6 @@ def _rows(full: torch.Tensor, unit: _Unit, slot: _Chunk) -> torch.Tensor:
     return full[start:end].view(slot.rows[1] - slot.rows[0], *shape[1:])
 
 
-def _all_gather(local: torch.Tensor, world: int, group: Any) -> torch.Tensor:
-    import torch.distributed as dist
-
-    local = local.contiguous()
-    parts = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(parts, local, group=group)
-    return torch.cat(parts)
-
-
 def _shard_piece(value: Any) -> bool:
     return torch.is_tensor(value) and value.dim() > 0
 
@@ -384,6 +443,12 @@ def _leaves(tree: Any, path: Path = ()) -> list[tuple[Path, Any]]:
     return [(path, tree)]
 
 
+def _at(tree: Any, path: Path) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
 def _refill(template: Any, path: Path, values: dict[Path, Any], subtrees: dict[Path, Any]) -> Any:
     if path in subtrees:
         return subtrees[path]["param_groups"]
@@ -403,10 +468,10 @@ def _same(a: Any, b: Any) -> bool:
         if not (torch.is_tensor(a) and torch.is_tensor(b)) or a.dtype != b.dtype or a.shape != b.shape:
             return False
         return bool(torch.equal(a.detach().cpu(), b.detach().cpu()))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return type(a) is type(b) and list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, dict) and isinstance(b, dict):  # a staged copy may be a plain dict of an OrderedDict
+        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     return bool(a == b)
 
 
@@ -424,11 +489,20 @@ def _agreed(model: Any, plan: FlatShardPlan | None) -> FlatShardPlan | None:
     return plan if int(ok.item()) == 1 else None
 
 
-def agree_live(plan: FlatShardPlan, model: Any, optimizer: Any) -> bool:
-    """Whether every rank's ``plan`` is still live (one small all-reduce on the training group)."""
+def decide(plan: FlatShardPlan, model: Any, optimizer: Any) -> str:
+    """What every rank does at this checkpoint (one small all-reduce on the training group): ``"flat"``
+    (stage the flat shards), ``"check"`` (take the state dicts; the plan is not checked yet),
+    ``"stale"`` (the tensors changed: take them and build the plan again) or ``"failed"`` (take them,
+    now and for the rest of the run)."""
     import torch.distributed as dist
 
     device = _fsdp1_modules(model)[0][1].compute_device
-    ok = torch.tensor([1 if plan.live(model, optimizer) else 0], device=device)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=plan.training_group)
-    return int(ok.item()) == 1
+    verified = {None: 1, True: 2, False: 0}[plan.verified]
+    votes = torch.tensor([1 if plan.live(model, optimizer) else 0, verified], device=device)
+    dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=plan.training_group)
+    live, verified = (int(value) for value in votes.tolist())
+    if verified == 0:
+        return "failed"
+    if not live:
+        return "stale"
+    return "flat" if verified == 2 else "check"

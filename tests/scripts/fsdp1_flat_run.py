@@ -64,7 +64,7 @@ def main() -> int:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import StateDictType
 
-    from spot_callbacks.persist.fsdp1_flat import FlatShardPlan, agree_live
+    from spot_callbacks.persist.fsdp1_flat import FlatShardPlan, _same, decide
     from spot_callbacks.persist.shards import local_shards
 
     dist.init_process_group("gloo")
@@ -99,24 +99,34 @@ def main() -> int:
     plan = FlatShardPlan.of(fsdp, optimizer, first_model, first_optimizer, layouts)
     result: dict[str, Any] = {"plan": plan is not None}
     if plan is not None:
+        writers = dist.new_group(backend="gloo")  # the persister's own group, as the writer has
+        result["before_check"] = decide(plan, fsdp, optimizer)
+        # The first checkpoint stages the flat shards beside the state dicts; the writer checks the cut.
+        result["checked"] = plan.check(clone_tree(plan.sources()), first_model, first_optimizer, writers)
         for _ in range(2):
             step()
-        result["live"] = agree_live(plan, fsdp, optimizer)
+        result["decision"] = decide(plan, fsdp, optimizer)
         staged = clone_tree(plan.sources())  # what the staging copies at the step
         expected_model, expected_optimizer, _ = sharded_state()
         step()  # training goes on while the writer cuts
-        writers = dist.new_group(backend="gloo")
         model_cut, optimizer_cut = plan.cut(*staged, group=writers)
-        from spot_callbacks.persist.fsdp1_flat import _same
-
         result["model_equal"] = _same(model_cut, expected_model)
         result["optimizer_equal"] = _same(optimizer_cut, expected_optimizer)
         result["chunks"] = sum(1 for key in layouts if key[0] == "model")
         result["keys"] = sorted(str(key) for key in expected_model)
         result["moved"] = not _same(model_cut, first_model)
+        # A plan whose cut does not give the state dicts (one rank's staged shard altered) fails on every rank.
+        model_now, optimizer_now, layouts_now = sharded_state()
+        other = FlatShardPlan.of(fsdp, optimizer, model_now, optimizer_now, layouts_now)
+        assert other is not None
+        wrong = clone_tree(other.sources())
+        if rank == 0:
+            wrong[0]["flat"][0][0] += 1.0
+        result["wrong_checked"] = other.check(wrong, model_now, optimizer_now, writers)
+        result["wrong_decision"] = decide(other, fsdp, optimizer)
         optimizer.state.clear()  # a reloaded optimizer: its tensors are not the plan's
         step()
-        result["live_after_reload"] = agree_live(plan, fsdp, optimizer)
+        result["after_reload"] = decide(plan, fsdp, optimizer)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()

@@ -40,6 +40,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--sigterm-at-step", type=int, default=-1)
     parser.add_argument("--sigterm-rank", type=int, default=0)
+    parser.add_argument(
+        "--settle-at-step", type=int, default=-1,
+        help="every rank waits at the start of this step until its earlier checkpoints settled",
+    )  # fmt: skip
     parser.add_argument("--max-steps", type=int, default=20)
     parser.add_argument("--every-n-steps", type=int, default=None)
     parser.add_argument("--batch-size", type=int, default=8, help="per process")
@@ -107,6 +111,19 @@ class PersisterAfterFirstStep(transformers.TrainerCallback):
                 self.seen = self.spot.engine.saves.persister is not None
 
 
+class Settle(transformers.TrainerCallback):
+    """Every rank waits, at the start of ``step``, until its earlier checkpoints are written and settled
+    (FSDP1: the writers' check of the flat-shard plan is done, so the next checkpoint uses it)."""
+
+    def __init__(self, step: int, spot: Any) -> None:
+        self.step, self.spot = step, spot
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        persister = self.spot.engine.saves.persister if self.spot is not None else None
+        if state.global_step == self.step and persister is not None:
+            assert persister.wait(timeout=120), "the earlier checkpoints did not settle"
+
+
 def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Unsharded weights; a collective (every rank calls it) since FSDP2 parameters are DTensors."""
     weights = {}
@@ -148,6 +165,8 @@ def main() -> int:
         )  # fmt: skip
         callbacks.append(spot)
         callbacks.append(first_step := PersisterAfterFirstStep(spot))
+    if args.settle_at_step >= 0:
+        callbacks.append(Settle(args.settle_at_step, spot))
     if args.sigterm_at_step >= 0:
         # The step-5 checkpoint commits before the notice: the tests assert which steps are committed.
         callbacks.append(hf_run.SelfSigterm(args.sigterm_at_step, args.sigterm_rank, spot, settle=True))
