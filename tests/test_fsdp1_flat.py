@@ -2,7 +2,8 @@
 
 torchrun runs tests/scripts/fsdp1_flat_run.py on 2 and 3 CPU ranks (gloo), with and without
 ``use_orig_params``: the plan is built from one checkpoint's state dicts, and at a later step the
-cut of the copied flat shards must equal FSDP1's own ``SHARDED_STATE_DICT`` model and optimizer
+cut of the copied flat shards (one all-to-all per flat tensor: each rank receives its chunks'
+elements only) must equal FSDP1's own ``SHARDED_STATE_DICT`` model and optimizer
 state dicts, bit for bit, on every rank, though training moved on before the cut ran. The plan is
 used only once the writer checked it (a cut that differs on one rank fails it on all); a replaced
 optimizer state makes it stale on every rank.
@@ -22,7 +23,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = REPO_ROOT / "tests" / "scripts" / "fsdp1_flat_run.py"
 
 
-@pytest.mark.parametrize(("nproc", "orig_params"), [(2, 0), (2, 1), (3, 1)])
+@pytest.mark.parametrize(("nproc", "orig_params"), [(2, 0), (2, 1), (3, 0), (3, 1)])
 def test_the_cut_of_staged_flat_shards_is_fsdp1s_sharded_state_dict(
     nproc: int, orig_params: int, tmp_path: Path
 ) -> None:
@@ -46,5 +47,7 @@ def test_the_cut_of_staged_flat_shards_is_fsdp1s_sharded_state_dict(
         assert (result["wrong_checked"], result["wrong_decision"]) == (False, "failed"), result
         assert result["model_equal"] and result["optimizer_equal"], f"rank {rank}: {result}"
         assert result["moved"], "training did not move between the two checkpoints: the test proves nothing"
+        # The writers exchange what each rank's chunks need, not every rank's whole flat tensors.
+        assert result["received"] == result["own_chunk_elements"] > 0, result
         # Every parameter, the tied head and the buffer are in the state dict the cut reproduced.
         assert {"['head.weight']", "['embed.weight']", "['scale']"} <= {str([key]) for key in result["keys"]}

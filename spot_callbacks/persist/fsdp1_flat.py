@@ -11,7 +11,9 @@ as the Trainer takes them): which flat parameter and which rows of it every ``Sh
 holds on this rank, which live tensor every plain one is (buffers, the optimizer's step counts).
 Later checkpoints stage only this rank's flat shards (the parameters' and the optimizer states',
 views of the live tensors: no collective, one copy), and the background writer, on the persister's
-own gloo group, all-gathers each flat parameter and cuts the same chunks (:meth:`FlatShardPlan.cut`):
+own gloo group, exchanges what every rank's chunks need with one all-to-all per flat tensor (each rank
+receives its chunks' elements only: its share of the bytes, where an all-gather would bring it every
+rank's) and assembles the same chunks (:meth:`FlatShardPlan.cut`):
 the same bytes as the state dicts would have held, written by DCP with the first checkpoint's
 global metadata. The plan is checked before it is used: at the checkpoint that builds it the step also
 stages the flat shards, and the writer compares their cut with the state dicts taken at that step, on
@@ -56,6 +58,17 @@ class _Chunk:
     index: int
     source: str  # "param", or the optimizer state's name ("exp_avg")
     rows: tuple[int, int] | None  # [first, end) of dim 0 on this rank; None: no local shard
+    rows_of: tuple[tuple[int, int] | None, ...]  # the same on every rank, by rank
+
+
+@dataclass(frozen=True)
+class _Exchange:
+    """Which elements of one flat tensor go from which rank to which, for every rank's chunks at once."""
+
+    send: list[tuple[int, int]]  # slices of this rank's flat shard, destination by destination
+    send_splits: list[int]
+    receive: list[tuple[int, int, int]]  # (parameter index, offset in its chunk, length), source by source
+    receive_splits: list[int]
 
 
 class FlatShardPlan:
@@ -80,7 +93,6 @@ class FlatShardPlan:
         self.model, self.optimizer, self.units = model, optimizer, units
         self.templates, self.slots, self.group_params = templates, slots, group_params
         self.world, self.training_group = world, training_group
-        self.orig_params = bool(units and units[0].params)
         self.state_names = sorted(
             {slot.source for slot in slots.values() if isinstance(slot, _Chunk)} - {"param"}
         )
@@ -88,6 +100,7 @@ class FlatShardPlan:
         self._sources = self._live_ids()
         self.verified: bool | None = None  # None until check() ran in the writer
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}  # cut's, kept from one checkpoint to the next
+        self._exchanges: dict[tuple[int, str], _Exchange] = {}
 
     @classmethod
     def of(
@@ -150,7 +163,7 @@ class FlatShardPlan:
         live_buffers = {buffer.data_ptr(): buffer for buffer in model.buffers()}
         for path, leaf in _leaves(templates):
             layout = layouts.get(path)
-            slot = _slot(path, leaf, layout, where, units, live_buffers, optimizer)
+            slot = _slot(path, leaf, layout, where, units, live_buffers, optimizer, world)
             if slot is None:
                 return None
             if slot is not _CONSTANT:
@@ -181,9 +194,21 @@ class FlatShardPlan:
 
         expected = {"model": model_state, "optimizer": optimizer_state}
 
-        def compare(path: Path, chunk: torch.Tensor) -> bool:  # chunk by chunk: no copy of the cut is made
+        def compare(path: Path, received: torch.Tensor, pieces: list[tuple[int, int, int]]) -> bool:
+            # Piece by piece against the staged chunk: no copy of the cut is made.
             staged = _at(expected, path)
-            return type(staged) is list and len(staged) == 1 and _same(chunk, staged[0])
+            if type(staged) is not list or len(staged) != 1 or not torch.is_tensor(staged[0]):
+                return False
+            slot = self.slots[path]
+            chunk = staged[0]
+            if chunk.shape != _chunk_shape(self.units[slot.unit], slot) or chunk.dtype != received.dtype:
+                return False
+            flat = chunk.reshape(-1)
+            covered = sum(length for _, _, length in pieces)
+            return covered == flat.numel() and all(
+                torch.equal(received[at : at + length], flat[offset : offset + length])
+                for at, offset, length in pieces
+            )
 
         try:
             values = self._cut(flat_sources[0], flat_sources[1], group, compare)
@@ -251,11 +276,15 @@ class FlatShardPlan:
         them at the first checkpoint, from :meth:`sources` as staged (CPU copies). Collective on ``group``;
         the chunks are buffers the next cut reuses."""
 
-        def keep(path: Path, chunk: torch.Tensor) -> torch.Tensor:
+        def keep(path: Path, received: torch.Tensor, pieces: list[tuple[int, int, int]]) -> torch.Tensor:
             # Each chunk its own storage (DCP writes it without the copy it makes of a view), kept from
             # one checkpoint to the next: no heap churn per checkpoint.
-            kept = self._buffer(("chunk", path), chunk.numel(), chunk.dtype, exact=True).view(chunk.shape)
-            return kept.copy_(chunk)
+            slot = self.slots[path]
+            shape = _chunk_shape(self.units[slot.unit], slot)
+            kept = self._buffer(("chunk", path), shape.numel(), received.dtype, exact=True)
+            for at, offset, length in pieces:
+                kept[offset : offset + length].copy_(received[at : at + length])
+            return kept.view(shape)
 
         values = self._cut(model_src, optimizer_src, group, keep)
         model = _refill(self.templates["model"], ("model",), values, {})
@@ -267,10 +296,12 @@ class FlatShardPlan:
         model_src: dict[str, Any],
         optimizer_src: dict[str, Any],
         group: Any,
-        take: Callable[[Path, torch.Tensor], Any],
+        take: Callable[[Path, torch.Tensor, list[tuple[int, int, int]]], Any],
     ) -> dict[Path, Any]:
-        """Each chunk leaf's ``take(path, chunk)`` (``chunk`` a view of the gathered flat tensor, valid during
-        the call; ``[]`` where this rank holds none) and each plain leaf's tensor, by path."""
+        """For each flat tensor, its pieces of this rank's chunks from every rank (one all-to-all: each
+        rank receives its chunks' elements only), then each chunk leaf's ``take(path, received, pieces)``
+        (``received`` valid during the call; ``pieces``: where its elements are in it) or ``[]`` where
+        this rank holds none; each plain leaf's tensor. By path."""
         import torch.distributed as dist
 
         values: dict[Path, Any] = {}
@@ -278,13 +309,23 @@ class FlatShardPlan:
         for path, slot in self.slots.items():
             if isinstance(slot, _Chunk):
                 by_source.setdefault((slot.unit, slot.source), []).append((path, slot))
-        for key in sorted(by_source):  # every rank in the same order: each is an all-gather
-            unit = self.units[key[0]]
-            local = self._flat_source(unit, key, model_src, optimizer_src).contiguous()
-            full = self._buffer(("gather", local.dtype), self.world * local.numel())  # one at a time
-            dist.all_gather_into_tensor(full, local, group=group)
+        for key in sorted(by_source):  # every rank in the same order: each is an all-to-all
+            exchange = self._exchanges.get(key)
+            if exchange is None:
+                exchange = self._exchanges[key] = _exchange(self.units[key[0]], by_source[key], self.world)
+            local = self._flat_source(self.units[key[0]], key, model_src, optimizer_src)
+            send = self._buffer(("send", local.dtype), sum(exchange.send_splits))
+            if exchange.send:
+                torch.cat([local[start:end] for start, end in exchange.send], out=send)
+            received = self._buffer(("received", local.dtype), sum(exchange.receive_splits))
+            dist.all_to_all_single(received, send, exchange.receive_splits, exchange.send_splits, group=group)
+            pieces: dict[int, list[tuple[int, int, int]]] = {}
+            at = 0
+            for index, offset, length in exchange.receive:
+                pieces.setdefault(index, []).append((at, offset, length))
+                at += length
             for path, slot in by_source[key]:
-                values[path] = [] if slot.rows is None else [take(path, _rows(full, unit, slot))]
+                values[path] = [] if slot.rows is None else [take(path, received, pieces.get(slot.index, []))]
         # Plain tensors: this rank's own; a step count this rank holds no piece of comes from one that does.
         plain_local = dict(zip(self.plain_paths, model_src["plain"], strict=True))
         known = {path: value.cpu() for path, value in plain_local.items() if value is not None}
@@ -349,6 +390,7 @@ def _slot(
     units: list[_Unit],
     live_buffers: dict[int, Any],
     optimizer: Any,
+    world: int,
 ) -> Any:
     if path[:2] == ("optimizer", "param_groups"):
         return _CONSTANT
@@ -360,13 +402,21 @@ def _slot(
             return None
         unit_index, index = where[fqn]
         shape = units[unit_index].shapes[index]
-        rows = None
-        if layout.local:
-            shard = layout.local[0]
+        rows_of: list[tuple[int, int] | None] = [None] * world
+        for shard in layout.metadata.shards_metadata:
             if any(shard.shard_offsets[1:]) or list(shard.shard_sizes[1:]) != list(shape[1:]):
                 return None  # not a dim-0 chunk
-            rows = (shard.shard_offsets[0], shard.shard_offsets[0] + shard.shard_sizes[0])
-        return _Chunk(unit_index, index, source, rows)
+            rank = shard.placement.rank()
+            if not 0 <= rank < world or rows_of[rank] is not None:
+                return None
+            rows_of[rank] = (shard.shard_offsets[0], shard.shard_offsets[0] + shard.shard_sizes[0])
+        rows = None
+        if layout.local:
+            local = layout.local[0]
+            rows = (local.shard_offsets[0], local.shard_offsets[0] + local.shard_sizes[0])
+            if rows_of[local.placement.rank()] != rows:
+                return None
+        return _Chunk(unit_index, index, source, rows, tuple(rows_of))
     if not torch.is_tensor(leaf):
         return None
     if path[0] == "model":
@@ -399,15 +449,63 @@ def _unit_of(handle: Any) -> tuple[_Unit, list[str]]:
     return unit, list(flat._fqns)
 
 
-def _rows(full: torch.Tensor, unit: _Unit, slot: _Chunk) -> torch.Tensor:
-    shape = unit.shapes[slot.index]
-    assert slot.rows is not None
-    row = 1
+def _row_numel(shape: torch.Size) -> int:
+    numel = 1
     for size in shape[1:]:
-        row *= size
-    start = unit.starts[slot.index] + slot.rows[0] * row
-    end = unit.starts[slot.index] + slot.rows[1] * row
-    return full[start:end].view(slot.rows[1] - slot.rows[0], *shape[1:])
+        numel *= size
+    return numel
+
+
+def _chunk_shape(unit: _Unit, slot: _Chunk) -> torch.Size:
+    assert slot.rows is not None
+    shape = unit.shapes[slot.index]
+    return torch.Size([slot.rows[1] - slot.rows[0], *shape[1:]])
+
+
+def _exchange(unit: _Unit, slots: list[tuple[Path, _Chunk]], world: int) -> _Exchange:
+    """What this rank sends and receives so that every rank gets its chunks of ``slots``' parameters
+    (one flat tensor), computed alike on every rank from the chunks' rows on every rank."""
+    import torch.distributed as dist
+
+    me, size = dist.get_rank(), unit.shard_numel
+    rows: dict[int, tuple[tuple[int, int] | None, ...]] = {}
+    for _, slot in slots:  # a tied parameter's two names are one chunk
+        rows.setdefault(slot.index, slot.rows_of)
+
+    def wanted(rank: int) -> list[tuple[int, int, int]]:  # (index, first, end) in the unsharded flat tensor
+        spans = []
+        for index, by_rank in rows.items():
+            mine = by_rank[rank]
+            if mine is not None and mine[1] > mine[0]:
+                row, start = _row_numel(unit.shapes[index]), unit.starts[index]
+                spans.append((index, start + mine[0] * row, start + mine[1] * row))
+        return spans
+
+    def overlaps(spans: list[tuple[int, int, int]], source: int) -> list[tuple[int, int, int]]:
+        held = (source * size, (source + 1) * size)
+        found = []
+        for index, first, end in spans:
+            low, high = max(first, held[0]), min(end, held[1])
+            if high > low:
+                found.append((index, low - first, high - low))  # offset in the chunk, length
+        return found
+
+    send: list[tuple[int, int]] = []
+    send_splits = []
+    for rank in range(world):
+        spans = {index: first for index, first, _ in wanted(rank)}
+        pieces = overlaps(wanted(rank), me)
+        send += [(spans[index] + offset - me * size, spans[index] + offset - me * size + length)
+                 for index, offset, length in pieces]  # fmt: skip
+        send_splits.append(sum(length for _, _, length in pieces))
+    mine = wanted(me)
+    receive: list[tuple[int, int, int]] = []
+    receive_splits = []
+    for rank in range(world):
+        pieces = overlaps(mine, rank)
+        receive += pieces
+        receive_splits.append(sum(length for _, _, length in pieces))
+    return _Exchange(send, send_splits, receive, receive_splits)
 
 
 def _shard_piece(value: Any) -> bool:

@@ -115,6 +115,16 @@ def main() -> int:
         result["chunks"] = sum(1 for key in layouts if key[0] == "model")
         result["keys"] = sorted(str(key) for key in expected_model)
         result["moved"] = not _same(model_cut, first_model)
+        # Each rank receives its own chunks' elements and nothing else (an all-to-all, not an all-gather).
+        from spot_callbacks.persist.fsdp1_flat import _Chunk, _chunk_shape
+
+        own = {
+            (slot.unit, slot.source, slot.index): _chunk_shape(plan.units[slot.unit], slot).numel()
+            for slot in plan.slots.values()
+            if isinstance(slot, _Chunk) and slot.rows is not None
+        }
+        result["received"] = sum(sum(exchange.receive_splits) for exchange in plan._exchanges.values())
+        result["own_chunk_elements"] = sum(own.values())
         # A plan whose cut does not give the state dicts (one rank's staged shard altered) fails on every rank.
         model_now, optimizer_now, layouts_now = sharded_state()
         other = FlatShardPlan.of(fsdp, optimizer, model_now, optimizer_now, layouts_now)
