@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -151,19 +152,21 @@ class ShardHandles(handles.ShardHandles):
         """This rank's model and optimizer state dicts with local shards for DTensors, and their layouts;
         FSDP1 with a plan (:attr:`flat` set): its flat shards, which the plan's ``cut`` turns into them."""
         self.flat = None
-        if adapters is None and not is_fsdp2(trainer):
-            return self._fsdp1(trainer)
 
         def take() -> dict[str, Any]:
             model, optimizer = model_and_optimizer_shards(trainer, adapters)
             return {"model": model, "optimizer": optimizer}
 
+        if adapters is None and not is_fsdp2(trainer):
+            return self._fsdp1(trainer, take)
         state, layouts = self.local_state(
             trainer.model, {"optimizer": trainer.optimizer}, take, keep=is_fsdp2(trainer) and adapters is None
         )
         return state["model"], state["optimizer"], layouts
 
-    def _fsdp1(self, trainer: Any) -> tuple[Any, Any, dict[tuple[Any, ...], Any]]:
+    def _fsdp1(
+        self, trainer: Any, take: Callable[[], dict[str, Any]]
+    ) -> tuple[Any, Any, dict[tuple[Any, ...], Any]]:
         self.check, self.checked_state = None, {}
         plan = self._plan
         if plan is not None:
@@ -176,13 +179,9 @@ class ShardHandles(handles.ShardHandles):
                 self._plan, self._plan_tried = None, False
             elif decision == "failed":
                 self._plan = None
-        self.builds += 1
-        model, optimizer = model_and_optimizer_shards(trainer)
-        layouts: dict[tuple[Any, ...], Any] = {}
-        model, optimizer = (
-            local_shards(model, layouts, ("model",)),
-            local_shards(optimizer, layouts, ("optimizer",)),
-        )
+        # FSDP1's own state dicts (a collective): their local shards are copies, nothing to keep.
+        state, layouts = self.local_state(trainer.model, {"optimizer": trainer.optimizer}, take, keep=False)
+        model, optimizer = state["model"], state["optimizer"]
         if not self._plan_tried:
             self._plan_tried = True
             self._plan = FlatShardPlan.of(trainer.model, trainer.optimizer, model, optimizer, layouts)

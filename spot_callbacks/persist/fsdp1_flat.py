@@ -67,8 +67,9 @@ class _Exchange:
 
     send: list[tuple[int, int]]  # slices of this rank's flat shard, destination by destination
     send_splits: list[int]
-    receive: list[tuple[int, int, int]]  # (parameter index, offset in its chunk, length), source by source
     receive_splits: list[int]
+    # per parameter index: (where in the received tensor, offset in its chunk, length) of each piece
+    pieces: dict[int, list[tuple[int, int, int]]]
 
 
 class FlatShardPlan:
@@ -97,6 +98,12 @@ class FlatShardPlan:
             {slot.source for slot in slots.values() if isinstance(slot, _Chunk)} - {"param"}
         )
         self.plain_paths = [path for path, slot in slots.items() if isinstance(slot, _Plain)]
+        chunks: dict[tuple[int, str], list[tuple[Path, _Chunk]]] = {}
+        for path, slot in slots.items():
+            if isinstance(slot, _Chunk):
+                chunks.setdefault((slot.unit, slot.source), []).append((path, slot))
+        self._chunks = dict(sorted(chunks.items()))  # per flat tensor (unit, source), in one order everywhere
+        self.training_device = _fsdp1_modules(model)[0][1].compute_device  # for the agreement in decide()
         self._sources = self._live_ids()
         self.verified: bool | None = None  # None until check() ran in the writer
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}  # cut's, kept from one checkpoint to the next
@@ -171,21 +178,12 @@ class FlatShardPlan:
         groups = optimizer_state.get("param_groups") if isinstance(optimizer_state, dict) else None
         if type(groups) is not list or len(groups) != len(optimizer.param_groups):
             return None
-        plan = cls(
-            model,
-            optimizer,
-            units,
-            templates,
-            slots,
-            [list(g.get("params", ())) for g in groups],
-            world,
-            group,
-        )
         # Only the trees' shape is kept: the first checkpoint's tensors would stay alive for the run.
-        plan.templates = {
-            name: _refill(tree, (name,), dict.fromkeys(plan.slots), {}) for name, tree in templates.items()
+        skeletons = {
+            name: _refill(tree, (name,), dict.fromkeys(slots), {}) for name, tree in templates.items()
         }
-        return plan
+        group_params = [list(g.get("params", ())) for g in groups]
+        return cls(model, optimizer, units, skeletons, slots, group_params, world, group)
 
     def check(self, flat_sources: Any, model_state: Any, optimizer_state: Any, group: Any) -> bool:
         """Whether the cut of ``flat_sources`` equals the state dicts taken at the same step, on every
@@ -305,27 +303,19 @@ class FlatShardPlan:
         import torch.distributed as dist
 
         values: dict[Path, Any] = {}
-        by_source: dict[tuple[int, str], list[tuple[Path, _Chunk]]] = {}
-        for path, slot in self.slots.items():
-            if isinstance(slot, _Chunk):
-                by_source.setdefault((slot.unit, slot.source), []).append((path, slot))
-        for key in sorted(by_source):  # every rank in the same order: each is an all-to-all
+        for key, chunks in self._chunks.items():  # every rank in the same order: each is an all-to-all
             exchange = self._exchanges.get(key)
             if exchange is None:
-                exchange = self._exchanges[key] = _exchange(self.units[key[0]], by_source[key], self.world)
+                exchange = self._exchanges[key] = _exchange(self.units[key[0]], chunks, self.world)
             local = self._flat_source(self.units[key[0]], key, model_src, optimizer_src)
             send = self._buffer(("send", local.dtype), sum(exchange.send_splits))
             if exchange.send:
                 torch.cat([local[start:end] for start, end in exchange.send], out=send)
             received = self._buffer(("received", local.dtype), sum(exchange.receive_splits))
             dist.all_to_all_single(received, send, exchange.receive_splits, exchange.send_splits, group=group)
-            pieces: dict[int, list[tuple[int, int, int]]] = {}
-            at = 0
-            for index, offset, length in exchange.receive:
-                pieces.setdefault(index, []).append((at, offset, length))
-                at += length
-            for path, slot in by_source[key]:
-                values[path] = [] if slot.rows is None else [take(path, received, pieces.get(slot.index, []))]
+            for path, slot in chunks:
+                pieces = exchange.pieces.get(slot.index, [])
+                values[path] = [] if slot.rows is None else [take(path, received, pieces)]
         # Plain tensors: this rank's own; a step count this rank holds no piece of comes from one that does.
         plain_local = dict(zip(self.plain_paths, model_src["plain"], strict=True))
         known = {path: value.cpu() for path, value in plain_local.items() if value is not None}
@@ -493,19 +483,23 @@ def _exchange(unit: _Unit, slots: list[tuple[Path, _Chunk]], world: int) -> _Exc
     send: list[tuple[int, int]] = []
     send_splits = []
     for rank in range(world):
-        spans = {index: first for index, first, _ in wanted(rank)}
-        pieces = overlaps(wanted(rank), me)
+        theirs = wanted(rank)
+        spans = {index: first for index, first, _ in theirs}
+        pieces = overlaps(theirs, me)
         send += [(spans[index] + offset - me * size, spans[index] + offset - me * size + length)
                  for index, offset, length in pieces]  # fmt: skip
         send_splits.append(sum(length for _, _, length in pieces))
     mine = wanted(me)
-    receive: list[tuple[int, int, int]] = []
     receive_splits = []
-    for rank in range(world):
+    placed: dict[int, list[tuple[int, int, int]]] = {}
+    at = 0
+    for rank in range(world):  # the received tensor holds every source's pieces, source by source
         pieces = overlaps(mine, rank)
-        receive += pieces
+        for index, offset, length in pieces:
+            placed.setdefault(index, []).append((at, offset, length))
+            at += length
         receive_splits.append(sum(length for _, _, length in pieces))
-    return _Exchange(send, send_splits, receive, receive_splits)
+    return _Exchange(send, send_splits, receive_splits, placed)
 
 
 def _shard_piece(value: Any) -> bool:
@@ -594,9 +588,8 @@ def decide(plan: FlatShardPlan, model: Any, optimizer: Any) -> str:
     now and for the rest of the run)."""
     import torch.distributed as dist
 
-    device = _fsdp1_modules(model)[0][1].compute_device
     verified = {None: 1, True: 2, False: 0}[plan.verified]
-    votes = torch.tensor([1 if plan.live(model, optimizer) else 0, verified], device=device)
+    votes = torch.tensor([1 if plan.live(model, optimizer) else 0, verified], device=plan.training_device)
     dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=plan.training_group)
     live, verified = (int(value) for value in votes.tolist())
     if verified == 0:
