@@ -37,6 +37,46 @@ log = logging.getLogger("spot_callbacks")
 _TensorKey = tuple[int, torch.Size, tuple[int, ...], torch.dtype, torch.device]
 
 
+class IntoBuffer:
+    """A state leaf that :meth:`StagingArea.stage` copies into ``buffer``, a host tensor its caller owns
+    (same shape and dtype; the staged state holds ``buffer``), instead of a buffer of the area's.
+
+    For a writer that lays the staged bytes out again in place (FSDP1's flat shards, cut into chunks in
+    the same memory). The area's one-staged-state-at-a-time rule covers ``buffer`` like its own.
+
+    Example:
+        >>> area, target = StagingArea(), torch.zeros(2)
+        >>> staged = area.stage({"w": IntoBuffer(torch.ones(2), target)})
+        >>> staged.state["w"] is target, target.tolist()
+        (True, [1.0, 1.0])
+        >>> staged.release()
+    """
+
+    __slots__ = ("source", "buffer")
+
+    def __init__(self, source: torch.Tensor, buffer: torch.Tensor) -> None:
+        self.source, self.buffer = source, buffer
+
+
+class Adopted:
+    """A state leaf staged as it is, without a copy: a CPU tensor that nothing else holds or changes
+    (a state dict's fresh copy, as FSDP1's sharded state dicts are), owned by the staged state from
+    then on and freed with it.
+
+    Example:
+        >>> area, fresh = StagingArea(), torch.ones(2)
+        >>> staged = area.stage({"w": Adopted(fresh)})
+        >>> staged.state["w"] is fresh, area.buffer_bytes
+        (True, 0)
+        >>> staged.release()
+    """
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
 class StagedState:
     """A staged copy of a state; hold it until written, then :meth:`release` the buffers.
 
@@ -258,6 +298,15 @@ _PAGE = mmap.PAGESIZE
 _FAULT_SLICE = 64 << 20  # bytes touched between two looks at the cancel flag (~10 ms)
 
 
+def fault_in(buffer: torch.Tensor) -> None:
+    """Make a new buffer's pages resident now (one byte written per page), not at its first copy.
+
+    Example:
+        >>> fault_in(torch.empty(1024))
+    """
+    _fault_in(buffer, threading.Event())
+
+
 def _fault_in(buffer: torch.Tensor, cancel: threading.Event) -> None:
     """Write one byte of every page of a new buffer, so the copy into it finds them resident; in
     slices, so that ``cancel`` (a stage, the process's exit) stops it within one slice."""
@@ -387,6 +436,13 @@ class _StageContext:
         """A copy of ``value``; ``path`` is ``None`` when following a plan (buffers are the plan's)."""
         if isinstance(value, torch.Tensor):
             return self.copy_tensor(value, path)
+        if type(value) is IntoBuffer:
+            self.nbytes += _tensor_nbytes(value.buffer)
+            self._copy_into(value.buffer, _buffered(value.source)[0])
+            return value.buffer
+        if type(value) is Adopted:
+            self.nbytes += _tensor_nbytes(value.tensor)
+            return value.tensor
         if type(value) in ATOMIC_TYPES or isinstance(value, _ATOMIC):
             return value
         if type(value) in (dict, OrderedDict):

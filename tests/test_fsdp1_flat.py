@@ -38,15 +38,25 @@ def test_the_cut_of_staged_flat_shards_is_fsdp1s_sharded_state_dict(
     results = [json.loads(path.read_text()) for path in paths]
     for rank, result in enumerate(results):
         assert result["plan"], f"rank {rank}: no plan"
-        # Checked by the writer before it is used; a replaced optimizer state makes it stale everywhere.
-        assert (result["before_check"], result["checked"], result["decision"]) == ("check", True, "flat"), (
+        # Checked at the step that built it; a replaced optimizer state makes it stale everywhere.
+        assert (result["checked"], result["decision"], result["after_reload"]) == (True, "flat", "stale"), (
             result
         )
-        assert result["after_reload"] == "stale", result
-        # A cut that differs on one rank fails the check on every rank: the state dicts are taken from then on.
+        # One rank's state dicts differing from its shards, or a parameter misplaced by one element, fail
+        # the check on every rank: the state dicts are taken from then on.
         assert (result["wrong_checked"], result["wrong_decision"]) == (False, "failed"), result
+        assert result["shifted_checked"] is False, result
         assert result["model_equal"] and result["optimizer_equal"], f"rank {rank}: {result}"
         assert result["moved"], "training did not move between the two checkpoints: the test proves nothing"
+        # The checkpoint that built the plan staged FSDP1's own copies as they were (tied chunks once).
+        assert result["adopted"] > 0 and result["adopted"] <= result["chunk_bytes"], result
+        assert result["first_buffer_bytes"] < 64, result  # the buffer and the step counts only
+        # Later ones: the flat shards in the plan's buffers, the chunks cut into the same memory.
+        assert result["in_place"] and result["chunks"] > 0, result
+        assert result["staging_buffer_bytes"] < 64, result
+        assert (
+            result["shard_bytes"] <= result["arena_bytes"] <= result["shard_bytes"] + result["chunk_bytes"]
+        ), result
         # The writers exchange what each rank's chunks need, not every rank's whole flat tensors.
         assert result["received"] == result["own_chunk_elements"] > 0, result
         # Every parameter, the tied head and the buffer are in the state dict the cut reproduced.

@@ -64,9 +64,6 @@ def save_path_setting() -> str:
     return settings.HF_SAVE.value()
 
 
-FSDP1_CHECK = "fsdp1_state_dicts"  # FSDP1, plan unchecked: the state dicts, staged beside its flat shards
-
-
 @dataclass
 class StagedCheckpoint:
     """One checkpoint between its snapshot and its submission.
@@ -83,7 +80,9 @@ class StagedCheckpoint:
     blocked_s: float
     layouts: dict[tuple[Any, ...], fsdp.ShardLayout] | None = None  # sharded: the DTensors' layouts
     flat: Any = None  # FSDP1's FlatShardPlan: the staged model and optimizer are flat shards, to cut
-    check: Any = None  # FSDP1's FlatShardPlan to check: its flat shards are staged beside the state dicts
+    prepare: Any = (
+        None  # FSDP1's FlatShardPlan built at this step: its buffers allocated once this is written
+    )
 
 
 class StagedSaves:
@@ -215,12 +214,11 @@ class StagedSaves:
         trainer = self._live_trainer()
         staged: StagedState | None = None
         layouts: dict[tuple[Any, ...], Any] | None = None
-        flat = check = None
+        flat = prepare = None
         if self.every_rank:
             layouts = {}
             staged = staging.stage(rank_state(trainer, self.sharded, layouts, self.adapters, self.handles))
-            flat, check = (self.handles.flat, self.handles.check) if self.sharded else (None, None)
-            self.handles.checked_state = {}  # staged now: FSDP1's own copies go
+            flat, prepare = (self.handles.flat, self.handles.prepare) if self.sharded else (None, None)
         elif is_writer():
             staged = staging.stage(rank_state(trainer, sharded=False, layouts={}, peft=self.adapters))
         elif not trainer.args.save_only_model:
@@ -229,7 +227,7 @@ class StagedSaves:
             folder.mkdir(parents=True, exist_ok=True)
             torch.save(compat.rng_states(trainer.args), folder / compat.rng_state_name(trainer.args))
         self.pending = StagedCheckpoint(
-            request, epoch, staged, time.perf_counter() - started, layouts, flat, check
+            request, epoch, staged, time.perf_counter() - started, layouts, flat, prepare
         )
 
     def drop(self, step: int | None = None) -> StagedCheckpoint | None:
@@ -278,7 +276,7 @@ class StagedSaves:
             # The files hashed as they were written; the pipeline hashes the others as it uploads them.
             return write_checkpoint_folder(trainer, pending.staged, trainer_state, target, self.adapters)
 
-        on_written = pending.staged.release if pending.staged is not None else None
+        on_written = _release_then_allocate(pending)
         if self.every_rank:
 
             def write_own(target: Path, group: Any) -> dict[str, FileDigest | None]:
@@ -341,6 +339,26 @@ def write_checkpoint_folder(
     return digests
 
 
+def _release_then_allocate(pending: StagedCheckpoint) -> Callable[[], None] | None:
+    """What the writer calls once ``pending`` is written: release its staged state, then, where its
+    step built FSDP1's flat-shard plan, allocate the plan's buffers (after FSDP1's copies are freed:
+    the two never hold memory at once)."""
+    staged, plan = pending.staged, pending.prepare
+    if staged is None:
+        return None
+    if plan is None:
+        return staged.release
+
+    def release_then_allocate() -> None:
+        staged.release()
+        try:
+            plan.allocate()
+        except Exception as error:  # noqa: BLE001 - out of memory here: the next stage allocates, and says so
+            log.debug("spot_callbacks: FSDP1 flat-shard buffers not allocated ahead: %r", error)
+
+    return release_then_allocate
+
+
 def rank_state(
     trainer: transformers.Trainer,
     sharded: bool,
@@ -364,8 +382,6 @@ def rank_state(
         handles = handles or fsdp.ShardHandles()
         state["model"], state["optimizer"], shard_layouts = handles.shards_of(trainer, peft)
         layouts.update(shard_layouts)
-        if handles.check is not None:  # "model" and "optimizer" hold its flat shards, the state dicts here
-            state[FSDP1_CHECK] = handles.checked_state
     elif args.should_save:
         state["model"] = peft.state() if peft is not None else _built(trainer.model, "model").state_dict()
         if not only_model:
@@ -418,17 +434,12 @@ def write_rank_files(
         if sharded:  # DCP shares a rank's write error with every rank
             layouts = pending.layouts or {}
             shards = {"model": state["model"], "optimizer": state["optimizer"]}
-            if pending.check is not None:  # FSDP1, plan unchecked: write the state dicts taken at the step
-                shards = dict(state[FSDP1_CHECK])
-            elif pending.flat is not None:  # FSDP1: each parameter's chunk cut from the flat shards here
+            if pending.flat is not None:  # FSDP1: each parameter's chunk cut from the flat shards here
                 shards["model"], shards["optimizer"] = pending.flat.cut(
                     state["model"], state["optimizer"], group.group
                 )
             for name, key in ((fsdp.FSDP_MODEL_DIR, "model"), (fsdp.FSDP_OPTIMIZER_DIR, "optimizer")):
                 names.update(fsdp.write_dcp_folder(name, key, shards[key], layouts, partial, group.group))
-            if pending.check is not None:  # every rank: does the cut of the flat shards give them?
-                flat = (state["model"], state["optimizer"])
-                pending.check.check(flat, shards["model"], shards["optimizer"], group.group)
             del shards
         group.agree(
             lambda: names.update(

@@ -36,7 +36,7 @@ from typing import Any
 
 from spot_callbacks.persist import handles
 from spot_callbacks.persist.dcp_digests import digesting_writer, written_digests
-from spot_callbacks.persist.fsdp1_flat import FlatShardPlan, decide
+from spot_callbacks.persist.fsdp1_flat import FlatShardPlan, adopt_copies, decide
 from spot_callbacks.persist.shards import (  # the shard helpers, here where the HF path names them
     ShardedTensorLayout,
     ShardLayout,
@@ -140,8 +140,7 @@ class ShardHandles(handles.ShardHandles):
     def __init__(self) -> None:
         super().__init__()
         self.flat: FlatShardPlan | None = None  # FSDP1: the plan the last shards_of staged through
-        self.check: FlatShardPlan | None = None  # FSDP1: the plan to check against the last state dicts
-        self.checked_state: dict[str, Any] = {}  # FSDP1, with check: those state dicts (local shards)
+        self.prepare: FlatShardPlan | None = None  # FSDP1: the plan built at the last shards_of, to allocate
         self._plan: FlatShardPlan | None = None
         self._plan_tried = False
         self._plan_layouts: dict[tuple[Any, ...], Any] = {}
@@ -167,7 +166,7 @@ class ShardHandles(handles.ShardHandles):
     def _fsdp1(
         self, trainer: Any, take: Callable[[], dict[str, Any]]
     ) -> tuple[Any, Any, dict[tuple[Any, ...], Any]]:
-        self.check, self.checked_state = None, {}
+        self.prepare = None
         plan = self._plan
         if plan is not None:
             decision = decide(plan, trainer.model, trainer.optimizer)
@@ -177,23 +176,21 @@ class ShardHandles(handles.ShardHandles):
                 return model, optimizer, dict(self._plan_layouts)
             if decision == "stale":  # reloaded or resharded: build it again from these state dicts
                 self._plan, self._plan_tried = None, False
-            elif decision == "failed":
+            else:
                 self._plan = None
-        # FSDP1's own state dicts (a collective): their local shards are copies, nothing to keep.
+        # FSDP1's own state dicts (a collective): their local shards are fresh copies, staged as they are.
         state, layouts = self.local_state(trainer.model, {"optimizer": trainer.optimizer}, take, keep=False)
-        model, optimizer = state["model"], state["optimizer"]
         if not self._plan_tried:
             self._plan_tried = True
-            self._plan = FlatShardPlan.of(trainer.model, trainer.optimizer, model, optimizer, layouts)
+            plan = FlatShardPlan.of(
+                trainer.model, trainer.optimizer, state["model"], state["optimizer"], layouts
+            )
+            if plan is not None and plan.check(state["model"], state["optimizer"]):
+                # The writer allocates the plan's buffers once this checkpoint's copies are freed.
+                self._plan = self.prepare = plan
             self._plan_layouts = dict(layouts)
-        if self._plan is not None and self._plan.verified is None:
-            # The flat shards are staged where later checkpoints stage them (their buffers allocated
-            # and faulted in once, here), the state dicts beside them; the writer writes the state
-            # dicts and checks the plan's cut of the flat shards against them.
-            self.check, self.checked_state = self._plan, {"model": model, "optimizer": optimizer}
-            flat_model, flat_optimizer = self._plan.sources()
-            return flat_model, flat_optimizer, layouts
-        return model, optimizer, layouts
+        adopt_copies(trainer.model, trainer.optimizer, state, layouts)
+        return state["model"], state["optimizer"], layouts
 
 
 def is_fsdp2(trainer: Any) -> bool:

@@ -9,25 +9,26 @@ for a 245 MB shard on 2 CPU ranks, against a 0.02 s copy).
 :class:`FlatShardPlan` is built once per run from the first checkpoint's real state dicts (taken
 as the Trainer takes them): which flat parameter and which rows of it every ``ShardedTensor``
 holds on this rank, which live tensor every plain one is (buffers, the optimizer's step counts).
-Later checkpoints stage only this rank's flat shards (the parameters' and the optimizer states',
-views of the live tensors: no collective, one copy), and the background writer, on the persister's
-own gloo group, exchanges what every rank's chunks need with one all-to-all per flat tensor (each rank
-receives its chunks' elements only: its share of the bytes, where an all-gather would bring it every
-rank's) and assembles the same chunks (:meth:`FlatShardPlan.cut`):
-the same bytes as the state dicts would have held, written by DCP with the first checkpoint's
-global metadata. The plan is checked before it is used: at the checkpoint that builds it the step also
-stages the flat shards, and the writer compares their cut with the state dicts taken at that step, on
-every rank (:meth:`FlatShardPlan.check`); until then, where it fails, and where it does not apply
-(hybrid sharding, a shard group that is not every rank in order, a state it cannot place) every
-checkpoint takes the state dicts as before.
+It is checked at once, in that step, against those state dicts (:meth:`FlatShardPlan.check`: a
+sample of every chunk's elements, both ends of every piece, compared bit for bit with the live
+flat shards that hold them, one small all-reduce), and that checkpoint writes FSDP1's own copies
+without copying them again. Later checkpoints stage only this rank's flat shards (the parameters'
+and the optimizer states', no collective, one copy) into one buffer per flat tensor, and the
+background writer, on the persister's own gloo group, exchanges what every rank's chunks need with
+one all-to-all per flat tensor (each rank receives its chunks' elements only) and lays the chunks
+out in the same buffer (:meth:`FlatShardPlan.cut`): the same bytes as the state dicts would have
+held, their only copy, written by DCP with the first checkpoint's global metadata. Where the check
+fails, and where the plan does not apply (hybrid sharding, a shard group that is not every rank in
+order, a state it cannot place), every checkpoint takes the state dicts as before.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -105,9 +106,33 @@ class FlatShardPlan:
         self._chunks = dict(sorted(chunks.items()))  # per flat tensor (unit, source), in one order everywhere
         self.training_device = _fsdp1_modules(model)[0][1].compute_device  # for the agreement in decide()
         self._sources = self._live_ids()
-        self.verified: bool | None = None  # None until check() ran in the writer
-        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}  # cut's, kept from one checkpoint to the next
-        self._exchanges: dict[tuple[int, str], _Exchange] = {}
+        self.verified: bool | None = None  # None until check() ran
+        self._exchanges = {
+            key: _exchange(self.units[key[0]], found, world) for key, found in self._chunks.items()
+        }
+        # Where each chunk of this rank lies in its flat tensor's buffer once cut: (offset, numel), by
+        # parameter index, one after another (a tied parameter's two names are one chunk).
+        self._placed: dict[tuple[int, str], dict[int, tuple[int, int]]] = {}
+        for key, found in self._chunks.items():
+            placed, offset = {}, 0
+            for _, slot in found:
+                if slot.rows is not None and slot.index not in placed:
+                    numel = _chunk_shape(self.units[key[0]], slot).numel()
+                    placed[slot.index], offset = (offset, numel), offset + numel
+            self._placed[key] = placed
+        # One buffer per flat tensor, staged into (this rank's flat shard) and cut in place (its
+        # chunks): max(shard, chunks) elements, allocated once (allocate()).
+        self._sizes = {
+            key: max(self.units[key[0]].shard_numel, sum(numel for _, numel in self._placed[key].values()))
+            for key in self._chunks
+        }
+        self._arena: dict[tuple[int, str], torch.Tensor] = {}
+        self._views: dict[
+            Path, torch.Tensor
+        ] = {}  # each chunk, a tensor with a storage of its own in the arena
+        self._arena_lock = threading.Lock()  # the writer allocates while the step may stage
+        self._temps: dict[str, torch.Tensor] = {}  # the exchange's send and receive buffers, reused
+        self._dtypes: dict[tuple[int, str], torch.dtype] = {}  # each flat tensor's, as check() found it
 
     @classmethod
     def of(
@@ -185,47 +210,24 @@ class FlatShardPlan:
         group_params = [list(g.get("params", ())) for g in groups]
         return cls(model, optimizer, units, skeletons, slots, group_params, world, group)
 
-    def check(self, flat_sources: Any, model_state: Any, optimizer_state: Any, group: Any) -> bool:
-        """Whether the cut of ``flat_sources`` equals the state dicts taken at the same step, on every
-        rank (collective on ``group``, in the background writer); sets :attr:`verified`."""
+    def check(self, model_state: Any, optimizer_state: Any) -> bool:
+        """Whether the plan places the state dicts taken at this step where the live flat shards hold
+        them, on every rank; sets :attr:`verified`. Collective on the training group, at the step.
+
+        Compared bit for bit on a sample: both ends of every chunk and of every piece of it that one
+        rank's shard holds, and :data:`PROBES_PER_CHUNK` positions spread between (a misplaced offset,
+        row or padding moves them all), gathered with one all-reduce of their bits; the plain tensors
+        and the optimizer's groups whole. No copy of the state is made.
+        """
         import torch.distributed as dist
 
-        expected = {"model": model_state, "optimizer": optimizer_state}
-
-        def compare(path: Path, received: torch.Tensor, pieces: list[tuple[int, int, int]]) -> bool:
-            # Piece by piece against the staged chunk: no copy of the cut is made.
-            staged = _at(expected, path)
-            if type(staged) is not list or len(staged) != 1 or not torch.is_tensor(staged[0]):
-                return False
-            slot = self.slots[path]
-            chunk = staged[0]
-            if chunk.shape != _chunk_shape(self.units[slot.unit], slot) or chunk.dtype != received.dtype:
-                return False
-            flat = chunk.reshape(-1)
-            covered = sum(length for _, _, length in pieces)
-            return covered == flat.numel() and all(
-                torch.equal(received[at : at + length], flat[offset : offset + length])
-                for at, offset, length in pieces
-            )
-
         try:
-            values = self._cut(flat_sources[0], flat_sources[1], group, compare)
-
-            def matches(path: Path, value: Any) -> bool:
-                staged = _at(expected, path)
-                if not isinstance(self.slots[path], _Chunk):
-                    return _same(value, staged)
-                return value == [True] if value else isinstance(staged, list) and not staged
-
-            groups = flat_sources[1]["param_groups"]
-            same = all(matches(path, value) for path, value in values.items()) and _same(
-                groups, optimizer_state["param_groups"]
-            )
-        except Exception as error:  # the plan is not used; the checkpoint is written all the same
+            same = self._probe(model_state, optimizer_state)
+        except Exception as error:  # the plan is not used; this checkpoint takes the state dicts
             log.debug("spot_callbacks: FSDP1 flat shards could not be checked: %s", error)
             same = False
-        verdict = torch.tensor([1 if same else 0])
-        dist.all_reduce(verdict, op=dist.ReduceOp.MIN, group=group)
+        verdict = torch.tensor([1 if same else 0], device=self.training_device)
+        dist.all_reduce(verdict, op=dist.ReduceOp.MIN, group=self.training_group)
         self.verified = bool(verdict.item())
         if not self.verified:
             log.info(
@@ -233,6 +235,108 @@ class FlatShardPlan:
                 "checkpoint takes the state dicts (an all-gather in the step)"
             )
         return self.verified
+
+    def _probe(self, model_state: Any, optimizer_state: Any) -> bool:
+        import torch.distributed as dist
+
+        expected = {"model": model_state, "optimizer": optimizer_state}
+        me = dist.get_rank()
+        owned: list[tuple[list[int], torch.Tensor]] = []  # (probe numbers, bits) this rank's shards hold
+        mine: list[tuple[int, torch.Tensor]] = []  # (first probe number, bits) of this rank's chunks
+        count = 0
+        for key, found in self._chunks.items():
+            unit, live = self.units[key[0]], self._live_pieces(self.units[key[0]], key)
+            chunks = [
+                staged[0] for path, _ in found if type(staged := _at(expected, path)) is list and staged
+            ]
+            dtype = live[0][0].dtype if live else chunks[0].dtype if chunks else unit.flat._local_shard.dtype
+            self._dtypes[key] = dtype  # a rank that holds no piece of it receives its chunks all the same
+            chunk_of: dict[int, list[torch.Tensor]] = {}  # a tied parameter's names: each checked
+            for path, slot in found:  # the state dicts hold every chunk the plan expects, shaped as it says
+                staged = _at(expected, path)
+                if slot.rows is None:
+                    if not (type(staged) is list and not staged):
+                        return False
+                    continue
+                if type(staged) is not list or len(staged) != 1 or not torch.is_tensor(staged[0]):
+                    return False
+                chunk = staged[0]
+                if chunk.shape != _chunk_shape(unit, slot) or chunk.dtype != dtype:
+                    return False
+                chunk_of.setdefault(slot.index, []).append(chunk.reshape(-1))
+            held: dict[int, list[int]] = {}  # local index in this rank's shard -> probe numbers, per piece
+            indices = sorted({slot.index for _, slot in found})
+            rows_of = {slot.index: slot.rows_of for _, slot in found}
+            for index in indices:
+                row, start = _row_numel(unit.shapes[index]), unit.starts[index]
+                for rank, rows in enumerate(rows_of[index]):
+                    if rows is None or rows[1] <= rows[0]:
+                        continue
+                    first, numel = start + rows[0] * row, (rows[1] - rows[0]) * row
+                    positions = _probe_positions(first, numel, unit.shard_numel)
+                    for chunk in chunk_of.get(index, []) if rank == me else []:
+                        at = torch.tensor(positions, device=chunk.device)
+                        mine.append((count, _bits(chunk.index_select(0, at))))
+                    for number, position in enumerate(positions, start=count):
+                        owner, local = divmod(first + position, unit.shard_numel)
+                        if owner == me:
+                            held.setdefault(local, []).append(number)
+                    count += len(positions)
+            owned.extend(self._held_values(unit, key, held))
+        bits = torch.zeros(count, dtype=torch.int64, device=self.training_device)
+        for numbers, values in owned:
+            bits[torch.tensor(numbers, device=self.training_device)] = values.to(self.training_device)
+        dist.all_reduce(bits, group=self.training_group)  # every probe has one owner: the sum is its bits
+        for first, values in mine:
+            if not torch.equal(bits[first : first + values.numel()], values.to(self.training_device)):
+                return False
+        for path in self.plain_paths:
+            live = self.slots[path].tensor()
+            if live is not None and not _same(live, _at(expected, path)):
+                return False
+        return _same(self.sources_groups(), optimizer_state["param_groups"])
+
+    def _held_values(
+        self, unit: _Unit, key: tuple[int, str], held: dict[int, list[int]]
+    ) -> list[tuple[list[int], torch.Tensor]]:
+        """The bits of this rank's live flat shard at the local indices in ``held``: (probe numbers, bits)."""
+        if not held:
+            return []
+        numbers, values = [], []
+        for tensor, offset, numel in self._live_pieces(unit, key):
+            local = [index for index in held if offset <= index < offset + numel]
+            if not local:
+                continue
+            at = torch.tensor([index - offset for index in local], device=tensor.device)
+            picked = _bits(tensor.reshape(-1).index_select(0, at))
+            for position, index in enumerate(local):
+                for number in held[index]:
+                    numbers.append(number)
+                    values.append(picked[position : position + 1])
+        if sum(len(found) for found in held.values()) != len(numbers):
+            raise ValueError(f"flat tensor {key}: a chunk's element lies in no live shard")
+        return [(numbers, torch.cat(values))]
+
+    def _live_pieces(self, unit: _Unit, key: tuple[int, str]) -> list[tuple[torch.Tensor, int, int]]:
+        """The live tensors of flat tensor ``key`` on this rank: (tensor, offset in the shard, numel)."""
+        source = key[1]
+        if source == "param":
+            return [(unit.flat._local_shard, 0, unit.shard_numel)]
+        if not unit.params:
+            state = self.optimizer.state.get(unit.flat, {}).get(source)
+            return [] if state is None else [(state, 0, unit.shard_numel)]
+        pieces = []
+        for param, info in zip(unit.params, unit.infos, strict=True):
+            state = self.optimizer.state.get(param, {}).get(source)
+            if info.in_shard and _shard_piece(state):
+                pieces.append((state, info.offset_in_shard, info.numel_in_shard))
+        return pieces
+
+    def _dtype(self, key: tuple[int, str]) -> torch.dtype:
+        pieces = self._live_pieces(self.units[key[0]], key)
+        if pieces:
+            return pieces[0][0].dtype
+        return self._dtypes.get(key, self.units[key[0]].flat._local_shard.dtype)
 
     def _live_ids(self) -> list[tuple[int, int]]:
         tensors: list[Any] = []
@@ -247,75 +351,102 @@ class FlatShardPlan:
         """Whether ``model`` and ``optimizer`` are the plan's, with the same tensors (not collective)."""
         return model is self.model and optimizer is self.optimizer and self._live_ids() == self._sources
 
+    def allocate(self) -> None:
+        """Allocate this rank's buffers (one per flat tensor) and make them resident, if not yet done:
+        called by the writer once the checkpoint that built the plan is written and its state dicts
+        freed, so that the next checkpoint copies into resident memory and the two never coexist."""
+        from spot_callbacks.staging import fault_in
+
+        with self._arena_lock:
+            for key in self._chunks:
+                dtype = self._dtype(key)
+                arena = self._arena.get(key)
+                if arena is None or arena.dtype != dtype:
+                    pin = self.units[key[0]].flat._local_shard.is_cuda and torch.cuda.is_available()
+                    arena = torch.empty(self._sizes[key], dtype=dtype, pin_memory=pin)
+                    fault_in(arena)
+                    self._arena[key] = arena
+                    self._views_of(key, arena)
+
+    def _views_of(self, key: tuple[int, str], arena: torch.Tensor) -> None:
+        """Each of this rank's chunks of flat tensor ``key``: a tensor whose storage is exactly its place
+        in ``arena`` (DCP writes a view of a larger storage through a copy of it; this one it writes as is)."""
+        unit = self.units[key[0]]
+        raw = memoryview(cast(Any, arena.view(torch.uint8).numpy()))
+        size = arena.element_size()
+        for path, slot in self._chunks[key]:
+            if slot.rows is None:
+                continue
+            offset, numel = self._placed[key][slot.index]
+            shape = _chunk_shape(unit, slot)
+            if numel == 0:
+                self._views[path] = torch.empty(shape, dtype=arena.dtype)
+            else:
+                view = torch.frombuffer(raw, dtype=arena.dtype, count=numel, offset=offset * size)
+                self._views[path] = view.view(shape)
+
+    def arena_bytes(self) -> int:
+        """Bytes of this rank's buffers (what it stages and what its chunks are cut into, in place)."""
+        return sum(arena.numel() * arena.element_size() for arena in self._arena.values())
+
     def sources(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """What to stage at a checkpoint, for :meth:`cut`: this rank's flat shards (views of the live
-        parameters and optimizer states), the plain tensors, the optimizer's groups; no collective."""
-        flats, states = [], []
-        for unit in self.units:
-            flats.append(unit.flat._local_shard)
-            if unit.params:  # use_orig_params: each original parameter's piece of the shard
-                per = [self.optimizer.state.get(param, {}) for param in unit.params]
-                states.append(
-                    {name: [state.get(name) if _shard_piece(state.get(name)) else None for state in per]
-                     for name in self.state_names}
-                )  # fmt: skip
-            else:
-                state = self.optimizer.state.get(unit.flat, {})
-                states.append({name: state.get(name) for name in self.state_names})
+        parameters and optimizer states, each to be copied into its place in this rank's buffers:
+        :class:`~spot_callbacks.staging.IntoBuffer`), the plain tensors, the optimizer's groups; no
+        collective. Allocates the buffers if :meth:`allocate` has not."""
+        from spot_callbacks.staging import IntoBuffer
+
+        if len(self._arena) != len(self._chunks):
+            self.allocate()
+        flats: list[Any] = []
+        with self._arena_lock:
+            for key in self._chunks:
+                arena, unit = self._arena[key], self.units[key[0]]
+                if key[1] == "param" or not unit.params:
+                    ((tensor, _, numel),) = self._live_pieces(unit, key)
+                    flats.append(IntoBuffer(tensor, arena[:numel]))
+                else:  # use_orig_params: each original parameter's piece of the shard, at its offset
+                    flats.append(
+                        [IntoBuffer(tensor.reshape(-1), arena[offset : offset + numel])
+                         for tensor, offset, numel in self._live_pieces(unit, key)]
+                    )  # fmt: skip
         plain = [self.slots[path].tensor() for path in self.plain_paths]
-        groups = [
+        return {"flat": flats, "plain": plain}, {"param_groups": self.sources_groups()}
+
+    def sources_groups(self) -> list[dict[str, Any]]:
+        """The optimizer's param groups as its sharded state dict holds them (the parameters by name)."""
+        return [
             {**{k: v for k, v in group.items() if k != "params"}, "params": list(params)}
             for group, params in zip(self.optimizer.param_groups, self.group_params, strict=True)
         ]
-        return {"flat": flats, "plain": plain}, {"flat": states, "param_groups": groups}
 
     def cut(self, model_src: dict[str, Any], optimizer_src: dict[str, Any], group: Any) -> tuple[Any, Any]:
         """The model and optimizer state dicts as :func:`~spot_callbacks.persist.shards.local_shards` made
-        them at the first checkpoint, from :meth:`sources` as staged (CPU copies). Collective on ``group``;
-        the chunks are buffers the next cut reuses."""
-
-        def keep(path: Path, received: torch.Tensor, pieces: list[tuple[int, int, int]]) -> torch.Tensor:
-            # Each chunk its own storage (DCP writes it without the copy it makes of a view), kept from
-            # one checkpoint to the next: no heap churn per checkpoint.
-            slot = self.slots[path]
-            shape = _chunk_shape(self.units[slot.unit], slot)
-            kept = self._buffer(("chunk", path), shape.numel(), received.dtype, exact=True)
-            for at, offset, length in pieces:
-                kept[offset : offset + length].copy_(received[at : at + length])
-            return kept.view(shape)
-
-        values = self._cut(model_src, optimizer_src, group, keep)
-        model = _refill(self.templates["model"], ("model",), values, {})
-        subtrees = {("optimizer", "param_groups"): optimizer_src}
-        return model, _refill(self.templates["optimizer"], ("optimizer",), values, subtrees)
-
-    def _cut(
-        self,
-        model_src: dict[str, Any],
-        optimizer_src: dict[str, Any],
-        group: Any,
-        take: Callable[[Path, torch.Tensor, list[tuple[int, int, int]]], Any],
-    ) -> dict[Path, Any]:
-        """For each flat tensor, its pieces of this rank's chunks from every rank (one all-to-all: each
-        rank receives its chunks' elements only), then each chunk leaf's ``take(path, received, pieces)``
-        (``received`` valid during the call; ``pieces``: where its elements are in it) or ``[]`` where
-        this rank holds none; each plain leaf's tensor. By path."""
+        them at the first checkpoint, from :meth:`sources` as staged. Collective on ``group``: one
+        all-to-all per flat tensor, in which each rank receives its chunks' elements only; the chunks
+        are then laid out in the same buffers the flat shards were staged in (their only copy: the
+        next stage overwrites them, after the writer released the staged state)."""
         import torch.distributed as dist
 
         values: dict[Path, Any] = {}
-        for key, chunks in self._chunks.items():  # every rank in the same order: each is an all-to-all
-            exchange = self._exchanges.get(key)
-            if exchange is None:
-                exchange = self._exchanges[key] = _exchange(self.units[key[0]], chunks, self.world)
-            local = self._flat_source(self.units[key[0]], key, model_src, optimizer_src)
-            send = self._buffer(("send", local.dtype), sum(exchange.send_splits))
+        for position, (key, chunks) in enumerate(self._chunks.items()):  # the same order on every rank
+            exchange, arena = self._exchanges[key], self._arena[key]
+            staged = model_src["flat"][position]
+            for tensor in staged if type(staged) is list else [staged]:
+                if tensor.untyped_storage().data_ptr() != arena.untyped_storage().data_ptr():
+                    raise RuntimeError(
+                        f"spot_callbacks: FSDP1 flat tensor {key} was not staged into its buffer"
+                    )
+            send = self._temp("send", arena.dtype, sum(exchange.send_splits))
             if exchange.send:
-                torch.cat([local[start:end] for start, end in exchange.send], out=send)
-            received = self._buffer(("received", local.dtype), sum(exchange.receive_splits))
+                torch.cat([arena[start:end] for start, end in exchange.send], out=send)
+            received = self._temp("received", arena.dtype, sum(exchange.receive_splits))
             dist.all_to_all_single(received, send, exchange.receive_splits, exchange.send_splits, group=group)
+            for index, (offset, _) in self._placed[key].items():  # the flat shard is in send: overwrite it
+                for at, within, length in exchange.pieces.get(index, []):
+                    arena[offset + within : offset + within + length].copy_(received[at : at + length])
             for path, slot in chunks:
-                pieces = exchange.pieces.get(slot.index, [])
-                values[path] = [] if slot.rows is None else [take(path, received, pieces)]
+                values[path] = [] if slot.rows is None else [self._views[path]]
         # Plain tensors: this rank's own; a step count this rank holds no piece of comes from one that does.
         plain_local = dict(zip(self.plain_paths, model_src["plain"], strict=True))
         known = {path: value.cpu() for path, value in plain_local.items() if value is not None}
@@ -326,40 +457,50 @@ class FlatShardPlan:
             if value is None:
                 value = next(theirs[path] for theirs in everyone if path in theirs)
             values[path] = value
-        return values
+        model = _refill(self.templates["model"], ("model",), values, {})
+        subtrees = {("optimizer", "param_groups"): optimizer_src}
+        return model, _refill(self.templates["optimizer"], ("optimizer",), values, subtrees)
 
-    def _buffer(
-        self, key: tuple[Any, ...], numel: int, dtype: torch.dtype | None = None, exact: bool = False
-    ) -> torch.Tensor:
-        """A CPU buffer of ``numel`` elements kept under ``key`` for the next cut (``exact``: of exactly
-        that size, else grown when too small)."""
-        dtype = dtype if dtype is not None else key[1]
-        buffer = self._buffers.get(key)
-        if (
-            buffer is None
-            or buffer.dtype != dtype
-            or buffer.numel() < numel
-            or (exact and buffer.numel() != numel)
-        ):
-            buffer = torch.empty(numel, dtype=dtype)
-            self._buffers[key] = buffer
-        return buffer[:numel] if buffer.numel() != numel else buffer
+    def _temp(self, name: str, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """The exchange's ``name`` buffer, ``numel`` elements of it: kept (grown to the largest flat
+        tensor) for the next cut, so a checkpoint does not churn the heap."""
+        buffer = self._temps.get(name)
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = self._temps[name] = torch.empty(nbytes, dtype=torch.uint8)
+        return buffer[:nbytes].view(dtype)
 
-    def _flat_source(
-        self, unit: _Unit, key: tuple[int, str], model_src: dict[str, Any], optimizer_src: dict[str, Any]
-    ) -> torch.Tensor:
-        index, source = key
-        if source == "param":
-            return model_src["flat"][index]
-        state = optimizer_src["flat"][index][source]
-        if not unit.params:
-            return state
-        flat = self._buffer(("pieces", model_src["flat"][index].dtype), unit.shard_numel)
-        flat.zero_()
-        for piece, info in zip(state, unit.infos, strict=True):
-            if piece is not None and info.in_shard:
-                flat[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard] = piece.reshape(-1)
-        return flat
+
+PROBES_PER_CHUNK = 6  # between a chunk's two ends, besides both ends of every piece
+
+
+def _probe_positions(first: int, numel: int, shard_numel: int) -> list[int]:
+    """Positions in a chunk of ``numel`` elements starting at ``first`` of the unsharded flat tensor
+    that :meth:`FlatShardPlan.check` compares: both ends, both sides of every shard boundary inside
+    it, and :data:`PROBES_PER_CHUNK` spread between.
+
+    Example:
+        >>> _probe_positions(10, 20, 16)  # crosses the boundary at 16 (positions 5 and 6)
+        [0, 2, 5, 6, 8, 10, 13, 16, 19]
+    """
+    positions = {0, numel - 1}
+    boundary = (first // shard_numel + 1) * shard_numel
+    while boundary < first + numel:
+        positions.update((boundary - first - 1, boundary - first))
+        boundary += shard_numel
+    positions.update(j * (numel - 1) // (PROBES_PER_CHUNK + 1) for j in range(1, PROBES_PER_CHUNK + 1))
+    return sorted(positions)
+
+
+_INTEGER_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(values: torch.Tensor) -> torch.Tensor:
+    """``values``' bit patterns as int64 (equal exactly when the values are equal bit for bit)."""
+    size = values.element_size()
+    if size not in _INTEGER_OF_SIZE or values.is_complex():
+        raise ValueError(f"no bit view for {values.dtype}")
+    return values.contiguous().view(_INTEGER_OF_SIZE[size]).to(torch.int64)
 
 
 @dataclass(frozen=True)
@@ -583,17 +724,58 @@ def _agreed(model: Any, plan: FlatShardPlan | None) -> FlatShardPlan | None:
 
 def decide(plan: FlatShardPlan, model: Any, optimizer: Any) -> str:
     """What every rank does at this checkpoint (one small all-reduce on the training group): ``"flat"``
-    (stage the flat shards), ``"check"`` (take the state dicts; the plan is not checked yet),
-    ``"stale"`` (the tensors changed: take them and build the plan again) or ``"failed"`` (take them,
-    now and for the rest of the run)."""
+    (stage the flat shards), ``"stale"`` (the tensors changed: take the state dicts and build the plan
+    again) or ``"failed"`` (take them, now and for the rest of the run: the plan was not checked, or
+    its check failed on some rank)."""
     import torch.distributed as dist
 
-    verified = {None: 1, True: 2, False: 0}[plan.verified]
-    votes = torch.tensor([1 if plan.live(model, optimizer) else 0, verified], device=plan.training_device)
+    votes = torch.tensor(
+        [1 if plan.live(model, optimizer) else 0, 1 if plan.verified else 0], device=plan.training_device
+    )
     dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=plan.training_group)
     live, verified = (int(value) for value in votes.tolist())
-    if verified == 0:
+    if not verified:
         return "failed"
-    if not live:
-        return "stale"
-    return "flat" if verified == 2 else "check"
+    return "flat" if live else "stale"
+
+
+def adopt_copies(model: Any, optimizer: Any, trees: dict[str, Any], layouts: dict[Path, Any]) -> int:
+    """Mark the local shards of FSDP1's sharded state dicts in ``trees`` (``{"model": ..., "optimizer":
+    ...}``, as :func:`~spot_callbacks.persist.shards.local_shards` made them) to be staged as they are
+    (:class:`~spot_callbacks.staging.Adopted`): FSDP1 cuts each from the all-gathered parameter or
+    state into a fresh CPU tensor, so a second copy would only double the memory. A shard on a device,
+    or one that shares memory with a live parameter, buffer or optimizer state, is copied as before.
+    Returns the bytes adopted.
+
+    Example:
+        >>> adopt_copies(torch.nn.Linear(2, 2), None, {}, {})
+        0
+    """
+    from spot_callbacks.staging import Adopted
+
+    live: set[int] = set()
+    for tensor in [*model.parameters(), *model.buffers()]:
+        live.add(tensor.untyped_storage().data_ptr())
+    for _, module in _fsdp1_modules(model):
+        handle = getattr(module, "_handle", None)
+        if handle is not None:
+            live.add(handle.flat_param._local_shard.untyped_storage().data_ptr())
+    for state in optimizer.state.values() if optimizer is not None else ():
+        live.update(v.untyped_storage().data_ptr() for v in state.values() if torch.is_tensor(v))
+    adopted = 0
+    for path, layout in layouts.items():
+        if not isinstance(layout, ShardedTensorLayout) or path[0] not in trees:
+            continue
+        parent = _at(trees, path[:-1])
+        shards = parent[path[-1]]
+        if type(shards) is not list:
+            continue
+        marked: list[Any] = []
+        for shard in shards:
+            if torch.is_tensor(shard) and shard.is_cpu and shard.untyped_storage().data_ptr() not in live:
+                marked.append(Adopted(shard))
+                adopted += shard.numel() * shard.element_size()
+            else:
+                marked.append(shard)
+        parent[path[-1]] = marked
+    return adopted

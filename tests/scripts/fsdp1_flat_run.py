@@ -11,6 +11,7 @@ the copies on a gloo group of its own. Writes ``{out}/rank{R}.json``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import warnings
@@ -64,8 +65,18 @@ def main() -> int:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import StateDictType
 
-    from spot_callbacks.persist.fsdp1_flat import FlatShardPlan, _same, decide
+    from spot_callbacks.persist.fsdp1_flat import (
+        FlatShardPlan,
+        _at,
+        _Chunk,
+        _chunk_shape,
+        _leaves,
+        _same,
+        adopt_copies,
+        decide,
+    )
     from spot_callbacks.persist.shards import local_shards
+    from spot_callbacks.staging import StagingArea
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -100,24 +111,58 @@ def main() -> int:
     result: dict[str, Any] = {"plan": plan is not None}
     if plan is not None:
         writers = dist.new_group(backend="gloo")  # the persister's own group, as the writer has
-        result["before_check"] = decide(plan, fsdp, optimizer)
-        # The first checkpoint stages the flat shards beside the state dicts; the writer checks the cut.
-        result["checked"] = plan.check(clone_tree(plan.sources()), first_model, first_optimizer, writers)
+        # Checked at the step that built it, against the state dicts of that step.
+        result["checked"] = plan.check(first_model, first_optimizer)
+        # That checkpoint stages FSDP1's own copies as they are: no second copy of the shard.
+        area = StagingArea(pin_memory=False)
+        trees = {"model": first_model, "optimizer": first_optimizer}
+        result["chunk_bytes"] = sum(
+            chunk.numel() * chunk.element_size()
+            for path, slot in plan.slots.items()
+            if isinstance(slot, _Chunk)
+            for chunk in _at(trees, path)
+        )
+        result["adopted"] = adopt_copies(fsdp, optimizer, trees, layouts)
+        first = area.stage(trees)
+        result["first_buffer_bytes"] = area.buffer_bytes  # the plain tensors only
+        first.release()
+        plan.allocate()  # what the writer does once that checkpoint is written
         for _ in range(2):
             step()
         result["decision"] = decide(plan, fsdp, optimizer)
-        staged = clone_tree(plan.sources())  # what the staging copies at the step
+        staged = area.stage(plan.sources())  # what the step stages: the flat shards, into the plan's buffers
         expected_model, expected_optimizer, _ = sharded_state()
         step()  # training goes on while the writer cuts
-        model_cut, optimizer_cut = plan.cut(*staged, group=writers)
+        model_cut, optimizer_cut = plan.cut(*staged.state, group=writers)
         result["model_equal"] = _same(model_cut, expected_model)
         result["optimizer_equal"] = _same(optimizer_cut, expected_optimizer)
-        result["chunks"] = sum(1 for key in layouts if key[0] == "model")
         result["keys"] = sorted(str(key) for key in expected_model)
         result["moved"] = not _same(model_cut, first_model)
+        # The chunks are cut into the buffers the flat shards were staged in, each its own exact storage.
+        arenas = [
+            (arena.data_ptr(), arena.data_ptr() + arena.numel() * arena.element_size())
+            for arena in plan._arena.values()
+        ]
+        chunks = [
+            leaf[0] for _, leaf in _leaves({"model": model_cut, "optimizer": optimizer_cut})
+            if type(leaf) is list and len(leaf) == 1 and torch.is_tensor(leaf[0]) and leaf[0].numel()
+        ]  # fmt: skip
+        result["chunks"] = len(chunks)
+        result["in_place"] = all(
+            any(low <= chunk.data_ptr() < high for low, high in arenas)
+            and chunk.untyped_storage().nbytes() == chunk.numel() * chunk.element_size()
+            for chunk in chunks
+        )
+        result["staging_buffer_bytes"] = (
+            area.buffer_bytes
+        )  # the plain tensors only: the plan holds the shards
+        staged.release()
+        result["arena_bytes"] = plan.arena_bytes()
+        result["shard_bytes"] = sum(
+            unit.shard_numel * unit.flat._local_shard.element_size() * (1 + len(plan.state_names))
+            for unit in plan.units
+        )
         # Each rank receives its own chunks' elements and nothing else (an all-to-all, not an all-gather).
-        from spot_callbacks.persist.fsdp1_flat import _Chunk, _chunk_shape
-
         own = {
             (slot.unit, slot.source, slot.index): _chunk_shape(plan.units[slot.unit], slot).numel()
             for slot in plan.slots.values()
@@ -125,15 +170,22 @@ def main() -> int:
         }
         result["received"] = sum(sum(exchange.receive_splits) for exchange in plan._exchanges.values())
         result["own_chunk_elements"] = sum(own.values())
-        # A plan whose cut does not give the state dicts (one rank's staged shard altered) fails on every rank.
+        # One rank's state dicts differing from its flat shards fails the check on every rank.
         model_now, optimizer_now, layouts_now = sharded_state()
         other = FlatShardPlan.of(fsdp, optimizer, model_now, optimizer_now, layouts_now)
         assert other is not None
-        wrong = clone_tree(other.sources())
         if rank == 0:
-            wrong[0]["flat"][0][0] += 1.0
-        result["wrong_checked"] = other.check(wrong, model_now, optimizer_now, writers)
+            path = next(path for path, slot in other.slots.items() if isinstance(slot, _Chunk) and slot.rows)
+            _at({"model": model_now, "optimizer": optimizer_now}, path)[0].view(-1)[0] += 1.0
+        result["wrong_checked"] = other.check(model_now, optimizer_now)
         result["wrong_decision"] = decide(other, fsdp, optimizer)
+        # A plan that misplaces one parameter by one element fails its check on every rank.
+        model_now, optimizer_now, layouts_now = sharded_state()
+        shifted = FlatShardPlan.of(fsdp, optimizer, model_now, optimizer_now, layouts_now)
+        assert shifted is not None
+        unit = shifted.units[-1]
+        shifted.units[-1] = dataclasses.replace(unit, starts=(*unit.starts[:-1], unit.starts[-1] + 1))
+        result["shifted_checked"] = shifted.check(model_now, optimizer_now)
         optimizer.state.clear()  # a reloaded optimizer: its tensors are not the plan's
         step()
         result["after_reload"] = decide(plan, fsdp, optimizer)
