@@ -362,10 +362,14 @@ class SpotEngine:
         extra: dict[str, Any] | None = None,
         layouts: dict[tuple[Any, ...], Any] | None = None,
         rank_meta: dict[tuple[Any, ...], Any] | None = None,
+        cut: Callable[[dict[str, Any], Any], dict[str, Any]] | None = None,
+        after_release: Callable[[], None] | None = None,
     ) -> float:
         """Every rank persists its shards (see :meth:`CheckpointWriter.save_sharded_state`)."""
         self.hold_for_writing()
-        result = self.saves.save_sharded_state(step, epoch, state, reason, meta, extra, layouts, rank_meta)
+        result = self.saves.save_sharded_state(
+            step, epoch, state, reason, meta, extra, layouts, rank_meta, cut, after_release
+        )
         self._note_checkpoint(step)  # the snapshot is taken: training goes on from here
         return result
 

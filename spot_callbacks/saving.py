@@ -314,6 +314,8 @@ class CheckpointWriter:
         extra: dict[str, Any] | None = None,
         layouts: dict[tuple[Any, ...], Any] | None = None,
         rank_meta: dict[tuple[Any, ...], Any] | None = None,
+        cut: Callable[[dict[str, Any], Any], dict[str, Any]] | None = None,
+        after_release: Callable[[], None] | None = None,
     ) -> float:
         """Snapshot this rank's shards of ``state`` and persist them in the background, every rank in parallel.
 
@@ -325,7 +327,9 @@ class CheckpointWriter:
         :class:`~spot_callbacks.persist.handles.ShardHandles` keeps them), of these layouts.
         ``rank_meta``: this rank's values for ``meta``, by their path in it, gathered onto rank 0 by the
         writers beside the write (off the loop): ``meta.pt`` holds at each path every rank's value in
-        rank order (see :meth:`~spot_callbacks.persist.sharded.ShardedPersister.job`).
+        rank order (see :meth:`~spot_callbacks.persist.sharded.ShardedPersister.job`). ``cut``: what
+        the writer writes instead of the staged state (see there); ``after_release``: called by the writer
+        once the staging buffers are released (FSDP1's flat-shard buffers allocated then).
         Returns the seconds this rank was blocked.
         """
         started = time.perf_counter()
@@ -342,7 +346,8 @@ class CheckpointWriter:
             persister.submit(
                 persister.job(
                     step, reason, self.framework, staged.state, meta=meta, epoch=epoch, layouts=layouts,
-                    before_write=staged.wait_copied, on_written=staged.release, rank_meta=rank_meta, **terms,
+                    before_write=staged.wait_copied, on_written=then_call(staged.release, after_release),
+                    rank_meta=rank_meta, cut=cut, **terms,
                 )
             )  # fmt: skip
         except BaseException:
@@ -558,3 +563,24 @@ class CheckpointWriter:
         if verdict.line is not None and is_writer():
             log.warning("spot_callbacks: %s", verdict.line)
         return verdict.error
+
+
+def then_call(first: Callable[[], None], second: Callable[[], None] | None) -> Callable[[], None]:
+    """``first()``, then ``second()`` where given; an error of ``second`` is logged, never raised (it
+    runs on a writer thread after the checkpoint's own work is done).
+
+    Example:
+        >>> calls = []; then_call(lambda: calls.append(1), lambda: calls.append(2))(); calls
+        [1, 2]
+    """
+    if second is None:
+        return first
+
+    def both() -> None:
+        first()
+        try:
+            second()
+        except Exception as error:  # noqa: BLE001 - out of memory here: the next stage allocates, and says so
+            log.debug("spot_callbacks: after releasing the staging buffers: %r", error)
+
+    return both

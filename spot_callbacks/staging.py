@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import mmap
 import os
 import pickle
 import random
@@ -27,6 +26,7 @@ import torch
 
 from spot_callbacks.errors import CorruptCheckpointError, SpotError, UnsafeCheckpointError
 from spot_callbacks.log import checkpoint_line
+from spot_callbacks.persist.host_buffers import Adopted, IntoBuffer, fault_in
 from spot_callbacks.preemption import exit_guard
 from spot_callbacks.store.checksums import ChecksumWriter, FileDigest
 from spot_callbacks.store.manifest_limits import ManifestLimits
@@ -35,46 +35,6 @@ log = logging.getLogger("spot_callbacks")
 
 # Where a tensor's bytes are and how they are laid out: equal keys are one tensor (tied weights).
 _TensorKey = tuple[int, torch.Size, tuple[int, ...], torch.dtype, torch.device]
-
-
-class IntoBuffer:
-    """A state leaf that :meth:`StagingArea.stage` copies into ``buffer``, a host tensor its caller owns
-    (same shape and dtype; the staged state holds ``buffer``), instead of a buffer of the area's.
-
-    For a writer that lays the staged bytes out again in place (FSDP1's flat shards, cut into chunks in
-    the same memory). The area's one-staged-state-at-a-time rule covers ``buffer`` like its own.
-
-    Example:
-        >>> area, target = StagingArea(), torch.zeros(2)
-        >>> staged = area.stage({"w": IntoBuffer(torch.ones(2), target)})
-        >>> staged.state["w"] is target, target.tolist()
-        (True, [1.0, 1.0])
-        >>> staged.release()
-    """
-
-    __slots__ = ("source", "buffer")
-
-    def __init__(self, source: torch.Tensor, buffer: torch.Tensor) -> None:
-        self.source, self.buffer = source, buffer
-
-
-class Adopted:
-    """A state leaf staged as it is, without a copy: a CPU tensor that nothing else holds or changes
-    (a state dict's fresh copy, as FSDP1's sharded state dicts are), owned by the staged state from
-    then on and freed with it.
-
-    Example:
-        >>> area, fresh = StagingArea(), torch.ones(2)
-        >>> staged = area.stage({"w": Adopted(fresh)})
-        >>> staged.state["w"] is fresh, area.buffer_bytes
-        (True, 0)
-        >>> staged.release()
-    """
-
-    __slots__ = ("tensor",)
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
 
 
 class StagedState:
@@ -292,34 +252,8 @@ def _buffer_fits(buffer: torch.Tensor | None, spec: _BufferSpec) -> bool:
     )
 
 
-_PAGE = mmap.PAGESIZE
-
-
-_FAULT_SLICE = 64 << 20  # bytes touched between two looks at the cancel flag (~10 ms)
-
-
-def fault_in(buffer: torch.Tensor) -> None:
-    """Make a new buffer's pages resident now (one byte written per page), not at its first copy.
-
-    Example:
-        >>> fault_in(torch.empty(1024))
-    """
-    _fault_in(buffer, threading.Event())
-
-
 def _fault_in(buffer: torch.Tensor, cancel: threading.Event) -> None:
-    """Write one byte of every page of a new buffer, so the copy into it finds them resident; in
-    slices, so that ``cancel`` (a stage, the process's exit) stops it within one slice."""
-    if buffer.numel() and not buffer.is_pinned():  # pinned memory is resident already
-        with torch.no_grad():
-            data = buffer.view(-1).view(torch.uint8)
-            for start in range(0, data.numel(), _FAULT_SLICE):
-                if cancel.is_set():
-                    return
-                data[start : start + _FAULT_SLICE : _PAGE].zero_()
-            # The data rarely starts on a page boundary (malloc's header comes first): its last page
-            # is one past those the stride reaches.
-            data[-1:].zero_()
+    fault_in(buffer, cancel)
 
 
 class _Preparing:

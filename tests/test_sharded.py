@@ -181,3 +181,44 @@ def test_one_rank_failing_to_write_its_shards_fails_that_checkpoint_on_every_ran
     assert store.latest().step == 16 and store.latest().reason == "end"
     assert 10 not in [info.step for info in store.committed()]
     assert store.verify(16, deep=True)
+
+
+@pytest.mark.slow
+def test_lightning_fsdp_strategy_stages_flat_shards_writes_its_own_files_and_resumes_bit_identical(tmp_path):
+    """FSDPStrategy(state_dict_type="sharded") is FSDP1: its state dicts (a collective) are taken at the
+    first checkpoint only; later ones stage the flat shards, and the writers cut the strategy's chunks.
+    The files of such a checkpoint are byte for byte those of the strategy's own save at that step,
+    and a SIGTERM's checkpoint (flat too) resumes to the uninterrupted run's weights, bit for bit."""
+    store = f"file://{tmp_path}/store"
+    common = ["--fsdp1", "--every-n-steps", "3", "--keep-last", "10"]
+    baseline = run_fsdp(tmp_path, "--fsdp1", "--out", str(tmp_path / "baseline.pt"), scratch="b")
+    assert baseline.returncode == 0, baseline.stderr[-4000:]
+    first_dir = tmp_path / "first"
+    first_dir.mkdir()
+    first = run_fsdp(
+        tmp_path, "--dirpath", store, "--out", str(first_dir / "final.pt"), *common,
+        "--own-save-at-step", "9", "--sigterm-at-step", "11", scratch="f",
+    )  # fmt: skip
+    assert first.returncode == 143, first.stderr[-4000:]
+    reports = [json.loads(line) for line in first.stdout.splitlines() if line.startswith("{")]
+    # Steps 3, 6 and 9 before the SIGTERM: the state dicts at step 3 only.
+    assert [report.get("state_dict_builds_before_sigterm") for report in reports] == [1], reports
+    checkpoints = CheckpointStore(store)
+    assert [info.step for info in checkpoints.committed()] == [3, 6, 9, 12]
+    for name in ("__0_0.distcp", "__1_0.distcp"):  # step 9: flat shards staged, cut by the writers
+        with fsspec.open(f"{checkpoints.step_url(9)}/{name}", "rb") as handle:
+            staged = handle.read()
+        assert staged == (first_dir / "own-9" / name).read_bytes(), (
+            f"{name} of step 9 differs from the strategy's"
+        )
+    resumed = run_fsdp(
+        tmp_path, "--dirpath", store, "--out", str(tmp_path / "resumed.pt"), *common, scratch="r"
+    )
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "(step 12, preemption)" in resumed.stderr, resumed.stderr[-3000:]
+    reports = [json.loads(line) for line in resumed.stdout.splitlines() if line.startswith("{")]
+    assert sorted(report["state_dict_builds"] for report in reports) == [1, 1], reports  # steps 15, 16
+    expected, got = weights(tmp_path / "baseline.pt"), weights(tmp_path / "resumed.pt")
+    assert expected.keys() == got.keys() and expected
+    differ = [name for name in expected if not torch.equal(expected[name], got[name])]
+    assert not differ, f"not bit-identical after the resume: {differ}"

@@ -15,6 +15,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from spot_callbacks import staging
 from spot_callbacks.hf import SpotCheckpointCallback
 from spot_callbacks.lightning import SpotCheckpoint
+from spot_callbacks.persist import host_buffers
 from spot_callbacks.staging import StagingArea, load_state, write_state
 
 
@@ -161,12 +162,12 @@ def test_lightning_allocates_the_buffers_after_its_first_step_and_stages_into_th
 def test_the_background_allocation_touches_every_page_of_a_buffer_the_last_one_included(
     monkeypatch, slice_pages: int
 ) -> None:
-    monkeypatch.setattr(staging, "_FAULT_SLICE", slice_pages * 4096)
+    monkeypatch.setattr(host_buffers, "_FAULT_SLICE", slice_pages * 4096)
     whole = torch.empty(6 * 4096, dtype=torch.uint8)
     start = -whole.data_ptr() % 4096 + 100  # three pages' bytes from 100 bytes into a page: four pages
     buffer = whole[start : start + 3 * 4096]
     buffer.fill_(0xFF)
-    staging._fault_in(buffer, threading.Event())
+    host_buffers.fault_in(buffer, threading.Event())
     first_page = buffer.data_ptr() // 4096
     touched = {(buffer.data_ptr() + int(i)) // 4096 - first_page for i in (buffer == 0).nonzero().flatten()}
     assert touched == set(range((buffer.data_ptr() + buffer.numel() - 1) // 4096 - first_page + 1))

@@ -44,6 +44,7 @@ import spot_callbacks.hf.adapters as adapters
 import spot_callbacks.hf.fsdp as fsdp
 import spot_callbacks.settings as settings
 from spot_callbacks._dist import is_writer
+from spot_callbacks.saving import then_call
 from spot_callbacks.staging import StagedState, StagingArea, save_hashed
 from spot_callbacks.store.checksums import FileDigest
 
@@ -343,20 +344,11 @@ def _release_then_allocate(pending: StagedCheckpoint) -> Callable[[], None] | No
     """What the writer calls once ``pending`` is written: release its staged state, then, where its
     step built FSDP1's flat-shard plan, allocate the plan's buffers (after FSDP1's copies are freed:
     the two never hold memory at once)."""
-    staged, plan = pending.staged, pending.prepare
-    if staged is None:
+    if pending.staged is None:
         return None
-    if plan is None:
-        return staged.release
-
-    def release_then_allocate() -> None:
-        staged.release()
-        try:
-            plan.allocate()
-        except Exception as error:  # noqa: BLE001 - out of memory here: the next stage allocates, and says so
-            log.debug("spot_callbacks: FSDP1 flat-shard buffers not allocated ahead: %r", error)
-
-    return release_then_allocate
+    return then_call(
+        pending.staged.release, pending.prepare.allocate if pending.prepare is not None else None
+    )
 
 
 def rank_state(

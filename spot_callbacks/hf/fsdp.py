@@ -36,7 +36,7 @@ from typing import Any
 
 from spot_callbacks.persist import handles
 from spot_callbacks.persist.dcp_digests import digesting_writer, written_digests
-from spot_callbacks.persist.fsdp1_flat import FlatShardPlan, adopt_copies, decide
+from spot_callbacks.persist.fsdp1_flat import FlatShardPlan
 from spot_callbacks.persist.shards import (  # the shard helpers, here where the HF path names them
     ShardedTensorLayout,
     ShardLayout,
@@ -141,9 +141,6 @@ class ShardHandles(handles.ShardHandles):
         super().__init__()
         self.flat: FlatShardPlan | None = None  # FSDP1: the plan the last shards_of staged through
         self.prepare: FlatShardPlan | None = None  # FSDP1: the plan built at the last shards_of, to allocate
-        self._plan: FlatShardPlan | None = None
-        self._plan_tried = False
-        self._plan_layouts: dict[tuple[Any, ...], Any] = {}
 
     def shards_of(
         self, trainer: Any, adapters: Any = None
@@ -166,31 +163,16 @@ class ShardHandles(handles.ShardHandles):
     def _fsdp1(
         self, trainer: Any, take: Callable[[], dict[str, Any]]
     ) -> tuple[Any, Any, dict[tuple[Any, ...], Any]]:
-        self.prepare = None
-        plan = self._plan
-        if plan is not None:
-            decision = decide(plan, trainer.model, trainer.optimizer)
-            if decision == "flat":
-                self.flat = plan
-                model, optimizer = plan.sources()
-                return model, optimizer, dict(self._plan_layouts)
-            if decision == "stale":  # reloaded or resharded: build it again from these state dicts
-                self._plan, self._plan_tried = None, False
-            else:
-                self._plan = None
-        # FSDP1's own state dicts (a collective): their local shards are fresh copies, staged as they are.
-        state, layouts = self.local_state(trainer.model, {"optimizer": trainer.optimizer}, take, keep=False)
-        if not self._plan_tried:
-            self._plan_tried = True
-            plan = FlatShardPlan.of(
-                trainer.model, trainer.optimizer, state["model"], state["optimizer"], layouts
+        def state_dicts() -> tuple[Any, Any, dict[tuple[Any, ...], Any]]:
+            # FSDP1's own state dicts (a collective): fresh copies, nothing to keep.
+            state, layouts = self.local_state(
+                trainer.model, {"optimizer": trainer.optimizer}, take, keep=False
             )
-            if plan is not None and plan.check(state["model"], state["optimizer"]):
-                # The writer allocates the plan's buffers once this checkpoint's copies are freed.
-                self._plan = self.prepare = plan
-            self._plan_layouts = dict(layouts)
-        adopt_copies(trainer.model, trainer.optimizer, state, layouts)
-        return state["model"], state["optimizer"], layouts
+            return state["model"], state["optimizer"], layouts
+
+        model, optimizer, layouts = self.fsdp1.take(trainer.model, trainer.optimizer, state_dicts)
+        self.flat, self.prepare = self.fsdp1.flat, self.fsdp1.prepare
+        return model, optimizer, layouts
 
 
 def is_fsdp2(trainer: Any) -> bool:

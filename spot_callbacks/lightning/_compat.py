@@ -331,15 +331,31 @@ def dump_checkpoint(trainer: Any) -> dict[str, Any]:
     return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
 
 
+_LIGHTNING_STRATEGIES = ("ModelParallelStrategy", "FSDPStrategy", "DDPStrategy", "SingleDeviceStrategy")
+
+
+def strategy_kind(strategy: Any) -> str:
+    """Which of Lightning's strategies ``strategy`` is, a subclass included (its class name otherwise).
+
+    Example:
+        >>> class MyFSDP: ...
+        >>> MyFSDP.__name__ = "FSDPStrategy"; strategy_kind(type("Tuned", (MyFSDP,), {})())
+        'FSDPStrategy'
+    """
+    for cls in type(strategy).__mro__:
+        if cls.__name__ in _LIGHTNING_STRATEGIES:
+            return cls.__name__
+    return type(strategy).__name__
+
+
 def saves_sharded(trainer: Any) -> bool:
     """The strategy checkpoints sharded state: ModelParallelStrategy(save_distributed_checkpoint=True)
     or FSDPStrategy(state_dict_type="sharded")."""
     strategy = trainer.strategy
-    if type(strategy).__name__ == "ModelParallelStrategy":
+    kind = strategy_kind(strategy)
+    if kind == "ModelParallelStrategy":
         return bool(getattr(strategy, "_save_distributed_checkpoint", False))
-    return (
-        type(strategy).__name__ == "FSDPStrategy" and getattr(strategy, "_state_dict_type", None) == "sharded"
-    )
+    return kind == "FSDPStrategy" and getattr(strategy, "_state_dict_type", None) == "sharded"
 
 
 def dump_for_save(trainer: Any, handles: ShardHandles | None = None) -> DumpedCheckpoint:
@@ -356,6 +372,10 @@ class DumpedCheckpoint:
     state: dict[str, Any]
     meta: dict[str, Any] | None = None  # sharded: what rank 0 writes as meta.pt
     layouts: dict[tuple[Any, ...], Any] | None = None  # sharded, as local shards: the DTensors' layouts
+    # FSDPStrategy (FSDP1) with a flat-shard plan: the writer's cut of the staged flat shards, and what it
+    # calls once it released the staging buffers (persist/fsdp1_flat.py).
+    cut: Callable[[dict[str, Any], Any], dict[str, Any]] | None = None
+    after_release: Callable[[], None] | None = None
 
 
 def dump_sharded_checkpoint(trainer: Any, handles: ShardHandles) -> DumpedCheckpoint:
@@ -367,11 +387,22 @@ def dump_sharded_checkpoint(trainer: Any, handles: ShardHandles) -> DumpedCheckp
     through ``handles``, which keep them from one checkpoint to the next while they are live.
     """
     strategy = trainer.strategy
-    if type(strategy).__name__ != "ModelParallelStrategy":  # FSDPStrategy: its own sharded state dicts
+    kind = strategy_kind(strategy)
+    if kind != "ModelParallelStrategy" and len(trainer.optimizers) != 1:  # FSDPStrategy: its own state dicts
         checkpoint = dump_checkpoint(trainer)
         state = {"model": checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": o for i, o in enumerate(checkpoint.pop("optimizer_states", []))})
         return DumpedCheckpoint(state, checkpoint)
+    checkpoint = _dump_without_state_dicts(trainer)
+    if kind == "ModelParallelStrategy":
+        state, layouts = _local_shards(trainer, handles)
+        return DumpedCheckpoint(state, checkpoint, layouts)
+    return _fsdp1_shards(trainer, handles, checkpoint)
+
+
+def _dump_without_state_dicts(trainer: Any) -> dict[str, Any]:
+    """``dump_checkpoint`` without the model's and optimizers' state dicts (taken apart, as local shards)."""
+    strategy = trainer.strategy
     strategy.lightning_module_state_dict = dict  # instance attributes shadow the methods for this dump
     strategy.optimizer_state = lambda optimizer: {}
     try:
@@ -380,8 +411,44 @@ def dump_sharded_checkpoint(trainer: Any, handles: ShardHandles) -> DumpedCheckp
         del strategy.lightning_module_state_dict, strategy.optimizer_state
     checkpoint.pop("state_dict", None)
     checkpoint.pop("optimizer_states", None)
-    state, layouts = _local_shards(trainer, handles)
-    return DumpedCheckpoint(state, checkpoint, layouts)
+    return checkpoint
+
+
+def _fsdp1_shards(trainer: Any, handles: ShardHandles, meta: dict[str, Any]) -> DumpedCheckpoint:
+    """FSDPStrategy(state_dict_type="sharded") with one optimizer: FSDP1's sharded state dicts as the
+    strategy takes them at the first checkpoint, its flat shards after, where the plan applies
+    (:class:`~spot_callbacks.persist.fsdp1_flat.Fsdp1Checkpoints`, the HF FSDP1 path's too); the files
+    are the strategy's own (``model``, ``optimizer_0``)."""
+    strategy = trainer.strategy
+    optimizer = trainer.optimizers[0]
+    optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps it
+
+    def take() -> dict[str, Any]:
+        return {
+            "model": type(strategy).lightning_module_state_dict(strategy),
+            "optimizer": type(strategy).optimizer_state(strategy, optimizer),
+        }
+
+    def state_dicts() -> tuple[Any, Any, dict[tuple[Any, ...], Any]]:
+        state, layouts = handles.local_state(strategy.model, {"optimizer": optimizer}, take, keep=False)
+        return state["model"], state["optimizer"], layouts
+
+    run = handles.fsdp1
+    model_state, optimizer_state, layouts = run.take(strategy.model, optimizer, state_dicts)
+    renamed = {
+        ("optimizer_0", *path[1:]) if path[0] == "optimizer" else path: v for path, v in layouts.items()
+    }
+    state = {"model": model_state, "optimizer_0": optimizer_state}
+    plan, built = run.flat, run.prepare
+    cut = None
+    if plan is not None:
+
+        def cut(staged: dict[str, Any], group: Any) -> dict[str, Any]:
+            model, optimizer_cut = plan.cut(staged["model"], staged["optimizer_0"], group)
+            return {**staged, "model": model, "optimizer_0": optimizer_cut}
+
+    after_release = built.allocate if built is not None else None
+    return DumpedCheckpoint(state, meta, renamed, cut, after_release)
 
 
 def _local_shards(trainer: Any, handles: ShardHandles) -> tuple[dict[str, Any], dict[tuple[Any, ...], Any]]:
@@ -405,7 +472,7 @@ def tensors_to_stage(trainer: Any, handles: ShardHandles) -> dict[str, Any] | No
     strategy whose state dicts take a collective or a gather (FSDPStrategy, DeepSpeed), or on a
     rank that stages nothing."""
     strategy = trainer.strategy
-    name = type(strategy).__name__
+    name = strategy_kind(strategy)
     if name == "ModelParallelStrategy":
         return _local_shards(trainer, handles)[0]
     if name not in ("SingleDeviceStrategy", "DDPStrategy") or not trainer.is_global_zero:

@@ -211,7 +211,7 @@ class _SpotCheckpointHooks:
                 }
                 self.engine.save_sharded_state(
                     step, epoch, dumped.state, reason, meta=dumped.meta, layouts=dumped.layouts,
-                    rank_meta=rank_meta or None,
+                    rank_meta=rank_meta or None, cut=dumped.cut, after_release=dumped.after_release,
                 )  # fmt: skip
             else:
                 self.engine.save_state(step, epoch, dumped.state, reason)

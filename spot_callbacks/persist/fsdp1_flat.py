@@ -32,6 +32,7 @@ from typing import Any, cast
 
 import torch
 
+from spot_callbacks.persist.host_buffers import Adopted, IntoBuffer, fault_in
 from spot_callbacks.persist.shards import ShardedTensorLayout
 
 log = logging.getLogger("spot_callbacks")
@@ -355,8 +356,6 @@ class FlatShardPlan:
         """Allocate this rank's buffers (one per flat tensor) and make them resident, if not yet done:
         called by the writer once the checkpoint that built the plan is written and its state dicts
         freed, so that the next checkpoint copies into resident memory and the two never coexist."""
-        from spot_callbacks.staging import fault_in
-
         with self._arena_lock:
             for key in self._chunks:
                 dtype = self._dtype(key)
@@ -392,10 +391,8 @@ class FlatShardPlan:
     def sources(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """What to stage at a checkpoint, for :meth:`cut`: this rank's flat shards (views of the live
         parameters and optimizer states, each to be copied into its place in this rank's buffers:
-        :class:`~spot_callbacks.staging.IntoBuffer`), the plain tensors, the optimizer's groups; no
+        :class:`~spot_callbacks.persist.host_buffers.IntoBuffer`), the plain tensors, the optimizer's groups; no
         collective. Allocates the buffers if :meth:`allocate` has not."""
-        from spot_callbacks.staging import IntoBuffer
-
         if len(self._arena) != len(self._chunks):
             self.allocate()
         flats: list[Any] = []
@@ -742,7 +739,7 @@ def decide(plan: FlatShardPlan, model: Any, optimizer: Any) -> str:
 def adopt_copies(model: Any, optimizer: Any, trees: dict[str, Any], layouts: dict[Path, Any]) -> int:
     """Mark the local shards of FSDP1's sharded state dicts in ``trees`` (``{"model": ..., "optimizer":
     ...}``, as :func:`~spot_callbacks.persist.shards.local_shards` made them) to be staged as they are
-    (:class:`~spot_callbacks.staging.Adopted`): FSDP1 cuts each from the all-gathered parameter or
+    (:class:`~spot_callbacks.persist.host_buffers.Adopted`): FSDP1 cuts each from the all-gathered parameter or
     state into a fresh CPU tensor, so a second copy would only double the memory. A shard on a device,
     or one that shares memory with a live parameter, buffer or optimizer state, is copied as before.
     Returns the bytes adopted.
@@ -751,8 +748,6 @@ def adopt_copies(model: Any, optimizer: Any, trees: dict[str, Any], layouts: dic
         >>> adopt_copies(torch.nn.Linear(2, 2), None, {}, {})
         0
     """
-    from spot_callbacks.staging import Adopted
-
     live: set[int] = set()
     for tensor in [*model.parameters(), *model.buffers()]:
         live.add(tensor.untyped_storage().data_ptr())
@@ -779,3 +774,64 @@ def adopt_copies(model: Any, optimizer: Any, trees: dict[str, Any], layouts: dic
                 marked.append(shard)
         parent[path[-1]] = marked
     return adopted
+
+
+StateDicts = tuple[Any, Any, dict[Path, Any]]
+
+
+class Fsdp1Checkpoints:
+    """One run's FSDP1 checkpoints: the sharded state dicts at the first, the flat shards after, where the
+    plan applies (the shared core of the HF and Lightning adapters).
+
+    :meth:`take` returns what a checkpoint stages, model and optimizer state as
+    :func:`~spot_callbacks.persist.shards.local_shards` makes them (``"model"`` and ``"optimizer"``
+    paths in the layouts); after it, :attr:`flat` is the plan whose :meth:`FlatShardPlan.cut` the writer
+    applies (``None``: the state dicts themselves were staged) and :attr:`prepare` the plan that step
+    built, whose buffers the writer allocates once it released that checkpoint.
+
+    Example:
+        >>> run = Fsdp1Checkpoints()
+        >>> run.take(torch.nn.Linear(2, 2), None, lambda: ({}, {}, {}))  # not FSDP1: the state dicts
+        ({}, {}, {})
+        >>> run.flat is None
+        True
+    """
+
+    def __init__(self) -> None:
+        self.flat: FlatShardPlan | None = None
+        self.prepare: FlatShardPlan | None = None
+        self._plan: FlatShardPlan | None = None
+        self._tried = False
+        self._layouts: dict[Path, Any] = {}
+
+    @property
+    def plan(self) -> FlatShardPlan | None:
+        """The run's checked plan, while it applies (``None``: the state dicts are taken)."""
+        return self._plan
+
+    def take(self, model: Any, optimizer: Any, state_dicts: Callable[[], StateDicts]) -> StateDicts:
+        """This checkpoint's model state, optimizer state and layouts (collective on the training group:
+        every rank calls it at the same checkpoint). ``state_dicts()`` takes FSDP1's sharded state dicts
+        as local shards with their layouts, as the framework's own save would (a collective)."""
+        self.flat = self.prepare = None
+        plan = self._plan
+        if plan is not None:
+            decision = decide(plan, model, optimizer)
+            if decision == "flat":
+                self.flat = plan
+                model_src, optimizer_src = plan.sources()
+                return model_src, optimizer_src, dict(self._layouts)
+            if decision == "stale":  # reloaded or resharded: build it again from these state dicts
+                self._plan, self._tried = None, False
+            else:
+                self._plan = None
+        model_state, optimizer_state, layouts = state_dicts()
+        if not self._tried:
+            self._tried = True
+            built = FlatShardPlan.of(model, optimizer, model_state, optimizer_state, layouts)
+            if built is not None and built.check(model_state, optimizer_state):
+                self._plan = self.prepare = built  # allocated by the writer once this checkpoint is freed
+            self._layouts = dict(layouts)
+        if _fsdp1_modules(model):  # FSDP1's local shards are fresh copies: staged as they are
+            adopt_copies(model, optimizer, {"model": model_state, "optimizer": optimizer_state}, layouts)
+        return model_state, optimizer_state, layouts

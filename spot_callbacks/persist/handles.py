@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from spot_callbacks.persist.fsdp1_flat import Fsdp1Checkpoints
 from spot_callbacks.persist.shards import ShardedTensorLayout, ShardLayout, local_shards
 
 Layouts = dict[tuple[Any, ...], "ShardLayout | ShardedTensorLayout"]
@@ -41,6 +42,8 @@ class ShardHandles:
     def __init__(self) -> None:
         self._kept: _Kept | None = None
         self.builds = 0  # checkpoints that took the state dicts (the first, then one per change)
+        # FSDP1 (HF's plugin, Lightning's FSDPStrategy): the run's flat-shard plan and its state
+        self.fsdp1 = Fsdp1Checkpoints()
 
     def local_state(
         self,

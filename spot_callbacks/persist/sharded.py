@@ -117,6 +117,9 @@ class ShardedJob(CheckpointJob):
     # Staged as local shards (the engine's StagingArea): their layouts, to write them as DTensors again.
     layouts: dict[tuple[Any, ...], Any] | None = None
     before_write: Callable[[], None] | None = None  # e.g. wait for device-to-host copies
+    # What DCP writes, made from the staged state by the writer (on the writers' group) before the layouts
+    # apply: FSDP1's flat shards cut into the state dicts' chunks (persist/fsdp1_flat.py).
+    cut: Callable[[dict[str, Any], Any], dict[str, Any]] | None = None
     # The digests of the files dcp.save wrote, hashed as it wrote them (the upload reuses them).
     digests: dict[str, FileDigest] = field(default_factory=dict)
     on_written: Callable[[], None] | None = (
@@ -256,6 +259,7 @@ class ShardedPersister(RankGroupPersister[ShardedJob]):
         before_write: Callable[[], None] | None = None,
         on_written: Callable[[], None] | None = None,
         rank_meta: dict[tuple[Any, ...], Any] | None = None,
+        cut: Callable[[dict[str, Any], Any], dict[str, Any]] | None = None,
     ) -> ShardedJob:
         """The job of one checkpoint on this rank (``meta`` is serialized now, on rank 0 only).
 
@@ -266,7 +270,8 @@ class ShardedPersister(RankGroupPersister[ShardedJob]):
         same paths, or every rank none); the writers gather them onto rank 0 beside the write, off
         the loop, and its ``meta.pt`` holds at each path the list of every rank's value in rank
         order (what an all-gather in the loop would have put there). The values must not change
-        after the call (fresh RNG states, numbers).
+        after the call (fresh RNG states, numbers). ``cut(staged, group)``: what to write instead of
+        ``staged``, made by the writer on the writers' gloo group (collective: every rank's job has one).
         """
         return ShardedJob(
             step=step,
@@ -283,6 +288,7 @@ class ShardedPersister(RankGroupPersister[ShardedJob]):
             before_write=before_write,
             on_written=on_written,
             rank_meta=rank_meta,
+            cut=cut,
         )
 
     def wait_written(self, timeout: float | None = None) -> bool:
@@ -351,7 +357,8 @@ class ShardedPersister(RankGroupPersister[ShardedJob]):
         )
         if job.before_write is not None:
             job.before_write()
-        staged = job.staged if job.layouts is None else as_global(job.staged, job.layouts)
+        staged = job.staged if job.cut is None else job.cut(job.staged, self._writes.group)
+        staged = staged if job.layouts is None else as_global(staged, job.layouts)
         # DCP shares a rank's write error with every rank (CheckpointException on all). It writes
         # each tensor from the staged buffer itself (torch.save of a whole storage): no second copy.
         # Each file is hashed as DCP writes it: the upload reads it once (dcp_digests).

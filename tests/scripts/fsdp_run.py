@@ -31,6 +31,10 @@ parser.add_argument("--storage-options", default="{}")
 parser.add_argument("--hidden", type=int, default=64)
 parser.add_argument("--gathered", action="store_true", help="save_distributed_checkpoint=False")
 parser.add_argument("--keep-last", type=int, default=2)
+parser.add_argument("--own-save-at-step", type=int, default=-1, help="also trainer.save_checkpoint there")
+parser.add_argument(
+    "--fsdp1", action="store_true", help="FSDPStrategy(state_dict_type='sharded'): FSDP1 units"
+)
 args = parser.parse_args()
 
 
@@ -42,6 +46,14 @@ class Net(pl.LightningModule):
         )
 
     def configure_model(self) -> None:
+        if args.fsdp1:  # each Linear and the stack an FSDP1 unit, on the CPU (FSDP1 needs device_id there)
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+            for index, layer in enumerate(self.layers):
+                if isinstance(layer, torch.nn.Linear):
+                    self.layers[index] = FSDP(layer, device_id=torch.device("cpu"))
+            self.layers = FSDP(self.layers, device_id=torch.device("cpu"))
+            return
         mesh = self.device_mesh["data_parallel"]
         for layer in self.layers:
             if isinstance(layer, torch.nn.Linear):
@@ -70,6 +82,11 @@ class SelfSigterm(pl.Callback):
             persister = self.spot.engine.saves.persister if self.spot is not None else None
             if persister is not None:
                 assert persister.wait(timeout=120), "the checkpoints before the SIGTERM did not settle"
+            if self.spot is not None:  # how many checkpoints took the state dicts so far
+                print(
+                    json.dumps({"state_dict_builds_before_sigterm": self.spot._shard_handles.builds}),
+                    flush=True,
+                )
             os.kill(os.getpid(), signal.SIGTERM)
 
 
@@ -107,6 +124,57 @@ def inject_upload_fault(setting: str) -> None:
     CommitWriter.upload_file = upload_file
 
 
+def strategy():
+    if args.fsdp1:
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        # Lightning refuses FSDPStrategy itself on accelerator="cpu" (by exact type); everything the
+        # strategy does is its own.
+        class CPUFSDPStrategy(FSDPStrategy):
+            pass
+
+        return CPUFSDPStrategy(state_dict_type="sharded")
+    return ModelParallelStrategy(
+        data_parallel_size=args.devices, tensor_parallel_size=1, save_distributed_checkpoint=not args.gathered
+    )
+
+
+class OwnSave(pl.Callback):
+    """The strategy's own save of the step the callback checkpoints too, for the files to be compared."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(os.path.join(os.path.dirname(args.out), f"own-{self.step}"))
+
+
+class FullWeightsAtTrainEnd(pl.Callback):
+    """FSDP1: the full weights, gathered before the strategy's teardown (which leaves FSDP1 unusable)."""
+
+    weights: dict = {}
+
+    def on_train_end(self, trainer, pl_module):
+        type(self).weights = fsdp1_full_weights(pl_module)
+
+
+def full_weights(trainer, model) -> dict:
+    if not args.fsdp1:
+        return {k: v.full_tensor().clone() for k, v in model.layers.state_dict().items()}
+    return FullWeightsAtTrainEnd.weights
+
+
+def fsdp1_full_weights(model) -> dict:
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    config = FullStateDictConfig(offload_to_cpu=False, rank0_only=False)
+    with FSDP.state_dict_type(model.layers, StateDictType.FULL_STATE_DICT, config):
+        state = model.layers.state_dict()
+    return {k: v.clone() for k, v in state.items()}
+
+
 def main() -> int:
     if os.environ.get("SPOT_TEST_UPLOAD_FAULT"):
         inject_upload_fault(os.environ["SPOT_TEST_UPLOAD_FAULT"])
@@ -127,21 +195,24 @@ def main() -> int:
         callbacks.append(spot)
     if args.sigterm_at_step >= 0:
         callbacks.append(SelfSigterm(args.sigterm_at_step, spot))
+    if args.fsdp1:
+        callbacks.append(FullWeightsAtTrainEnd())
+    if args.own_save_at_step >= 0:
+        callbacks.insert(0, OwnSave(args.own_save_at_step))
     torch.manual_seed(0)
     model = Net()
     trainer = pl.Trainer(
         max_epochs=args.max_epochs, callbacks=callbacks, logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=bool(spot), accelerator="cpu", devices=args.devices,
-        strategy=ModelParallelStrategy(
-            data_parallel_size=args.devices, tensor_parallel_size=1, save_distributed_checkpoint=not args.gathered
-        ),
+        strategy=strategy(),
         use_distributed_sampler=True,
     )  # fmt: skip
     trainer.fit(model, loader, ckpt_path="latest" if spot else None)
-    full = {k: v.full_tensor().clone() for k, v in model.layers.state_dict().items()}
+    full = full_weights(trainer, model)
     if trainer.is_global_zero:
         torch.save(full, args.out)
-    print(json.dumps({"global_step": trainer.global_step, "rank": trainer.global_rank,
+    builds = spot._shard_handles.builds if spot is not None else None
+    print(json.dumps({"global_step": trainer.global_step, "rank": trainer.global_rank, "state_dict_builds": builds,
                       "preempted": bool(spot and spot.preempted)}), flush=True)  # fmt: skip
     return 143 if spot and spot.preempted else 0
 

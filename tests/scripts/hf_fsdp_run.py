@@ -194,7 +194,7 @@ def main() -> int:
         # Sharded: the checkpoints that took the state dicts (FSDP1: collective), and whether FSDP1's
         # later ones staged flat shards instead.
         "state_dict_builds": spot._staged.handles.builds if spot else None,
-        "fsdp1_flat_plan": bool(spot and spot._staged.handles._plan is not None),
+        "fsdp1_flat_plan": bool(spot and spot._staged.handles.fsdp1.plan is not None),
     }
     print(json.dumps(result), flush=True)
     Path(f"{out}.json").write_text(json.dumps(result))
