@@ -33,7 +33,8 @@ Strategies: ``hf-single`` and ``lightning-single`` (one process: it stages the w
 ``hf-ddp`` (HF Trainer under torchrun, DDP on gloo) and ``lightning-ddp`` (DDPStrategy): rank 0
 stages the whole state, rank 1 nothing; ``hf-fsdp2`` / ``hf-fsdp1`` (HF Trainer, accelerate's FSDP2 /
 FSDP1 plugin, ``SHARDED_STATE_DICT``: every rank stages its shards), ``lightning-fsdp``
-(ModelParallelStrategy: every rank its shards).
+(ModelParallelStrategy: every rank its shards), ``lightning-fsdp1`` (FSDPStrategy with
+``state_dict_type="sharded"``, FSDP1: every rank its shards).
 
     python benchmarks/strategies.py                                   # ~500 MB of state, 2 runs each
     python benchmarks/strategies.py --strategies hf-fsdp2 --runs 1
@@ -68,6 +69,7 @@ from _servers import open_store
 HERE = Path(__file__).resolve().parent
 STRATEGIES = (
     "hf-single", "hf-ddp", "hf-fsdp2", "hf-fsdp1", "lightning-single", "lightning-ddp", "lightning-fsdp",
+    "lightning-fsdp1",
 )  # fmt: skip
 SINGLE = ("hf-single", "lightning-single")  # one process
 QUICK = {"hidden": 256, "layers": 2, "every": 3, "steps": 10, "runs": 1}

@@ -333,11 +333,11 @@ class ShardedPersister(RankGroupPersister[ShardedJob]):
                 written = False
                 self._fail(job, err)
             finally:
+                job.staged = {}  # before on_written: a staged tree it frees (adopted copies) is freed then
                 if job.on_written is not None:
                     job.on_written()
             with self._cond:
                 self._busy_writing = None
-                job.staged = {}
                 if written:
                     self._mark_ready(job)
                 self._cond.notify_all()
