@@ -46,6 +46,7 @@ def test_the_cut_of_staged_flat_shards_is_fsdp1s_sharded_state_dict(
         # the check on every rank: the state dicts are taken from then on.
         assert (result["wrong_checked"], result["wrong_decision"]) == (False, "failed"), result
         assert result["shifted_checked"] is False, result
+        assert result["odd_checked"] is False, result  # one rank's state dicts shaped otherwise
         assert result["model_equal"] and result["optimizer_equal"], f"rank {rank}: {result}"
         assert result["moved"], "training did not move between the two checkpoints: the test proves nothing"
         # The checkpoint that built the plan staged FSDP1's own copies as they were (tied chunks once).

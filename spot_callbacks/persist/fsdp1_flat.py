@@ -222,9 +222,24 @@ class FlatShardPlan:
         """
         import torch.distributed as dist
 
+        # Every rank reaches both all-reduces, whatever it finds: a rank that returned early would
+        # leave the others in a collective it never enters.
+        bits = torch.zeros(self._probe_count(), dtype=torch.int64, device=self.training_device)
         try:
-            same = self._probe(model_state, optimizer_state)
+            mine = self._probe(model_state, optimizer_state, bits)
         except Exception as error:  # the plan is not used; this checkpoint takes the state dicts
+            log.debug("spot_callbacks: FSDP1 flat shards could not be checked: %s", error)
+            mine = None
+        if mine is None:
+            bits.zero_()
+        dist.all_reduce(bits, group=self.training_group)  # every probe has one owner: the sum is its bits
+        try:
+            same = mine is not None and all(
+                torch.equal(bits[first : first + values.numel()], values.to(self.training_device))
+                for first, values in mine
+            )
+            same = same and self._plain_same(model_state, optimizer_state)
+        except Exception as error:
             log.debug("spot_callbacks: FSDP1 flat shards could not be checked: %s", error)
             same = False
         verdict = torch.tensor([1 if same else 0], device=self.training_device)
@@ -237,7 +252,24 @@ class FlatShardPlan:
             )
         return self.verified
 
-    def _probe(self, model_state: Any, optimizer_state: Any) -> bool:
+    def _probe_count(self) -> int:
+        """How many elements :meth:`check` compares: from the plan alone, the same on every rank."""
+        count = 0
+        for key, found in self._chunks.items():
+            unit, rows_of = self.units[key[0]], {slot.index: slot.rows_of for _, slot in found}
+            for index in sorted(rows_of):
+                row, start = _row_numel(unit.shapes[index]), unit.starts[index]
+                for rows in rows_of[index]:
+                    if rows is not None and rows[1] > rows[0]:
+                        first, numel = start + rows[0] * row, (rows[1] - rows[0]) * row
+                        count += len(_probe_positions(first, numel, unit.shard_numel))
+        return count
+
+    def _probe(
+        self, model_state: Any, optimizer_state: Any, bits: torch.Tensor
+    ) -> list[tuple[int, torch.Tensor]] | None:
+        """Fill ``bits`` at the probes this rank's live shards hold; return (first probe number, bits) of
+        this rank's chunks, or ``None`` where the state dicts are not shaped as the plan expects."""
         import torch.distributed as dist
 
         expected = {"model": model_state, "optimizer": optimizer_state}
@@ -257,13 +289,13 @@ class FlatShardPlan:
                 staged = _at(expected, path)
                 if slot.rows is None:
                     if not (type(staged) is list and not staged):
-                        return False
+                        return None
                     continue
                 if type(staged) is not list or len(staged) != 1 or not torch.is_tensor(staged[0]):
-                    return False
+                    return None
                 chunk = staged[0]
                 if chunk.shape != _chunk_shape(unit, slot) or chunk.dtype != dtype:
-                    return False
+                    return None
                 chunk_of.setdefault(slot.index, []).append(chunk.reshape(-1))
             held: dict[int, list[int]] = {}  # local index in this rank's shard -> probe numbers, per piece
             indices = sorted({slot.index for _, slot in found})
@@ -284,13 +316,15 @@ class FlatShardPlan:
                             held.setdefault(local, []).append(number)
                     count += len(positions)
             owned.extend(self._held_values(unit, key, held))
-        bits = torch.zeros(count, dtype=torch.int64, device=self.training_device)
+        if count != bits.numel():
+            raise ValueError(f"{count} probes found, {bits.numel()} counted")
         for numbers, values in owned:
             bits[torch.tensor(numbers, device=self.training_device)] = values.to(self.training_device)
-        dist.all_reduce(bits, group=self.training_group)  # every probe has one owner: the sum is its bits
-        for first, values in mine:
-            if not torch.equal(bits[first : first + values.numel()], values.to(self.training_device)):
-                return False
+        return mine
+
+    def _plain_same(self, model_state: Any, optimizer_state: Any) -> bool:
+        """The plain tensors this rank holds and the optimizer's groups, whole, against the state dicts."""
+        expected = {"model": model_state, "optimizer": optimizer_state}
         for path in self.plain_paths:
             live = self.slots[path].tensor()
             if live is not None and not _same(live, _at(expected, path)):

@@ -179,6 +179,15 @@ def main() -> int:
             _at({"model": model_now, "optimizer": optimizer_now}, path)[0].view(-1)[0] += 1.0
         result["wrong_checked"] = other.check(model_now, optimizer_now)
         result["wrong_decision"] = decide(other, fsdp, optimizer)
+        # A rank whose state dicts are not shaped as the plan expects fails the check on every rank,
+        # and takes part in its collectives all the same (no rank is left waiting in one).
+        model_now, optimizer_now, layouts_now = sharded_state()
+        odd = FlatShardPlan.of(fsdp, optimizer, model_now, optimizer_now, layouts_now)
+        assert odd is not None
+        if rank == dist.get_world_size() - 1:
+            path = next(path for path, slot in odd.slots.items() if isinstance(slot, _Chunk) and slot.rows)
+            _at({"model": model_now, "optimizer": optimizer_now}, path).clear()
+        result["odd_checked"] = odd.check(model_now, optimizer_now)
         # A plan that misplaces one parameter by one element fails its check on every rank.
         model_now, optimizer_now, layouts_now = sharded_state()
         shifted = FlatShardPlan.of(fsdp, optimizer, model_now, optimizer_now, layouts_now)
