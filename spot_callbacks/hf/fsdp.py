@@ -22,8 +22,10 @@ tensors, so ``.metadata`` describes them as in the Trainer's own save and accele
 FSDP1 (``fsdp_version=1``): accelerate takes ``model.state_dict()`` and ``FSDP.optim_state_dict``
 under ``FSDP.state_dict_type(SHARDED_STATE_DICT)``, whose values are ``ShardedTensor`` (each
 parameter's dim-0 chunk of this rank, cut from the all-gathered flat parameter: a collective at the
-step, in the Trainer's save as here). Their local shards are staged with a
-:class:`ShardedTensorLayout`, and rebuilt over the buffers with the same global metadata.
+step, in the Trainer's save). The first checkpoint of a run takes them and stages their local shards
+(FSDP1's own fresh copies) with a :class:`ShardedTensorLayout`; later ones stage the flat shards and
+the writers cut the same chunks (:class:`~spot_callbacks.persist.fsdp1_flat.Fsdp1Checkpoints`),
+rebuilt into global tensors with the same metadata.
 """
 
 from __future__ import annotations
