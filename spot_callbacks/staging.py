@@ -252,10 +252,6 @@ def _buffer_fits(buffer: torch.Tensor | None, spec: _BufferSpec) -> bool:
     )
 
 
-def _fault_in(buffer: torch.Tensor, cancel: threading.Event) -> None:
-    fault_in(buffer, cancel)
-
-
 class _Preparing:
     """A daemon thread allocating the buffers of ``specs`` into ``area`` until done or cancelled."""
 
@@ -274,7 +270,7 @@ class _Preparing:
                 with area._buffers_lock:  # counted from now (buffer_bytes), resident once touched
                     area._buffers[spec.path] = buffer
                     area._prepared.add(spec.path)
-                _fault_in(buffer, self.cancel)
+                fault_in(buffer, self.cancel)
         except Exception as err:  # noqa: BLE001 - out of memory here: the stage allocates, and says so then
             log.debug("spot_callbacks: preparing the staging buffers stopped: %r", err)
 

@@ -81,7 +81,7 @@ def test_a_stage_during_the_allocation_stops_it_and_allocates_the_rest_itself(mo
         in_first_buffer.set()
         assert cancel.wait(timeout=60)
 
-    monkeypatch.setattr(staging, "_fault_in", fault_in_until_cancelled)
+    monkeypatch.setattr(staging, "fault_in", fault_in_until_cancelled)
     area.prepare(state)
     assert in_first_buffer.wait(timeout=60)
     staged = area.stage(state)  # stops the thread after the buffer in hand; it allocates the others

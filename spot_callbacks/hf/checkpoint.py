@@ -81,9 +81,8 @@ class StagedCheckpoint:
     blocked_s: float
     layouts: dict[tuple[Any, ...], fsdp.ShardLayout] | None = None  # sharded: the DTensors' layouts
     flat: Any = None  # FSDP1's FlatShardPlan: the staged model and optimizer are flat shards, to cut
-    prepare: Any = (
-        None  # FSDP1's FlatShardPlan built at this step: its buffers allocated once this is written
-    )
+    # FSDP1's FlatShardPlan built at this step: its buffers are allocated once this checkpoint is written.
+    prepare: Any = None
 
 
 class StagedSaves:

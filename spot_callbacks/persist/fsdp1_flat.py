@@ -33,7 +33,7 @@ from typing import Any, cast
 import torch
 
 from spot_callbacks.persist.host_buffers import Adopted, IntoBuffer, fault_in
-from spot_callbacks.persist.shards import ShardedTensorLayout
+from spot_callbacks.persist.shards import ShardedTensorLayout, packed_param_groups
 
 log = logging.getLogger("spot_callbacks")
 
@@ -61,6 +61,18 @@ class _Chunk:
     source: str  # "param", or the optimizer state's name ("exp_avg")
     rows: tuple[int, int] | None  # [first, end) of dim 0 on this rank; None: no local shard
     rows_of: tuple[tuple[int, int] | None, ...]  # the same on every rank, by rank
+
+
+@dataclass(frozen=True)
+class _Probes:
+    """The elements :meth:`FlatShardPlan.check` compares in one chunk: rank ``rank``'s rows of parameter
+    ``index``, starting at element ``first`` of the unsharded flat tensor; probe numbers from ``number``."""
+
+    index: int
+    rank: int
+    first: int
+    positions: list[int]
+    number: int
 
 
 @dataclass(frozen=True)
@@ -128,9 +140,8 @@ class FlatShardPlan:
             for key in self._chunks
         }
         self._arena: dict[tuple[int, str], torch.Tensor] = {}
-        self._views: dict[
-            Path, torch.Tensor
-        ] = {}  # each chunk, a tensor with a storage of its own in the arena
+        # Each chunk of this rank: a tensor with a storage of its own, in the arena.
+        self._views: dict[Path, torch.Tensor] = {}
         self._arena_lock = threading.Lock()  # the writer allocates while the step may stage
         self._temps: dict[str, torch.Tensor] = {}  # the exchange's send and receive buffers, reused
         self._dtypes: dict[tuple[int, str], torch.dtype] = {}  # each flat tensor's, as check() found it
@@ -224,9 +235,10 @@ class FlatShardPlan:
 
         # Every rank reaches both all-reduces, whatever it finds: a rank that returned early would
         # leave the others in a collective it never enters.
-        bits = torch.zeros(self._probe_count(), dtype=torch.int64, device=self.training_device)
+        probes, count = self._probes()
+        bits = torch.zeros(count, dtype=torch.int64, device=self.training_device)
         try:
-            mine = self._probe(model_state, optimizer_state, bits)
+            mine = self._probe(model_state, optimizer_state, probes, bits)
         except Exception as error:  # the plan is not used; this checkpoint takes the state dicts
             log.debug("spot_callbacks: FSDP1 flat shards could not be checked: %s", error)
             mine = None
@@ -252,31 +264,38 @@ class FlatShardPlan:
             )
         return self.verified
 
-    def _probe_count(self) -> int:
-        """How many elements :meth:`check` compares: from the plan alone, the same on every rank."""
+    def _probes(self) -> tuple[dict[tuple[int, str], list[_Probes]], int]:
+        """Where :meth:`check` compares, per flat tensor, and how many elements in all: from the plan
+        alone, so the same on every rank (the all-reduce's length)."""
+        probes: dict[tuple[int, str], list[_Probes]] = {}
         count = 0
         for key, found in self._chunks.items():
             unit, rows_of = self.units[key[0]], {slot.index: slot.rows_of for _, slot in found}
+            probes[key] = []
             for index in sorted(rows_of):
                 row, start = _row_numel(unit.shapes[index]), unit.starts[index]
-                for rows in rows_of[index]:
+                for rank, rows in enumerate(rows_of[index]):
                     if rows is not None and rows[1] > rows[0]:
                         first, numel = start + rows[0] * row, (rows[1] - rows[0]) * row
-                        count += len(_probe_positions(first, numel, unit.shard_numel))
-        return count
+                        positions = _probe_positions(first, numel, unit.shard_numel)
+                        probes[key].append(_Probes(index, rank, first, positions, count))
+                        count += len(positions)
+        return probes, count
 
     def _probe(
-        self, model_state: Any, optimizer_state: Any, bits: torch.Tensor
+        self,
+        model_state: Any,
+        optimizer_state: Any,
+        probes: dict[tuple[int, str], list[_Probes]],
+        bits: torch.Tensor,
     ) -> list[tuple[int, torch.Tensor]] | None:
-        """Fill ``bits`` at the probes this rank's live shards hold; return (first probe number, bits) of
-        this rank's chunks, or ``None`` where the state dicts are not shaped as the plan expects."""
+        """Fill ``bits`` at the ``probes`` this rank's live shards hold; return (first probe number, bits)
+        of this rank's chunks, or ``None`` where the state dicts are not shaped as the plan expects."""
         import torch.distributed as dist
 
         expected = {"model": model_state, "optimizer": optimizer_state}
         me = dist.get_rank()
-        owned: list[tuple[list[int], torch.Tensor]] = []  # (probe numbers, bits) this rank's shards hold
         mine: list[tuple[int, torch.Tensor]] = []  # (first probe number, bits) of this rank's chunks
-        count = 0
         for key, found in self._chunks.items():
             unit, live = self.units[key[0]], self._live_pieces(self.units[key[0]], key)
             chunks = [
@@ -297,29 +316,18 @@ class FlatShardPlan:
                 if chunk.shape != _chunk_shape(unit, slot) or chunk.dtype != dtype:
                     return None
                 chunk_of.setdefault(slot.index, []).append(chunk.reshape(-1))
-            held: dict[int, list[int]] = {}  # local index in this rank's shard -> probe numbers, per piece
-            indices = sorted({slot.index for _, slot in found})
-            rows_of = {slot.index: slot.rows_of for _, slot in found}
-            for index in indices:
-                row, start = _row_numel(unit.shapes[index]), unit.starts[index]
-                for rank, rows in enumerate(rows_of[index]):
-                    if rows is None or rows[1] <= rows[0]:
-                        continue
-                    first, numel = start + rows[0] * row, (rows[1] - rows[0]) * row
-                    positions = _probe_positions(first, numel, unit.shard_numel)
-                    for chunk in chunk_of.get(index, []) if rank == me else []:
-                        at = torch.tensor(positions, device=chunk.device)
-                        mine.append((count, _bits(chunk.index_select(0, at))))
-                    for number, position in enumerate(positions, start=count):
-                        owner, local = divmod(first + position, unit.shard_numel)
-                        if owner == me:
-                            held.setdefault(local, []).append(number)
-                    count += len(positions)
-            owned.extend(self._held_values(unit, key, held))
-        if count != bits.numel():
-            raise ValueError(f"{count} probes found, {bits.numel()} counted")
-        for numbers, values in owned:
-            bits[torch.tensor(numbers, device=self.training_device)] = values.to(self.training_device)
+            held: dict[int, list[int]] = {}  # local index in this rank's shard -> probe numbers
+            for probe in probes[key]:
+                for chunk in chunk_of.get(probe.index, []) if probe.rank == me else []:
+                    at = torch.tensor(probe.positions, device=chunk.device)
+                    mine.append((probe.number, _bits(chunk.index_select(0, at))))
+                for number, position in enumerate(probe.positions, start=probe.number):
+                    owner, local = divmod(probe.first + position, unit.shard_numel)
+                    if owner == me:
+                        held.setdefault(local, []).append(number)
+            if held:
+                numbers, values = self._held_values(unit, key, held)
+                bits[torch.tensor(numbers, device=self.training_device)] = values.to(self.training_device)
         return mine
 
     def _plain_same(self, model_state: Any, optimizer_state: Any) -> bool:
@@ -329,14 +337,12 @@ class FlatShardPlan:
             live = self.slots[path].tensor()
             if live is not None and not _same(live, _at(expected, path)):
                 return False
-        return _same(self.sources_groups(), optimizer_state["param_groups"])
+        return _same(packed_param_groups(self.optimizer, self.group_params), optimizer_state["param_groups"])
 
     def _held_values(
         self, unit: _Unit, key: tuple[int, str], held: dict[int, list[int]]
-    ) -> list[tuple[list[int], torch.Tensor]]:
+    ) -> tuple[list[int], torch.Tensor]:
         """The bits of this rank's live flat shard at the local indices in ``held``: (probe numbers, bits)."""
-        if not held:
-            return []
         numbers, values = [], []
         for tensor, offset, numel in self._live_pieces(unit, key):
             local = [index for index in held if offset <= index < offset + numel]
@@ -350,7 +356,7 @@ class FlatShardPlan:
                     values.append(picked[position : position + 1])
         if sum(len(found) for found in held.values()) != len(numbers):
             raise ValueError(f"flat tensor {key}: a chunk's element lies in no live shard")
-        return [(numbers, torch.cat(values))]
+        return numbers, torch.cat(values)
 
     def _live_pieces(self, unit: _Unit, key: tuple[int, str]) -> list[tuple[torch.Tensor, int, int]]:
         """The live tensors of flat tensor ``key`` on this rank: (tensor, offset in the shard, numel)."""
@@ -366,12 +372,6 @@ class FlatShardPlan:
             if info.in_shard and _shard_piece(state):
                 pieces.append((state, info.offset_in_shard, info.numel_in_shard))
         return pieces
-
-    def _dtype(self, key: tuple[int, str]) -> torch.dtype:
-        pieces = self._live_pieces(self.units[key[0]], key)
-        if pieces:
-            return pieces[0][0].dtype
-        return self._dtypes.get(key, self.units[key[0]].flat._local_shard.dtype)
 
     def _live_ids(self) -> list[tuple[int, int]]:
         tensors: list[Any] = []
@@ -392,7 +392,7 @@ class FlatShardPlan:
         freed, so that the next checkpoint copies into resident memory and the two never coexist."""
         with self._arena_lock:
             for key in self._chunks:
-                dtype = self._dtype(key)
+                dtype = self._dtypes[key]  # as check() found it: the plan is used only once checked
                 arena = self._arena.get(key)
                 if arena is None or arena.dtype != dtype:
                     pin = self.units[key[0]].flat._local_shard.is_cuda and torch.cuda.is_available()
@@ -442,14 +442,9 @@ class FlatShardPlan:
                          for tensor, offset, numel in self._live_pieces(unit, key)]
                     )  # fmt: skip
         plain = [self.slots[path].tensor() for path in self.plain_paths]
-        return {"flat": flats, "plain": plain}, {"param_groups": self.sources_groups()}
-
-    def sources_groups(self) -> list[dict[str, Any]]:
-        """The optimizer's param groups as its sharded state dict holds them (the parameters by name)."""
-        return [
-            {**{k: v for k, v in group.items() if k != "params"}, "params": list(params)}
-            for group, params in zip(self.optimizer.param_groups, self.group_params, strict=True)
-        ]
+        return {"flat": flats, "plain": plain}, {
+            "param_groups": packed_param_groups(self.optimizer, self.group_params)
+        }
 
     def cut(self, model_src: dict[str, Any], optimizer_src: dict[str, Any], group: Any) -> tuple[Any, Any]:
         """The model and optimizer state dicts as :func:`~spot_callbacks.persist.shards.local_shards` made

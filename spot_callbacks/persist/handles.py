@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from spot_callbacks.persist.fsdp1_flat import Fsdp1Checkpoints
-from spot_callbacks.persist.shards import ShardedTensorLayout, ShardLayout, local_shards
+from spot_callbacks.persist.shards import ShardedTensorLayout, ShardLayout, local_shards, packed_param_groups
 
 Layouts = dict[tuple[Any, ...], "ShardLayout | ShardedTensorLayout"]
 
@@ -105,7 +105,7 @@ class _Kept:
             if type(groups) is not list or len(groups) != len(optimizer.param_groups):
                 return None
             group_params[name] = [list(group.get("params", ())) for group in groups]
-            if not _plain_equal(_param_groups(optimizer, group_params[name]), groups):
+            if not _plain_equal(packed_param_groups(optimizer, group_params[name]), groups):
                 return None  # the optimizer's state_dict packs its groups otherwise: take it every time
         kept = cls(model, optimizers, state, group_params, layouts)
         if not _tensors_only(kept.kept_state):
@@ -137,7 +137,7 @@ class _Kept:
             name: (
                 {
                     "state": value,
-                    "param_groups": _param_groups(self.optimizers[name], self.group_params[name]),
+                    "param_groups": packed_param_groups(self.optimizers[name], self.group_params[name]),
                 }
                 if name in self.optimizers
                 else value
@@ -166,14 +166,6 @@ def _local_key(tensor: Any) -> tuple[int, torch.Size]:
     if local is None:
         local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
     return local.data_ptr(), local.shape
-
-
-def _param_groups(optimizer: Any, group_params: list[list[Any]]) -> list[dict[str, Any]]:
-    """``param_groups`` as ``Optimizer.state_dict`` packs them, with the kept names of their parameters."""
-    return [
-        {**{key: value for key, value in group.items() if key != "params"}, "params": list(params)}
-        for group, params in zip(optimizer.param_groups, group_params, strict=True)
-    ]
 
 
 def _leaves(state: Any) -> list[torch.Tensor]:

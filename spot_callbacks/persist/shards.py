@@ -129,3 +129,18 @@ def _on_cpu(shard: Any) -> Any:
     """A ``ShardMetadata`` placed on the same rank's CPU (where the staged shard lives)."""
     placement = f"rank:{shard.placement.rank()}/cpu"
     return dataclasses.replace(shard, placement=placement)
+
+
+def packed_param_groups(optimizer: Any, group_params: list[list[Any]]) -> list[dict[str, Any]]:
+    """``optimizer.param_groups`` as ``Optimizer.state_dict`` packs them, each group's ``"params"`` the
+    names a sharded state dict gave its parameters (``group_params``, by group).
+
+    Example:
+        >>> optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.5)
+        >>> packed_param_groups(optimizer, [["w"]])[0]["params"], packed_param_groups(optimizer, [["w"]])[0]["lr"]
+        (['w'], 0.5)
+    """
+    return [
+        {**{key: value for key, value in group.items() if key != "params"}, "params": list(params)}
+        for group, params in zip(optimizer.param_groups, group_params, strict=True)
+    ]
