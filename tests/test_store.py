@@ -337,7 +337,7 @@ KILL_CHILD = textwrap.dedent(
     store = CheckpointStore(url, storage_options=options)
     persister = Persister(store, keep_last=1)
     real_upload = persister.writer.upload_file
-    def upload_then_hang(local, step, name, *rest):
+    def upload_then_hang(local, step, name, *rest, **options):
         if name == "b.bin":
             store.fs.makedirs(store.step_path(step), exist_ok=True)
             with store.fs.open(store.step_path(step) + "/b.bin", "wb") as out:
@@ -345,7 +345,7 @@ KILL_CHILD = textwrap.dedent(
                 out.flush()
                 print("MID-UPLOAD", flush=True)
                 sys.stdin.read()  # the parent kills us here, mid-transfer
-        return real_upload(local, step, name, *rest)
+        return real_upload(local, step, name, *rest, **options)
     persister.writer.upload_file = upload_then_hang
     persister.submit(PersistJob(step=2, reason="interval", framework="test", local_dir=src, owns_local_dir=False))
     persister.wait()
@@ -397,9 +397,10 @@ def test_payload_lands_uncommitted_and_the_manifest_is_written_last(store, tmp_p
     writer = CommitWriter(store)
     real_upload = writer.upload_file
 
-    def upload_and_look(local, step, name, *rest):
-        real_upload(local, step, name, *rest)
+    def upload_and_look(local, step, name, *rest, **options):
+        sent = real_upload(local, step, name, *rest, **options)
         seen_during_upload.append([info.step for info in store.committed()])
+        return sent
 
     writer.upload_file = upload_and_look
     source = tmp_path / "again"
@@ -472,7 +473,15 @@ def test_settle_commit_prunes_after_a_commit_but_never_for_an_emergency(store, t
         ({"files": []}, "no 'files' table"),
         ({"files": {"a.bin": {"size": True, "checksum": "xxh3_64:00"}}}, "bad entry for 'a.bin'"),
         ({"files": {"a.bin": {"size": -1, "checksum": "xxh3_64:00"}}}, "bad entry for 'a.bin'"),
-        ({"files": {"a.bin": {"size": 1, "checksum": "md5:00"}}}, "checksum algorithm of 'a.bin' is 'md5'"),
+        ({"files": {"a.bin": {"size": 1, "checksum": "md5:00"}}}, "checksum of 'a.bin' is of kind 'md5'"),
+        (
+            {"files": {"a.bin": {"size": 1, "checksum": "xxh3_64-parts-1024:00"}}},
+            "part size 1024 is outside",
+        ),
+        (
+            {"files": {"a.bin": {"size": 1, "checksum": "xxh3_64-parts-0x100000:00"}}},
+            "is not a whole number of bytes",
+        ),
         ({"files": {MANIFEST_NAME: {"size": 1, "checksum": "xxh3_64:00"}}}, "not a plain relative path"),
         ({"created": "yesterday"}, "no valid 'created' time"),
     ],
@@ -482,6 +491,10 @@ def test_every_field_of_an_untrusted_manifest_is_checked(change, message):
     with pytest.raises(ManifestError, match=message):
         parse_manifest(encode_manifest({**doc, **change}), 5, "memory:///run/step-000000005")
     naive = parse_manifest(encode_manifest({**doc, "created": "2024-01-02T03:04:05"}), 5, "memory:///x")
+    parted = {"a.bin": {"size": 1, "checksum": "xxh3_64-parts-33554432:00"}}
+    assert (
+        parse_manifest(encode_manifest({**doc, "files": parted}), 5, "memory:///x").files["a.bin"].size == 1
+    )
     assert naive.created.tzinfo == timezone.utc  # a time without a zone is read as UTC
 
 

@@ -15,7 +15,7 @@ from datetime import datetime, timezone
 from typing import Any, TypeGuard
 
 from spot_callbacks.errors import ManifestError
-from spot_callbacks.store.checksums import CHECKSUM_ALGORITHM, FileDigest, checksum_algorithm
+from spot_callbacks.store.checksums import CHECKSUM_ALGORITHM, FileDigest, checksum_algorithm, kind_problem
 from spot_callbacks.store.layout import MANIFEST_NAME
 from spot_callbacks.store.manifest_limits import MAX_NAME_CHARS, ManifestLimits, load_bounded_json
 
@@ -240,10 +240,10 @@ def _parse_files(files_doc: Any, where: str, limits: ManifestLimits) -> dict[str
         if not _is_int(size) or size < 0 or not isinstance(checksum, str):
             raise ManifestError(f"{where} has a bad entry for {name!r}: {entry!r:.120}")
         limits.check_file_size(name, size, where)
-        if checksum_algorithm(checksum) != CHECKSUM_ALGORITHM:
+        problem = kind_problem(checksum_algorithm(checksum))
+        if problem is not None:
             raise ManifestError(
-                f"{where}: checksum algorithm of {name!r} is {checksum_algorithm(checksum)!r:.40}; "
-                f"this spot_callbacks reads {CHECKSUM_ALGORITHM!r}"
+                f"{where}: checksum of {name!r} is of kind {checksum_algorithm(checksum)!r:.40}: {problem}"
             )
         files[name] = FileDigest(size, checksum)
     limits.check_total_size(sum(digest.size for digest in files.values()), where)

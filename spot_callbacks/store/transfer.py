@@ -30,10 +30,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
-import xxhash
-
 from spot_callbacks.errors import CorruptCheckpointError, ManifestError
-from spot_callbacks.store.checksums import CHECKSUM_ALGORITHM, FileDigest, digest_local_file
+from spot_callbacks.store.checksums import (
+    CHECKSUM_ALGORITHM,
+    FileDigest,
+    StreamHash,
+    checksum_algorithm,
+    digest_local_file,
+)
 from spot_callbacks.store.layout import MANIFEST_NAME, is_local_fs
 from spot_callbacks.store.manifest import CheckpointInfo, parse_manifest
 from spot_callbacks.store.manifest_limits import ManifestLimits
@@ -200,23 +204,29 @@ def upload_file(
     what: str,
     meter: TransferMeter | None = None,
     name: str = "",
-) -> None:
+    *,
+    digest: bool = False,
+) -> FileDigest | None:
     """Upload one file through the data ``plane``, each attempt abandoned after what ``upload_timeout``
-    allows for its size; ``meter`` is told its bytes as ``name``."""
+    allows for its size; ``meter`` is told its bytes as ``name``. With ``digest``, return the digest
+    of the bytes the succeeding attempt sent where the plane hashes what it sends, else ``None``."""
     timeout_s = upload_timeout.seconds_for(os.path.getsize(source))
     meter = meter or TransferMeter()
     # An abandoned attempt may wake up and finish after its retry did. It writes the same bytes
     # (scratch files are never rewritten in place) whole: an object PUT (a multipart upload's
     # completion included) replaces the object at once, and locally put_file renames a finished
     # copy. So a late write is harmless.
-    call_in_time(retry, lambda: plane.upload(source, remote, moved=meter.attempt(name)), timeout_s, what)
+    sent = call_in_time(
+        retry, lambda: plane.upload(source, remote, moved=meter.attempt(name), digest=digest), timeout_s, what
+    )
     meter.file_done(name)
+    return sent
 
 
 MAPPED_WINDOW_BYTES = 16 * 1024 * 1024
 
 
-def digest_mapped(path: str | os.PathLike[str]) -> FileDigest:
+def digest_mapped(path: str | os.PathLike[str], checksum_kind: str = CHECKSUM_ALGORITHM) -> FileDigest:
     """The digest of a local file read through 16 MiB memory maps: no copy out of the page cache, a
     third of the CPU of ``read()`` into a buffer (measured: 0.11 vs 0.3 CPU-s/GB), and the RSS
     of one window at a time.
@@ -230,29 +240,34 @@ def digest_mapped(path: str | os.PathLike[str]) -> FileDigest:
     with open(path, "rb", buffering=0) as handle:
         size = os.fstat(handle.fileno()).st_size
         if size == 0:
-            return digest_local_file(path)
-        hasher = xxhash.xxh3_64()
+            return digest_local_file(path, checksum_kind)
+        hasher = StreamHash(checksum_kind)
         for offset in range(0, size, MAPPED_WINDOW_BYTES):
             length = min(MAPPED_WINDOW_BYTES, size - offset)
             with mmap.mmap(handle.fileno(), length, access=mmap.ACCESS_READ, offset=offset) as window:
                 if hasattr(window, "madvise"):
                     window.madvise(mmap.MADV_SEQUENTIAL)
                 hasher.update(window)
-    return FileDigest(size, f"{CHECKSUM_ALGORITHM}:{hasher.hexdigest()}")
+    return FileDigest(size, hasher.checksum())
 
 
 def upload_with_digests(
-    upload: Callable[[Path, str], None],
+    upload: Callable[[Path, str, bool], FileDigest | None],
     folder: Path,
     names: list[str],
     digests: dict[str, FileDigest] | None = None,
     meter: TransferMeter | None = None,
+    *,
+    hashes_as_it_sends: bool = False,
 ) -> dict[str, FileDigest]:
-    """``upload(folder / name, name)`` for every name in parallel; return every file's digest.
+    """``upload(folder / name, name, wants_digest)`` for every name in parallel; return every file's digest.
 
-    Digests known from writing the files are reused, the others are computed while the upload runs,
-    one file after another in one thread, in the order the uploads start; ``meter`` learns the
-    files' sizes (``upload`` tells it the bytes).
+    Digests known from writing the files are reused. The others come from the upload itself where
+    the client hashes the bytes it reads to send them (``hashes_as_it_sends``, ``upload`` returning
+    the digest: one read of each byte); else they are computed while the upload runs, one file
+    after another in one thread, in the order the uploads start. An upload that could not hash
+    what it sent (it returned ``None``) is hashed after it. ``meter`` learns the files' sizes
+    (``upload`` tells it the bytes).
     """
     if meter is not None:
         meter.expect({name: (folder / name).stat().st_size for name in names})
@@ -262,11 +277,19 @@ def upload_with_digests(
     # switches. A failed upload cancels the hashes not started (none is left running for long).
     hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spot-hash")
     try:
-        pending = {name: hasher.submit(digest_mapped, folder / name) for name in names if name not in known}
+        pending = {
+            name: hasher.submit(digest_mapped, folder / name)
+            for name in names
+            if name not in known and not hashes_as_it_sends
+        }
 
         def upload_one(name: str) -> tuple[str, FileDigest]:
-            upload(folder / name, name)
-            return name, known[name] if name in known else pending[name].result()
+            sent = upload(folder / name, name, name not in known)
+            if name in known:
+                return name, known[name]
+            if name in pending:
+                return name, pending[name].result()
+            return name, sent if sent is not None else digest_mapped(folder / name)
 
         return dict(run_parallel(upload_one, names))
     finally:
@@ -366,10 +389,13 @@ def verify_checksums(
 
     def check(name: str) -> None:
         expected = info.files[name]
+        kind = checksum_algorithm(expected.checksum)
         timeout_s = retry.timeout_for(expected.size)
         remote = posixpath.join(folder, name)
         actual = retry.call(
-            lambda: plane.digest(remote, timeout_s, expected.size, moved=meter.attempt(name)),
+            lambda: plane.digest(
+                remote, timeout_s, expected.size, moved=meter.attempt(name), checksum_kind=kind
+            ),
             f"read {info.url}/{name}",
             timeout_s=timeout_s,
         )
@@ -416,9 +442,12 @@ def pull_into(
         local.parent.mkdir(parents=True, exist_ok=True)
         remote = posixpath.join(folder, name)
         expected = info.files[name]
+        kind = checksum_algorithm(expected.checksum)
         timeout_s = retry.timeout_for(expected.size)
         actual = retry.call(
-            lambda: plane.download(remote, str(local), timeout_s, expected.size, moved=meter.attempt(name)),
+            lambda: plane.download(
+                remote, str(local), timeout_s, expected.size, moved=meter.attempt(name), checksum_kind=kind
+            ),
             f"download {info.url}/{name}",
             timeout_s=timeout_s,
         )
@@ -499,7 +528,11 @@ def local_copy_matches(info: CheckpointInfo, folder: Path) -> bool:
         return False
     for name, digest in info.files.items():
         path = folder / name
-        if not path.is_file() or path.stat().st_size != digest.size or digest_local_file(path) != digest:
+        if (
+            not path.is_file()
+            or path.stat().st_size != digest.size
+            or digest_local_file(path, checksum_algorithm(digest.checksum)) != digest
+        ):
             return False
     return True
 

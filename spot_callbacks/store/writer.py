@@ -74,18 +74,28 @@ class CommitWriter:
             log.info("spot_callbacks: replacing the existing checkpoint %s", self.store.step_url(step))
 
     def upload_file(
-        self, local_path: str | os.PathLike[str], step: int, name: str, meter: TransferMeter | None = None
-    ) -> None:
+        self,
+        local_path: str | os.PathLike[str],
+        step: int,
+        name: str,
+        meter: TransferMeter | None = None,
+        *,
+        digest: bool = False,
+    ) -> FileDigest | None:
         """Upload one payload file into the folder of ``step`` (multipart through the backend).
 
         An attempt still running after the store's ``upload_timeout`` allows for its size is
-        abandoned and retried like a failed one. ``meter`` is told the bytes sent.
+        abandoned and retried like a failed one. ``meter`` is told the bytes sent. With ``digest``,
+        return the digest of the bytes sent where the store's data plane hashes them as it sends
+        (else ``None``).
         """
         store = self.store
         remote = posixpath.join(store.step_path(step), check_payload_name(name))
         what = f"upload {store.step_url(step)}/{name}"
         plane, source = payload_plane(store), os.fspath(local_path)
-        transfer.upload_file(plane, store.retry, store.upload_timeout, source, remote, what, meter, name)
+        return transfer.upload_file(
+            plane, store.retry, store.upload_timeout, source, remote, what, meter, name, digest=digest
+        )
 
     def upload(
         self,
@@ -97,16 +107,19 @@ class CommitWriter:
     ) -> dict[str, FileDigest]:
         """Upload ``names`` (relative to ``folder``) into the folder of ``step`` in parallel; return their digests.
 
-        Digests known from writing the files are reused, the others are computed while the upload
-        runs. Nothing is committed: :meth:`commit_files` does that once every file of the checkpoint
+        Digests known from writing the files are reused, the others are computed from the bytes the
+        upload reads (S3) or beside it (other stores). Nothing is committed: :meth:`commit_files` does that once every file of the checkpoint
         (from every rank, for a sharded one) is durable. ``meter`` is told the bytes sent.
         """
         meter = meter or TransferMeter("upload")
 
-        def upload(local: Path, name: str) -> None:
-            self.upload_file(local, step, name, meter)
+        def upload(local: Path, name: str, wants_digest: bool) -> FileDigest | None:
+            return self.upload_file(local, step, name, meter, digest=wants_digest)
 
-        return transfer.upload_with_digests(upload, Path(folder), names, digests, meter)
+        hashes = payload_plane(self.store).hashes_as_it_sends
+        return transfer.upload_with_digests(
+            upload, Path(folder), names, digests, meter, hashes_as_it_sends=hashes
+        )
 
     def commit_files(
         self,

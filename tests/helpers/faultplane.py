@@ -81,12 +81,16 @@ class FaultyPlane:
     def warm(self, remote_path: str) -> None:
         self.inner.warm(remote_path)
 
-    def upload(self, local_path: str, remote_path: str, moved: Any = ignore_moved) -> None:
+    @property
+    def hashes_as_it_sends(self) -> bool:
+        return bool(self.inner.hashes_as_it_sends)
+
+    def upload(self, local_path: str, remote_path: str, moved: Any = ignore_moved, **options: Any) -> Any:
         self._before("upload", remote_path, write=True)
         if not self._hold(remote_path):
-            return self.inner.upload(local_path, remote_path, moved=moved)
+            return self.inner.upload(local_path, remote_path, moved=moved, **options)
         try:
-            return self.inner.upload(local_path, remote_path, moved=moved)
+            return self.inner.upload(local_path, remote_path, moved=moved, **options)
         finally:
             with self._lock:
                 self._holding -= 1
@@ -100,12 +104,18 @@ class FaultyPlane:
         timeout_s: float | None,
         expected_size: Any = None,
         moved: Any = ignore_moved,
+        **options: Any,
     ) -> Any:
         self._before("download", remote_path, write=False)
-        return self.inner.download(remote_path, local_path, timeout_s, expected_size, moved=moved)
+        return self.inner.download(remote_path, local_path, timeout_s, expected_size, moved=moved, **options)
 
     def digest(
-        self, remote_path: str, timeout_s: float | None, expected_size: Any = None, moved: Any = ignore_moved
+        self,
+        remote_path: str,
+        timeout_s: float | None,
+        expected_size: Any = None,
+        moved: Any = ignore_moved,
+        **options: Any,
     ) -> Any:
         self._before("digest", remote_path, write=False)
-        return self.inner.digest(remote_path, timeout_s, expected_size, moved=moved)
+        return self.inner.digest(remote_path, timeout_s, expected_size, moved=moved, **options)

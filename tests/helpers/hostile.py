@@ -16,6 +16,8 @@ store uses, and nothing is mocked:
   server without DeleteObjects (single DELETEs still work).
 - ``wrong-region``: every request whose path contains ``target``, and a HEAD of the bucket, is answered 301 PermanentRedirect with ``x-amz-bucket-region:
   eu-west-3``, as AWS answers a client that asked the bucket in another region.
+- ``reset-part``: the first upload of part 2 of an object (``PUT ...?partNumber=2``) is read whole and
+  answered by closing the connection, as a dropped connection would (the client sends the part again).
 - ``none``: no lie; the proxy only records what it was asked.
 
 ``answered`` counts the lies told by method; ``seen`` holds every request's method, path and headers.
@@ -42,6 +44,7 @@ LIES = (
     "stall",
     "no-bulk-delete",
     "wrong-region",
+    "reset-part",
     "none",
 )
 WRONG_REGION = "eu-west-3"
@@ -124,6 +127,16 @@ class _Handler(BaseHTTPRequestHandler):
             self.end_headers()
             if self.command != "HEAD":
                 self.wfile.write(PERMANENT_REDIRECT)
+            return
+        if (
+            self.server.lie == "reset-part"
+            and self.command == "PUT"
+            and self.server.target in self.path
+            and "partNumber=2" in self.path.split("?", 1)[-1].split("&")
+            and not self.server.answered[self.command]
+        ):
+            self.server.answered[self.command] += 1
+            self.close_connection = True
             return
         if (
             self.server.lie == "no-bulk-delete"

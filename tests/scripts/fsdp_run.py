@@ -113,13 +113,13 @@ def inject_upload_fault(setting: str) -> None:
         return
     original = CommitWriter.upload_file
 
-    def upload_file(self, local_path, step, name, *rest):
+    def upload_file(self, local_path, step, name, *rest, **options):
         if dist.get_rank() == int(fault_rank) and step >= int(from_step):
             if action == "kill":
                 print(f"FAULT: rank {fault_rank} killed uploading {name} of step {step}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
             raise PermissionError(f"injected: access denied uploading {name}")
-        return original(self, local_path, step, name, *rest)
+        return original(self, local_path, step, name, *rest, **options)
 
     CommitWriter.upload_file = upload_file
 

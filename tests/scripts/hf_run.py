@@ -100,7 +100,7 @@ def refuse_uploads() -> None:
     """Every upload of this process fails as a store denying access would (not retryable)."""
     from spot_callbacks.store import CommitWriter
 
-    def refusing(self, local_path, step, name, *rest):  # noqa: ANN001, ANN002, ANN202
+    def refusing(self, local_path, step, name, *rest, **options):  # noqa: ANN001, ANN002, ANN003, ANN202
         raise PermissionError(f"injected: access denied uploading {name}")
 
     CommitWriter.upload_file = refusing
@@ -113,9 +113,10 @@ def record_uploads() -> list[str]:
     uploaded: list[str] = []
     upload_file = CommitWriter.upload_file
 
-    def recording(self, local_path, step, name, *rest):  # noqa: ANN001, ANN002, ANN202
-        upload_file(self, local_path, step, name, *rest)
+    def recording(self, local_path, step, name, *rest, **options):  # noqa: ANN001, ANN002, ANN003, ANN202
+        sent = upload_file(self, local_path, step, name, *rest, **options)
         uploaded.append(f"{step}/{name}")
+        return sent
 
     CommitWriter.upload_file = recording
     return uploaded

@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 from typing import Any, cast
 
-from spot_callbacks.store.checksums import FileDigest
+from spot_callbacks.store.checksums import CHECKSUM_ALGORITHM, FileDigest
 from spot_callbacks.store.clients.base import PULL_STREAMS, TransferBudget, Unsupported
 from spot_callbacks.store.clients.obstores import (
     ObstoreReader,
@@ -62,7 +62,11 @@ class AzurePlane:
     def warm(self, remote_path: str) -> None:
         self._store(self._split(remote_path)[0])(request_deadline_s(0, self._read_timeout_s))
 
-    def upload(self, local_path: str, remote_path: str, moved: Moved = ignore_moved) -> None:
+    hashes_as_it_sends = False  # obstore reads the file in Rust: the store hashes it beside the upload
+
+    def upload(
+        self, local_path: str, remote_path: str, moved: Moved = ignore_moved, *, digest: bool = False
+    ) -> FileDigest | None:
         # obstore reads the file itself (in Rust) and tells no progress: the store counts the file
         # whole when it lands.
         import obstore
@@ -78,6 +82,7 @@ class AzurePlane:
             )  # fmt: skip
         except Exception as err:  # noqa: BLE001 - re-raised as the class adlfs would raise
             raise translated(err, f"az://{container}/{key}") from err
+        return None
 
     def download(
         self,
@@ -86,10 +91,13 @@ class AzurePlane:
         timeout_s: float | None,
         expected_size: int | None = None,
         moved: Moved = ignore_moved,
+        checksum_kind: str = CHECKSUM_ALGORITHM,
     ) -> FileDigest:
         container, key = self._split(remote_path)
         store, url = self._store(container), f"az://{container}/{key}"
-        return self._reader.download(store, key, url, local_path, timeout_s, expected_size, moved)
+        return self._reader.download(
+            store, key, url, local_path, timeout_s, expected_size, moved, checksum_kind
+        )
 
     def digest(
         self,
@@ -97,10 +105,17 @@ class AzurePlane:
         timeout_s: float | None,
         expected_size: int | None = None,
         moved: Moved = ignore_moved,
+        checksum_kind: str = CHECKSUM_ALGORITHM,
     ) -> FileDigest:
         container, key = self._split(remote_path)
         return self._reader.digest(
-            self._store(container), key, f"az://{container}/{key}", timeout_s, expected_size, moved
+            self._store(container),
+            key,
+            f"az://{container}/{key}",
+            timeout_s,
+            expected_size,
+            moved,
+            checksum_kind,
         )
 
     def _split(self, remote_path: str) -> tuple[str, str]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from spot_callbacks.errors import SpotError
-from spot_callbacks.store.checksums import FileDigest
+from spot_callbacks.store.checksums import CHECKSUM_ALGORITHM, FileDigest
 from spot_callbacks.store.meter import Moved, ignore_moved
 
 MiB = 1024 * 1024
@@ -89,6 +89,8 @@ class DataPlane(Protocol):
     """
 
     name: str  # what moves the bytes, as the log says it ("boto3 s3transfer up, obstore down")
+    # True when upload(..., digest=True) hashes the bytes it reads to send them (no second pass).
+    hashes_as_it_sends: bool
 
     def serves(self, fs: Any) -> bool:
         """True when this plane moves the bytes of ``fs`` (the filesystem it was built from)."""
@@ -99,11 +101,15 @@ class DataPlane(Protocol):
         so the first transfer does not wait for them; a failure is left for that transfer to tell."""
         ...
 
-    def upload(self, local_path: str, remote_path: str, moved: Moved = ignore_moved) -> None:
+    def upload(
+        self, local_path: str, remote_path: str, moved: Moved = ignore_moved, *, digest: bool = False
+    ) -> FileDigest | None:
         """Put the local file at ``remote_path`` whole (an object PUT replaces the object at once).
 
         ``moved`` is told the bytes sent as they go, as often as the client says (perhaps never:
-        the store counts a file whole once its call returns)."""
+        the store counts a file whole once its call returns). With ``digest``, return the digest of
+        the bytes sent where this plane hashes them as it reads them (``hashes_as_it_sends``);
+        ``None`` otherwise, or when it could not (the caller hashes the file)."""
         ...
 
     def download(
@@ -113,11 +119,13 @@ class DataPlane(Protocol):
         timeout_s: float | None,
         expected_size: int | None = None,
         moved: Moved = ignore_moved,
+        checksum_kind: str = CHECKSUM_ALGORITHM,
     ) -> FileDigest:
         """Write ``remote_path`` to ``local_path`` whole or not at all; return the digest of what arrived.
 
         ``expected_size`` (the manifest's) only chooses how to fetch (one stream or ranges); the
-        digest is of the object as it is. ``moved``: the bytes arrived, as they arrive."""
+        digest is of the object as it is, of ``checksum_kind`` (the manifest's). ``moved``: the
+        bytes arrived, as they arrive."""
         ...
 
     def digest(
@@ -126,6 +134,7 @@ class DataPlane(Protocol):
         timeout_s: float | None,
         expected_size: int | None = None,
         moved: Moved = ignore_moved,
+        checksum_kind: str = CHECKSUM_ALGORITHM,
     ) -> FileDigest:
-        """Read every byte of ``remote_path`` and return its digest (nothing is written)."""
+        """Read every byte of ``remote_path`` and return its digest of ``checksum_kind`` (nothing is written)."""
         ...

@@ -30,11 +30,9 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
-import xxhash
-
 import spot_callbacks.settings as settings
 from spot_callbacks.errors import CheckpointError, ConfigError, CorruptCheckpointError
-from spot_callbacks.store.checksums import CHECKSUM_ALGORITHM, FileDigest
+from spot_callbacks.store.checksums import CHECKSUM_ALGORITHM, FileDigest, StreamHash
 from spot_callbacks.store.clients.base import PULL_STREAMS, MiB, TransferBudget
 from spot_callbacks.store.clients.streams import (
     Deadline,
@@ -138,13 +136,15 @@ class ObstoreReader:
         timeout_s: float | None,
         expected_size: int | None,
         moved: Moved = ignore_moved,
+        checksum_kind: str = CHECKSUM_ALGORITHM,
     ) -> FileDigest:
-        """Write the object to ``local_path`` (through a new temporary beside it, renamed once whole)."""
+        """Write the object to ``local_path`` (through a new temporary beside it, renamed once whole);
+        return its digest of ``checksum_kind``."""
         what, deadline = f"download {url}", Deadline(timeout_s)
         return write_through_temporary(
             local_path,
             lambda partial, handle: self._fetch(
-                stores, key, url, expected_size, partial, handle, deadline, what, moved
+                stores, key, url, expected_size, partial, handle, deadline, what, moved, checksum_kind
             ),
         )
 
@@ -156,10 +156,11 @@ class ObstoreReader:
         timeout_s: float | None,
         expected_size: int | None,
         moved: Moved = ignore_moved,
+        checksum_kind: str = CHECKSUM_ALGORITHM,
     ) -> FileDigest:
         """The digest of every byte of the object (a deep verify: one streamed GET, nothing written)."""
         what, deadline = f"read {url}", Deadline(timeout_s)
-        hasher = xxhash.xxh3_64()
+        hasher = StreamHash(checksum_kind)
         self._take_stream(deadline, what)
         try:
             size = self._stream(
@@ -168,7 +169,7 @@ class ObstoreReader:
             )  # fmt: skip
         finally:
             self._streams.release()
-        return FileDigest(size, f"{CHECKSUM_ALGORITHM}:{hasher.hexdigest()}")
+        return FileDigest(size, hasher.checksum())
 
     # ------------------------------------------------------------------ one file
     def _fetch(
@@ -182,8 +183,9 @@ class ObstoreReader:
         deadline: Deadline,
         what: str,
         moved: Moved,
+        checksum_kind: str,
     ) -> FileDigest:
-        hasher = xxhash.xxh3_64()
+        hasher = StreamHash(checksum_kind)
         descriptor = handle.fileno()
 
         def write_at(offset: int, view: memoryview) -> None:
@@ -200,7 +202,7 @@ class ObstoreReader:
                     stores, key, url, (0, size), size, write_at, hasher,
                     threading.Event(), [], deadline, what, moved,
                 )  # fmt: skip
-                return FileDigest(got, f"{CHECKSUM_ALGORITHM}:{hasher.hexdigest()}")
+                return FileDigest(got, hasher.checksum())
             spans = _spans(size, 1 + extra)
             while extra > len(spans) - 1:  # fewer spans than streams taken (MiB boundaries)
                 self._streams.release()
@@ -239,7 +241,7 @@ class ObstoreReader:
             except BaseException:
                 stop.set()
                 raise
-            return FileDigest(size, f"{CHECKSUM_ALGORITHM}:{hasher.hexdigest()}")
+            return FileDigest(size, hasher.checksum())
         finally:
             for _ in range(1 + extra):
                 self._streams.release()

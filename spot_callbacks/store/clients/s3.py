@@ -13,18 +13,20 @@ file as it sends it (no part buffers: tens of MB of RSS for any checkpoint) and 
 obstore's CPU; obstore's one streamed GET per file pulls at the link's rate for the least CPU.
 On a plain-http endpoint neither hashes the payload for the wire (no SHA-256 payload signing, no
 CRC32): the manifest's xxh3, verified on every pull, is the integrity check there; on https the
-clients keep the cloud's own checks.
+clients keep the cloud's own checks. A file without a writer digest is hashed from the bytes
+s3transfer reads for each part (:mod:`~spot_callbacks.store.clients.sent_digests`), not in a pass of its own.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import datetime, timedelta, timezone
 from typing import Any, cast
 
-from spot_callbacks.store.checksums import FileDigest
+from spot_callbacks.store.checksums import CHECKSUM_ALGORITHM, FileDigest
 from spot_callbacks.store.clients.base import (
     UPLOAD_PART_BYTES,
     UPLOAD_THREADS,
@@ -47,6 +49,7 @@ from spot_callbacks.store.clients.options import (
     s3_read_args,
     s3_upload_args,
 )
+from spot_callbacks.store.clients.sent_digests import HashingOSUtils, SentParts
 from spot_callbacks.store.clients.streams import Deadline, digest_stream
 from spot_callbacks.store.meter import Moved, ignore_moved
 from spot_callbacks.store.transfer import digest_mapped
@@ -101,6 +104,7 @@ class S3Plane:
         self._session: Any = None
         self._client: Any = None
         self._manager: Any = None
+        self._osutil: HashingOSUtils | None = None
         self._obstores: dict[str, StoreCache] = {}
         self._reader = ObstoreReader(budget, float(self._config["read_timeout"]))
 
@@ -114,12 +118,24 @@ class S3Plane:
             self._obstore(bucket)(self._reader_deadline())
 
     # ------------------------------------------------------------------ transfers
-    def upload(self, local_path: str, remote_path: str, moved: Moved = ignore_moved) -> None:
+    hashes_as_it_sends = True
+
+    def upload(
+        self, local_path: str, remote_path: str, moved: Moved = ignore_moved, *, digest: bool = False
+    ) -> FileDigest | None:
         bucket, key = self._split(remote_path)
-        with _boto_errors(f"s3://{bucket}/{key}"):
-            self._transfers().upload(
+        manager = self._transfers()
+        watching = (
+            self._osutil.watching(local_path, os.path.getsize(local_path))
+            if digest and self._osutil is not None
+            else nullcontext(None)
+        )
+        sent: SentParts | None
+        with _boto_errors(f"s3://{bucket}/{key}"), watching as sent:
+            manager.upload(
                 local_path, bucket, key, extra_args=dict(self._upload_args), subscribers=_told(moved)
             ).result()
+        return sent.digest() if sent is not None else None
 
     def download(
         self,
@@ -128,20 +144,21 @@ class S3Plane:
         timeout_s: float | None,
         expected_size: int | None = None,
         moved: Moved = ignore_moved,
+        checksum_kind: str = CHECKSUM_ALGORITHM,
     ) -> FileDigest:
         bucket, key = self._split(remote_path)
         if self.pull_with == "obstore":
             with self._region_named(bucket):
                 return self._reader.download(
                     self._obstore(bucket), key, f"s3://{bucket}/{key}", local_path, timeout_s, expected_size,
-                    moved,
+                    moved, checksum_kind,
                 )  # fmt: skip
         with _boto_errors(f"s3://{bucket}/{key}"):
             # s3transfer writes ranged GETs out of order into a temporary it renames: hash after.
             self._transfers().download(
                 bucket, key, local_path, extra_args=dict(self._read_args), subscribers=_told(moved)
             ).result()
-        return digest_mapped(local_path)
+        return digest_mapped(local_path, checksum_kind)
 
     def digest(
         self,
@@ -149,17 +166,20 @@ class S3Plane:
         timeout_s: float | None,
         expected_size: int | None = None,
         moved: Moved = ignore_moved,
+        checksum_kind: str = CHECKSUM_ALGORITHM,
     ) -> FileDigest:
         bucket, key = self._split(remote_path)
         url = f"s3://{bucket}/{key}"
         if self.pull_with == "obstore":
             with self._region_named(bucket):
-                return self._reader.digest(self._obstore(bucket), key, url, timeout_s, expected_size, moved)
+                return self._reader.digest(
+                    self._obstore(bucket), key, url, timeout_s, expected_size, moved, checksum_kind
+                )
         with _boto_errors(url):
             body = self._boto()[1].get_object(Bucket=bucket, Key=key, **self._read_args)["Body"]
             with body:
                 chunks = body.iter_chunks(self._budget.stream_chunk_bytes())
-                return digest_stream(chunks, Deadline(timeout_s), f"read {url}", moved)
+                return digest_stream(chunks, Deadline(timeout_s), f"read {url}", moved, checksum_kind)
 
     # ------------------------------------------------------------------ clients
     def _split(self, remote_path: str) -> tuple[str, str]:
@@ -185,7 +205,8 @@ class S3Plane:
                     multipart_chunksize=UPLOAD_PART_BYTES,
                     max_request_concurrency=UPLOAD_THREADS,
                 )
-                self._manager = TransferManager(client, config)
+                self._osutil = HashingOSUtils()
+                self._manager = TransferManager(client, config, osutil=self._osutil)
             return self._manager
 
     @contextmanager

@@ -13,10 +13,14 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-import xxhash
-
 from spot_callbacks.errors import AttemptTimeoutError
-from spot_callbacks.store.checksums import CHECKSUM_ALGORITHM, WRITE_PIECE_BYTES, FileDigest, write_in_pieces
+from spot_callbacks.store.checksums import (
+    CHECKSUM_ALGORITHM,
+    WRITE_PIECE_BYTES,
+    FileDigest,
+    StreamHash,
+    write_in_pieces,
+)
 from spot_callbacks.store.meter import Moved, ignore_moved
 from spot_callbacks.store.transfer import open_new_temporary
 
@@ -102,7 +106,11 @@ def write_through_temporary(local_path: str, write: Callable[[str, Any], T]) -> 
 
 
 def digest_stream(
-    chunks: Iterable[Any], deadline: Deadline, what: str, moved: Moved = ignore_moved
+    chunks: Iterable[Any],
+    deadline: Deadline,
+    what: str,
+    moved: Moved = ignore_moved,
+    checksum_kind: str = CHECKSUM_ALGORITHM,
 ) -> FileDigest:
     """The digest of every byte in ``chunks`` (a verify's read: nothing is kept).
 
@@ -110,13 +118,18 @@ def digest_stream(
         >>> digest_stream([b"hello"], Deadline(None), "read").size
         5
     """
-    return _hash_chunks(chunks, deadline, what, None, moved)
+    return _hash_chunks(chunks, deadline, what, None, moved, checksum_kind)
 
 
 def _hash_chunks(
-    chunks: Iterable[Any], deadline: Deadline, what: str, write: Any, moved: Moved
+    chunks: Iterable[Any],
+    deadline: Deadline,
+    what: str,
+    write: Any,
+    moved: Moved,
+    checksum_kind: str = CHECKSUM_ALGORITHM,
 ) -> FileDigest:
-    hasher, size = xxhash.xxh3_64(), 0
+    hasher, size = StreamHash(checksum_kind), 0
     for chunk in chunks:
         view = memoryview(chunk).cast("B")
         hasher.update(view)
@@ -125,4 +138,4 @@ def _hash_chunks(
         size += view.nbytes
         moved(view.nbytes)
         deadline.check(what)
-    return FileDigest(size, f"{CHECKSUM_ALGORITHM}:{hasher.hexdigest()}")
+    return FileDigest(size, hasher.checksum())
