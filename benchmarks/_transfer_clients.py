@@ -12,9 +12,10 @@ once the transfer is done, so set-up does not count and no sample can miss a pea
 
 Clients (``--clients`` of ``transfer.py``):
 
-* ``project``: ``CommitWriter.write_checkpoint`` with no digests handed over, so xxh3 reads every
-  file beside the upload (the path of a Hugging Face checkpoint folder, whose files the Trainer
-  writes), and ``CheckpointStore.pull`` into an empty folder (every checksum verified);
+* ``project``: ``CommitWriter.write_checkpoint`` with no digests handed over, so every file is
+  hashed by the upload (on s3://, each part from the bytes s3transfer reads to send it: the path of
+  a Hugging Face checkpoint folder, whose files the Trainer writes), and ``CheckpointStore.pull``
+  into an empty folder (every checksum verified);
 * ``project-written``: the same with every file's digest handed over, the path of a Lightning or
   engine checkpoint and of a sharded (DCP) one, hashed as they are written (that hash is the
   writer's cost, not the upload's: taken before the clock here); its pull is ``project``'s;

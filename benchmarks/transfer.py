@@ -418,8 +418,9 @@ def report(
         "(all threads), peak extra RSS = the kernel's VmHWM, reset to the RSS just before the clock "
         "(`/proc/self/clear_refs`), minus that RSS. Raw obstore = plain `obstore.get(store, key).stream()` "
         "per file (8 files in 8 threads); boto3 = TransferManager, 16 threads, 32 MiB parts.",
-        "- Project = `CommitWriter.write_checkpoint` with no digests handed over (xxh3 reads each file beside "
-        "the upload: the path of a Hugging Face checkpoint folder) and `CheckpointStore.pull` (every checksum "
+        "- Project = `CommitWriter.write_checkpoint` with no digests handed over (each part hashed from the "
+        "bytes the upload reads to send it: the path of a Hugging Face checkpoint folder) and "
+        "`CheckpointStore.pull` (every checksum "
         "verified) with the default data plane (`SPOT_DATA_PLANE=auto`); project-written = the same upload "
         "with the digests handed over, as a Lightning or engine checkpoint (hashed by `torch.save`'s writer) "
         "and a sharded DCP one (hashed as `dcp.save` writes) hand them: no pass beside the upload.",
