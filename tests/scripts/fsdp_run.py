@@ -19,6 +19,9 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from report_line import print_line  # noqa: E402  (the sibling module)
+
 parser = argparse.ArgumentParser()
 parser.add_argument("--dirpath")
 parser.add_argument("--out", required=True)
@@ -83,10 +86,7 @@ class SelfSigterm(pl.Callback):
             if persister is not None:
                 assert persister.wait(timeout=120), "the checkpoints before the SIGTERM did not settle"
             if self.spot is not None:  # how many checkpoints took the state dicts so far
-                print(
-                    json.dumps({"state_dict_builds_before_sigterm": self.spot._shard_handles.builds}),
-                    flush=True,
-                )
+                print_line({"state_dict_builds_before_sigterm": self.spot._shard_handles.builds})
             os.kill(os.getpid(), signal.SIGTERM)
 
 
@@ -212,8 +212,8 @@ def main() -> int:
     if trainer.is_global_zero:
         torch.save(full, args.out)
     builds = spot._shard_handles.builds if spot is not None else None
-    print(json.dumps({"global_step": trainer.global_step, "rank": trainer.global_rank, "state_dict_builds": builds,
-                      "preempted": bool(spot and spot.preempted)}), flush=True)  # fmt: skip
+    print_line({"global_step": trainer.global_step, "rank": trainer.global_rank, "state_dict_builds": builds,
+                "preempted": bool(spot and spot.preempted)})  # fmt: skip
     return 143 if spot and spot.preempted else 0
 
 

@@ -29,6 +29,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hf_run  # noqa: E402  (the sibling script: model, data, SIGTERM and save-recording callbacks)
+from report_line import print_line  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -196,7 +197,7 @@ def main() -> int:
         "state_dict_builds": spot._staged.handles.builds if spot else None,
         "fsdp1_flat_plan": bool(spot and spot._staged.handles.fsdp1.plan is not None),
     }
-    print(json.dumps(result), flush=True)
+    print_line(result)
     Path(f"{out}.json").write_text(json.dumps(result))
     if torch.distributed.is_initialized():
         torch.distributed.barrier()  # every rank has written its result before any exits

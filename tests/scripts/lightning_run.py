@@ -19,6 +19,9 @@ import urllib.request
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from report_line import print_line  # noqa: E402  (the sibling module)
+
 parser = argparse.ArgumentParser()
 parser.add_argument("--dirpath")
 parser.add_argument("--out", required=True)
@@ -161,8 +164,8 @@ def main() -> int:
     trainer.fit(model, loader, ckpt_path=args.ckpt_path if spot else None)
     if trainer.is_global_zero:
         torch.save({k: v.clone() for k, v in model.state_dict().items()}, args.out)
-    print(json.dumps({"global_step": trainer.global_step, "rank": trainer.global_rank,
-                      "preempted": bool(spot and spot.preempted)}), flush=True)  # fmt: skip
+    print_line({"global_step": trainer.global_step, "rank": trainer.global_rank,
+                "preempted": bool(spot and spot.preempted)})  # fmt: skip
     return 143 if spot and spot.preempted else 0
 
 
