@@ -138,8 +138,9 @@ def combine_parts(part_bytes: int, part_digests: Iterable[int]) -> str:
     """The checksum of a file from its parts' xxh3 digests, in order (``xxh3_64-parts-<part_bytes>``).
 
     Example:
-        >>> parts = [xxhash.xxh3_64_intdigest(b"ab"), xxhash.xxh3_64_intdigest(b"c")]
-        >>> combine_parts(2, parts) == StreamHash(parts_kind(2), check=False).fed(b"abc").checksum()
+        >>> one, two = bytes(MIN_PART_BYTES), b"tail"
+        >>> parts = [xxhash.xxh3_64_intdigest(one), xxhash.xxh3_64_intdigest(two)]
+        >>> combine_parts(MIN_PART_BYTES, parts) == StreamHash(parts_kind(MIN_PART_BYTES)).fed(one + two).checksum()
         True
     """
     tree = xxhash.xxh3_64()
@@ -162,8 +163,8 @@ class StreamHash:
         True
     """
 
-    def __init__(self, kind: str = CHECKSUM_ALGORITHM, *, check: bool = True) -> None:
-        problem = kind_problem(kind) if check else None
+    def __init__(self, kind: str = CHECKSUM_ALGORITHM) -> None:
+        problem = kind_problem(kind)
         if problem is not None:
             raise ValueError(f"checksum kind {kind!r:.60}: {problem}")
         self.kind = kind

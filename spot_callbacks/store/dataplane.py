@@ -125,9 +125,8 @@ class FsspecPlane:
         checksum_kind: str = CHECKSUM_ALGORITHM,
     ) -> FileDigest:
         self._fs.get_file(remote_path, local_path, callback=fsspec_callback(moved))
-        return digest_mapped(
-            local_path, checksum_kind
-        )  # memory maps: a third of read()'s CPU (0.07 vs 0.19 CPU-s/GB)
+        # Memory maps: a third of read()'s CPU (0.07 vs 0.19 CPU-s/GB).
+        return digest_mapped(local_path, checksum_kind)
 
     def digest(
         self,

@@ -108,8 +108,9 @@ class CommitWriter:
         """Upload ``names`` (relative to ``folder``) into the folder of ``step`` in parallel; return their digests.
 
         Digests known from writing the files are reused, the others are computed from the bytes the
-        upload reads (S3) or beside it (other stores). Nothing is committed: :meth:`commit_files` does that once every file of the checkpoint
-        (from every rank, for a sharded one) is durable. ``meter`` is told the bytes sent.
+        upload reads (S3) or beside it (other stores). Nothing is committed: :meth:`commit_files`
+        does that once every file of the checkpoint (from every rank, for a sharded one) is durable.
+        ``meter`` is told the bytes sent.
         """
         meter = meter or TransferMeter("upload")
 

@@ -24,7 +24,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from datetime import datetime, timedelta, timezone
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from spot_callbacks.store.checksums import CHECKSUM_ALGORITHM, FileDigest
 from spot_callbacks.store.clients.base import (
@@ -49,10 +49,12 @@ from spot_callbacks.store.clients.options import (
     s3_read_args,
     s3_upload_args,
 )
-from spot_callbacks.store.clients.sent_digests import HashingOSUtils, SentParts
 from spot_callbacks.store.clients.streams import Deadline, digest_stream
 from spot_callbacks.store.meter import Moved, ignore_moved
 from spot_callbacks.store.transfer import digest_mapped
+
+if TYPE_CHECKING:  # s3transfer is imported with the clients, so a store without boto3 is told so
+    from spot_callbacks.store.clients.sent_digests import HashingOSUtils, SentParts
 
 CREDENTIALS_TTL = timedelta(minutes=5)
 
@@ -196,6 +198,8 @@ class S3Plane:
 
     def _transfers(self) -> Any:
         from s3transfer.manager import TransferConfig, TransferManager
+
+        from spot_callbacks.store.clients.sent_digests import HashingOSUtils
 
         _session, client = self._boto()
         with self._lock:
